@@ -1,0 +1,112 @@
+"""``moe-fp8 bench gemm``: our FP8 GEMM against torch's block-scaled and per-tensor ``_scaled_mm``
+and bf16 matmul, in one process, on the DeepSeek-V3 shape table (or given shapes)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .harness import REPO, bench_us, measure_ceilings, ratio_table, row, write_record
+from .shapes import DEEPGEMM_GEMM_TFLOPS, GEMM_SHAPES
+
+BASELINES = ("torch_blockwise", "torch_fp8_pertensor", "torch_bf16")
+
+
+def _inputs(m: int, n: int, k: int) -> dict[str, torch.Tensor]:
+    from moe_fp8 import reference as ref
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x_fp8, x_scale = ref.per_token_group_quant(x)
+    w_fp8, w_scale = ref.per_block_quant(w)
+    return {"x": x, "w": w, "x_fp8": x_fp8, "x_scale": x_scale, "w_fp8": w_fp8, "w_scale": w_scale}
+
+
+def _impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
+    import moe_fp8
+
+    one = torch.ones((), device="cuda")
+    # cuBLASLt block scaling wants scale_a column-major with stride (1, M) exactly (no TMA padding).
+    x_scale_cm = t["x_scale"].t().contiguous().t()
+    w_scale_t = t["w_scale"].t()
+    return {
+        "moe_fp8": lambda: moe_fp8.fp8_gemm(t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out=out),
+        "torch_blockwise": lambda: torch._scaled_mm(t["x_fp8"], t["w_fp8"].t(), scale_a=x_scale_cm,
+                                                    scale_b=w_scale_t, out_dtype=torch.bfloat16),
+        "torch_fp8_pertensor": lambda: torch._scaled_mm(t["x_fp8"], t["w_fp8"].t(), scale_a=one, scale_b=one,
+                                                        out_dtype=torch.bfloat16),
+        "torch_bf16": lambda: t["x"] @ t["w"].t(),
+    }
+
+
+def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int]] | None = None,
+        progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Time every impl on every shape; returns JSON rows and notes (failures, sweep results)."""
+    from moe_fp8.kernels.gemm import fp8_gemm_hopper
+    from moe_fp8.kernels.heuristics import GemmDesc, get_config, make_config
+    from moe_fp8.utils import calc_diff, get_num_sms
+
+    rows, notes = [], []
+    for i, (m, n, k) in enumerate(shapes):
+        t = _inputs(m, n, k)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        shape = {"m": m, "n": n, "k": k}
+        flops = 2 * m * n * k
+        nbytes = m * k + n * k + 2 * m * n + 4 * (m * k // 128 + n * k // 16384)
+        cfg = get_config(GemmDesc(m, n, k, num_sms=get_num_sms()))
+        for impl, fn in _impls(t, out).items():
+            try:
+                res = fn()
+                if impl == "moe_fp8":
+                    res = out
+                if impl != "torch_bf16":
+                    diff = calc_diff(res.float(), (t["x"].float() @ t["w"].float().t()))
+                    if diff > 1e-3:
+                        notes.append(f"{impl} {m}x{n}x{k}: diff vs bf16 {diff:.2e} (> 1e-3)")
+                us = bench_us(fn)
+            except Exception as e:  # a baseline torch build may lack a mode; record, do not hide
+                notes.append(f"{impl} {m}x{n}x{k}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                continue
+            rows.append(row("gemm", shape, impl, us, flops, nbytes))
+        note = f"{m}x{n}x{k}: config block {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} stages"
+        if (m, n, k) in DEEPGEMM_GEMM_TFLOPS:
+            ours = next(r for r in rows[::-1] if r["impl"] == "moe_fp8" and r["shape"] == shape)
+            note += f"; DeepGEMM {DEEPGEMM_GEMM_TFLOPS[(m, n, k)]} TF, ours {ours['tflops']} TF"
+        notes.append(note)
+        for bm, bn in sweep or []:
+            try:
+                c = make_config(bm, bn, get_num_sms())
+                us = bench_us(lambda c=c, t=t, out=out: fp8_gemm_hopper(
+                    t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out, config=c))
+                notes.append(f"  sweep {m}x{n}x{k} block {bm}x{bn} s{c.num_stages}: {us:.1f} us "
+                             f"{flops / us / 1e6:.0f} TF")
+            except Exception as e:
+                notes.append(f"  sweep {bm}x{bn}: {type(e).__name__}: {e}")
+        if progress:
+            print(f"[{i + 1}/{len(shapes)}] {m}x{n}x{k} done", flush=True)
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moe-fp8 bench gemm")
+    p.add_argument("--shapes", nargs="*", help="M,N,K triples (default: DeepSeek-V3 table)")
+    p.add_argument("--sweep", nargs="*", default=[], help="BMxBN block shapes to time as well")
+    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GEMM_SHAPES
+    sweep = [tuple(int(v) for v in s.lower().split("x")) for s in args.sweep]
+    ceilings = measure_ceilings()
+    rows, notes = run(shapes, sweep)
+    path = write_record("gemm", rows, ceilings, args.out_dir)
+    print(f"\nceilings: {ceilings}\n")
+    print(ratio_table(rows, "moe_fp8", BASELINES))
+    print("\n".join(notes))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

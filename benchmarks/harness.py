@@ -1,0 +1,140 @@
+"""Timing, ceilings and the DESIGN §7 JSON record shared by every bench driver.
+
+Timing follows shared/ANCHORS.md: ``triton.testing.do_bench`` medians with the L2 flushed before
+every run (the same method for our kernels and every baseline, in one process). Without Triton a
+CUDA-event loop with the same flush is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import subprocess
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median microseconds of one ``fn()`` call, L2 flushed before each call."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return _bench_events_us(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est_ms))):
+        fn()
+    times = []
+    for _ in range(max(5, int(rep_ms / est_ms))):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return ms[len(ms) // 2] * 1e3
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy bandwidth (read + write), per-tensor FP8 and bf16 matmul rates at 8192³, measured now."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_us = bench_us(lambda: dst.copy_(src))
+    s = 8192
+    a = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    bf16_us = bench_us(lambda: a @ b.t())
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8_us = bench_us(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return {"copy_gbps": round(2 * n / copy_us / 1e3, 1), "fp8_pertensor_tflops": round(2 * s**3 / fp8_us / 1e6, 1),
+            "bf16_tflops": round(2 * s**3 / bf16_us / 1e6, 1)}
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100' (file names of docs/benchmarks)."""
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
+
+
+def row(kind: str, shape: dict[str, int], impl: str, us: float, flops: float, nbytes: float) -> dict[str, Any]:
+    return {"kind": kind, "shape": shape, "impl": impl, "us": round(us, 2),
+            "tflops": round(flops / us / 1e6, 1) if flops else None, "gbps": round(nbytes / us / 1e3, 1)}
+
+
+def write_record(kind: str, rows: list[dict[str, Any]], ceilings: dict[str, float], out_dir: Path,
+                 extra: dict[str, Any] | None = None) -> Path:
+    """Write ``<out_dir>/<device>-<kind>.json`` in the DESIGN §7 format."""
+    name = torch.cuda.get_device_name()
+    record = {"device": name, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "ceilings": ceilings, "rows": rows, **(extra or {})}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{device_slug(name)}-{kind}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def ratio_table(rows: list[dict[str, Any]], ours: str, baselines: Iterable[str], metric: str = "tflops",
+                extra_cols: dict[str, Callable[[dict[str, Any]], str]] | None = None) -> str:
+    """Markdown table: one line per shape, our metric, each baseline's and our ratio to it, and a geomean."""
+    import math
+
+    baselines = list(baselines)
+    by_shape: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_shape.setdefault(json.dumps(r["shape"]), {})[r["impl"]] = r
+    head = ["shape", f"{ours} us", f"{ours} {metric}", f"{ours} GB/s"]
+    for b in baselines:
+        head += [f"{b} {metric}", f"x {b}"]
+    head += list(extra_cols or {})
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    logs: dict[str, list[float]] = {b: [] for b in baselines}
+    for key, impls in by_shape.items():
+        if ours not in impls:
+            continue
+        o = impls[ours]
+        shape = "×".join(str(v) for v in json.loads(key).values())
+        cells = [shape, f"{o['us']:.1f}", f"{o[metric] or 0:.0f}", f"{o['gbps']:.0f}"]
+        for b in baselines:
+            if b in impls and impls[b]["us"]:
+                ratio = impls[b]["us"] / o["us"]
+                logs[b].append(math.log(ratio))
+                cells += [f"{impls[b][metric] or 0:.0f}", f"{ratio:.2f}"]
+            else:
+                cells += ["-", "-"]
+        cells += [fn(o) for fn in (extra_cols or {}).values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    geo = ", ".join(f"x {b}: {math.exp(sum(v) / len(v)):.3f}" for b, v in logs.items() if v)
+    lines.append(f"\ngeomean speed-up ({len(by_shape)} shapes) — {geo}")
+    return "\n".join(lines)

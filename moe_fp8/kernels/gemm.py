@@ -1,0 +1,118 @@
+"""Launch wrapper of the Hopper block-scaled FP8 GEMM (impls/fp8_gemm.cuh).
+
+Order of work in each call: descriptor → config (heuristics) → JIT variant (cached) → TMA
+descriptors → launch. Arguments are validated by the public API (moe_fp8.fp8_gemm) before they get
+here; this module only checks what the kernel itself relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
+from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config
+from .jit import build, make_tma_2d
+
+KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
+
+// One variant: shapes a model fixes (N, K) and the tile configuration are compile-time constants;
+// taking the kernel's address instantiates it.
+__attribute__((unused)) static void instantiate() {{
+    (void)&moe_fp8::fp8_gemm_kernel<
+        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
+        /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes},
+        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}>>;
+}}
+"""
+
+SCHEDULERS: dict[Layout, str] = {
+    "normal": "NormalScheduler",
+    "contiguous": "ContiguousScheduler",
+    "masked": "MaskedScheduler",
+}
+
+
+def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
+    """The tiny generated .cu of one variant (named fields from the config, nothing positional)."""
+    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], **{
+        f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
+
+
+@functools.cache
+def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig):
+    """Compile (or fetch from the disk cache) and return the variant for (layout, N, K, config)."""
+    name = f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}"
+    return build(name, generate_source(layout, n, k, cfg))
+
+
+def _tma_scale(x_scale: torch.Tensor, rows: int, kb_rows: int, block_m: int):
+    """x_scale (column-major, M padded to 4) viewed as [kb_rows, rows] FP32 with a BLOCK_M x 1 box."""
+    outer_stride = x_scale.stride(-1) if x_scale.shape[-1] > 1 else get_tma_aligned_m(rows)
+    return make_tma_2d(x_scale, rows, kb_rows, block_m, 1, swizzle="none", outer_stride_elems=outer_stride)
+
+
+def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                    w_scale: torch.Tensor, out: torch.Tensor, grouped_layout: torch.Tensor | None,
+                    rows_per_group: int, num_groups: int, expected_m: int | None = None,
+                    config: GemmConfig | None = None) -> GemmConfig:
+    """Shared launch path of the three layouts.
+
+    ``x_fp8`` is viewed as [rows, K] (rows = M, M_total or G·max_m), ``w`` as [G·N, K], ``x_scale`` as
+    [G·Kb, rows_per_group], ``out`` as [rows, N]. ``config`` overrides the heuristic (tests and
+    benchmark sweeps). Returns the config used.
+    """
+    k = x_fp8.shape[-1]
+    n = w.shape[-2]
+    total_rows = x_fp8.numel() // k
+    desc = GemmDesc(m=rows_per_group, n=n, k=k, num_groups=num_groups, layout=layout,
+                    num_sms=get_num_sms(), expected_m=expected_m)
+    cfg = get_config(desc) if config is None else config
+    kernel = get_kernel(layout, n, k, cfg)
+    kb = ceil_div(k, BLOCK_K)
+    tmap_a = make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m, swizzle="128B")
+    tmap_b = make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n, swizzle="128B")
+    tmap_sa = _tma_scale(x_scale, rows_per_group, (num_groups if layout == "masked" else 1) * kb, cfg.block_m)
+    # an upper bound for masked (the device-side counts may skip tiles)
+    num_tiles = ceil_div(rows_per_group, cfg.block_m) * ceil_div(n, cfg.block_n) * (
+        num_groups if layout == "masked" else 1)
+    grid = max(1, min(cfg.num_sms, num_tiles))
+    kernel.launch(
+        (grid, 1, 1), (cfg.num_threads, 1, 1),
+        [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout,
+         rows_per_group, num_groups],
+        smem_bytes=cfg.smem_bytes,
+    )
+    return cfg
+
+
+def fp8_gemm_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    out: torch.Tensor, config: GemmConfig | None = None) -> None:
+    """out[M, N] (bf16) = (x_fp8·x_scale) @ (w·w_scale)ᵀ on sm_90a. Inputs already validated."""
+    m = x_fp8.shape[0]
+    if m == 0:
+        return
+    launch_fp8_gemm("normal", x_fp8, x_scale, w, w_scale, out, None, m, 1, config=config)
+
+
+def fp8_grouped_gemm_contiguous_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                                       w_scale: torch.Tensor, m_indices: torch.Tensor, out: torch.Tensor,
+                                       config: GemmConfig | None = None) -> None:
+    """Contiguous M-grouped GEMM: row r of out = x[r] @ w[m_indices[r]]ᵀ; all-padding tiles skipped."""
+    m_total = x_fp8.shape[0]
+    if m_total == 0:
+        return
+    launch_fp8_gemm("contiguous", x_fp8, x_scale, w, w_scale, out, m_indices, m_total, w.shape[0], config=config)
+
+
+def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                                   w_scale: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+                                   out: torch.Tensor, config: GemmConfig | None = None) -> None:
+    """Masked M-grouped GEMM over [G, max_m, K]; rows >= masked_m[g] are neither read for output nor
+    written. ``expected_m`` only picks the block shape: every config is valid for any masked_m."""
+    num_groups, max_m = x_fp8.shape[0], x_fp8.shape[1]
+    if max_m == 0 or num_groups == 0:
+        return
+    launch_fp8_gemm("masked", x_fp8, x_scale, w, w_scale, out, masked_m, max_m, num_groups,
+                    expected_m=expected_m, config=config)

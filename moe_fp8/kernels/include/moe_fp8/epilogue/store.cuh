@@ -1,0 +1,52 @@
+// Epilogue: FP32 accumulators -> bf16 tile in shared memory -> 16-byte coalesced global stores
+// with row/column bounds, so ragged M / N and masked rows are never written.
+#pragma once
+
+#include "../common/types.cuh"
+#include "../ptx/barrier.cuh"
+#include "../ptx/misc.cuh"
+
+namespace moe_fp8::epi {
+
+// Row pitch of the staging tile: +16 bytes shifts each row by 4 banks so the 8 rows a warp's
+// D-fragment touches in one store land in distinct banks.
+template <uint32_t BLOCK_N>
+struct StagingTile {
+    static constexpr uint32_t kPitchBytes = BLOCK_N * 2 + 16;
+    template <uint32_t BLOCK_M>
+    static constexpr uint32_t bytes() { return BLOCK_M * kPitchBytes; }
+};
+
+// `acc` is one warpgroup's m64nBLOCK_N D-fragment (BLOCK_N / 2 floats), rows `wg_row0`..+63 of the tile.
+template <uint32_t BLOCK_N>
+__device__ __forceinline__ void write_fragment_to_smem(uint8_t* smem_d, const float* acc, uint32_t wg_row0) {
+    constexpr uint32_t kPitch = StagingTile<BLOCK_N>::kPitchBytes;
+    const uint32_t lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x / 32) % 4;
+    const uint32_t row = wg_row0 + warp_in_wg * 16 + lane / 4;
+    uint8_t* base = smem_d + row * kPitch + (lane % 4) * 4;
+#pragma unroll
+    for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
+        ptx::st_shared_u32(base + j * 16, ptx::pack_bf16x2(acc[4 * j + 0], acc[4 * j + 1]));
+        ptx::st_shared_u32(base + 8 * kPitch + j * 16, ptx::pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+}
+
+// All `kNumThreads` epilogue threads copy the staged tile out; row r of the tile goes to global row
+// row0 + r when row0 + r < row_end, columns n0.. only below SHAPE_N (a multiple of 8).
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t kNumThreads>
+__device__ __forceinline__ void store_tile(const uint8_t* smem_d, uint16_t* out, uint32_t row0, uint32_t row_end,
+                                           uint32_t n0, uint32_t thread_idx) {
+    constexpr uint32_t kPitch = StagingTile<BLOCK_N>::kPitchBytes;
+    constexpr uint32_t kChunksPerRow = BLOCK_N / 8;
+    const uint32_t num_rows = min(BLOCK_M, row_end > row0 ? row_end - row0 : 0u);
+    for (uint32_t idx = thread_idx; idx < num_rows * kChunksPerRow; idx += kNumThreads) {
+        const uint32_t r = idx / kChunksPerRow, c = idx % kChunksPerRow;
+        const uint32_t col = n0 + c * 8;
+        if (SHAPE_N % BLOCK_N == 0 || col < SHAPE_N) {
+            const uint4 v = ptx::ld_shared_v4(smem_d + r * kPitch + c * 16);
+            ptx::st_global_v4(out + static_cast<uint64_t>(row0 + r) * SHAPE_N + col, v);
+        }
+    }
+}
+
+}  // namespace moe_fp8::epi

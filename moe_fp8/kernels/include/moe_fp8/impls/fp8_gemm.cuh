@@ -1,0 +1,180 @@
+// Block-scaled FP8 GEMM for sm_90a: out[M, N] (bf16) = (x_fp8 · x_scale) @ (w_fp8 · w_scale)ᵀ.
+//
+// Roles (warp specialisation): warpgroups 0 .. kNumMathWGs-1 run wgmma on 64-row slices of the
+// tile and promote each 128-K partial sum on CUDA cores (x_scale[row] · w_scale[n-block]); the last
+// warpgroup is the producer, of which one thread issues the TMA loads of A, B and A's scales into
+// a kNumStages ring (full / empty mbarriers). The grid is persistent; `Scheduler` decides the tile
+// order and which rows each tile may read and write (normal, contiguous-grouped, masked-grouped).
+#pragma once
+
+#include "../common/types.cuh"
+#include "../epilogue/store.cuh"
+#include "../mma/wgmma.cuh"
+#include "../ptx/barrier.cuh"
+#include "../ptx/misc.cuh"
+#include "../ptx/tma.cuh"
+#include "../scheduler/gemm.cuh"
+
+namespace moe_fp8 {
+
+constexpr uint32_t kBlockK = 128;  // == scale granularity: one promotion per K block
+constexpr uint32_t kWgmmaK = 32;   // K of one fp8 wgmma
+
+// Shared-memory layout of one kernel variant; the host passes the total it computed as
+// kSmemBytes and the kernel checks it covers this layout (one formula, checked on both sides).
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
+struct GemmSmem {
+    static constexpr uint32_t kABytes = BLOCK_M * kBlockK;  // fp8, 128-byte rows
+    static constexpr uint32_t kBBytes = BLOCK_N * kBlockK;
+    static constexpr uint32_t kSABytes = BLOCK_M * sizeof(float);
+    static constexpr uint32_t kA = 0;
+    static constexpr uint32_t kB = kA + kNumStages * kABytes;
+    static constexpr uint32_t kSA = kB + kNumStages * kBBytes;
+    static constexpr uint32_t kD = kSA + kNumStages * kSABytes;
+    static constexpr uint32_t kBar = kD + epi::StagingTile<BLOCK_N>::template bytes<BLOCK_M>();
+    static constexpr uint32_t kTotal = kBar + 2 * kNumStages * sizeof(uint64_t);
+    static constexpr uint32_t kTxBytes = kABytes + kBBytes + kSABytes;
+    static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "sw128 tiles must stay 1024-byte aligned");
+    static_assert(kSABytes % 128 == 0, "TMA destinations must be 128-byte aligned");
+};
+
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
+          uint32_t kSmemBytes, class Scheduler>
+__global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
+    fp8_gemm_kernel(const __grid_constant__ TmaDesc tmap_a,   // x_fp8 as [rows, K] fp8, box [BLOCK_M, 128]
+                    const __grid_constant__ TmaDesc tmap_b,   // w as [groups * N, K] fp8, box [BLOCK_N, 128]
+                    const __grid_constant__ TmaDesc tmap_sa,  // x_scale as [groups * Kb, M] fp32, box [BLOCK_M, 1]
+                    const float* __restrict__ w_scale,        // [groups, ceil(N/128), Kb]
+                    uint16_t* __restrict__ out,               // bf16 [rows, N]
+                    const int32_t* __restrict__ grouped_layout,  // m_indices / masked_m / unused
+                    uint32_t shape_m,                          // rows of A (per group when masked)
+                    uint32_t num_groups) {
+    constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
+    constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
+    constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
+    constexpr uint32_t kNumNScales = ceil_div(SHAPE_N, 128u);
+    constexpr uint32_t kNumAccum = BLOCK_N / 2;
+    // A tile may straddle two 128-wide B-scale blocks when BLOCK_N does not divide 128; three
+    // never happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
+    constexpr bool kMayStraddle = 128 % BLOCK_N != 0;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages>;
+    static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
+    static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8 up to 256");
+    static_assert(BLOCK_N <= 128 + constexpr_gcd(BLOCK_N, 128u), "a tile may touch at most two B-scale blocks");
+    static_assert(SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "16-byte rows for TMA and stores");
+    static_assert(kSmemBytes >= Smem::kTotal, "host shared-memory size disagrees with the kernel layout");
+
+    extern __shared__ __align__(1024) uint8_t smem[];
+    uint8_t* smem_a = smem + Smem::kA;
+    uint8_t* smem_b = smem + Smem::kB;
+    float* smem_sa = reinterpret_cast<float*>(smem + Smem::kSA);
+    uint8_t* smem_d = smem + Smem::kD;
+    uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Smem::kBar);
+    uint64_t* empty_bar = full_bar + kNumStages;
+
+    const uint32_t warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < kNumStages; ++s) {
+            ptx::mbar_init(&full_bar[s], 1);
+            ptx::mbar_init(&empty_bar[s], kNumMathThreads / 32);
+        }
+        ptx::fence_barrier_init();
+    }
+    __syncthreads();
+
+    Scheduler scheduler(shape_m, grouped_layout, num_groups);
+    sched::Tile tile;
+
+    if (warpgroup == kNumMathWGs) {
+        // ---- producer: one thread issues every TMA load ----
+        ptx::setmaxnreg_dec<40>();
+        if (threadIdx.x % 128 != 0) return;
+        ptx::tma_prefetch_desc(&tmap_a);
+        ptx::tma_prefetch_desc(&tmap_b);
+        ptx::tma_prefetch_desc(&tmap_sa);
+        uint32_t stage = 0, phase = 0;
+        while (scheduler.next(tile)) {
+            const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+            for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+                // wait for the consumers to release the slot
+                ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+                ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
+                const int32_t k0 = static_cast<int32_t>(kb * kBlockK);
+                ptx::tma_load_2d(smem_a + stage * Smem::kABytes, &tmap_a, &full_bar[stage], k0, tile.row0);
+                ptx::tma_load_2d(smem_b + stage * Smem::kBBytes, &tmap_b, &full_bar[stage], k0, b_row);
+                ptx::tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, &full_bar[stage], tile.scale_m0, tile.scale_k0 + kb);
+                if (++stage == kNumStages) stage = 0, phase ^= 1;
+            }
+        }
+        return;
+    }
+
+    // ---- math warpgroups ----
+    ptx::setmaxnreg_inc<232>();
+    const uint32_t lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x / 32) % 4;
+    const uint32_t frag_row = warpgroup * 64 + warp_in_wg * 16 + lane / 4;  // and frag_row + 8
+    float acc[kNumAccum], total[kNumAccum];
+    uint32_t stage = 0, phase = 0;
+
+    while (scheduler.next(tile)) {
+        const uint32_t n0 = tile.n_block * BLOCK_N;
+        const float* tile_w_scale = w_scale + (tile.group * kNumNScales + n0 / 128) * kNumKBlocks;
+        // columns of this tile below `split` use the first B-scale block, the rest the next one
+        const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
+#pragma unroll
+        for (uint32_t i = 0; i < kNumAccum; ++i) total[i] = 0.0f;
+
+        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+            // B scales come from global memory (tiny, L2-resident); issue before the barrier wait
+            const float sb_lo = ptx::ldg_f32(tile_w_scale + kb);
+            const float sb_hi = (kMayStraddle && split < BLOCK_N) ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb) : sb_lo;
+
+            // wait for TMA
+            ptx::mbar_wait(&full_bar[stage], phase);
+            const float sa_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);
+            const float sa_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
+
+            // issue the four K=32 wgmmas of this 128-K block into fresh accumulators
+            const uint64_t desc_a = mma::make_desc_k_major_sw128(smem_a + stage * Smem::kABytes + warpgroup * 64 * kBlockK);
+            const uint64_t desc_b = mma::make_desc_k_major_sw128(smem_b + stage * Smem::kBBytes);
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
+            mma::wgmma_fence();
+#pragma unroll
+            for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
+                WgmmaFp8<BLOCK_N>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
+                                       acc, k > 0);
+            mma::wgmma_commit();
+            mma::wgmma_wait<0>();
+#pragma unroll
+            for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
+
+            // release the slot: smem reads (wgmma operands, A scales) are done
+            __syncwarp();
+            if (lane == 0) ptx::mbar_arrive(&empty_bar[stage]);
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+
+            // promote: total += acc · x_scale[row] · w_scale[n-block]
+            const float s_top_lo = sa_top * sb_lo, s_bot_lo = sa_bot * sb_lo;
+            const float s_top_hi = sa_top * sb_hi, s_bot_hi = sa_bot * sb_hi;
+#pragma unroll
+            for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
+                const bool hi = kMayStraddle && j * 8 >= split;
+                const float s_top = hi ? s_top_hi : s_top_lo, s_bot = hi ? s_bot_hi : s_bot_lo;
+                total[4 * j + 0] = fmaf(acc[4 * j + 0], s_top, total[4 * j + 0]);
+                total[4 * j + 1] = fmaf(acc[4 * j + 1], s_top, total[4 * j + 1]);
+                total[4 * j + 2] = fmaf(acc[4 * j + 2], s_bot, total[4 * j + 2]);
+                total[4 * j + 3] = fmaf(acc[4 * j + 3], s_bot, total[4 * j + 3]);
+            }
+        }
+
+        // ---- epilogue: stage bf16 in smem, then bounded 16-byte stores ----
+        ptx::named_barrier_sync(1, kNumMathThreads);  // the previous tile's copy-out is done
+        epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
+        ptx::named_barrier_sync(1, kNumMathThreads);
+        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumMathThreads>(smem_d, out, tile.row0, tile.row_end, n0,
+                                                                    threadIdx.x);
+    }
+}
+
+}  // namespace moe_fp8

@@ -1,0 +1,66 @@
+// Register reallocation, proxy fences and small conversions.
+#pragma once
+
+#include "../common/types.cuh"
+
+namespace moe_fp8::ptx {
+
+// Warpgroup-wide register reallocation; needs a register cap at entry (__launch_bounds__(n, 1)).
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Round-to-nearest pack of two floats into bf16x2 (low half = lo).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    uint32_t out;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
+
+__device__ __forceinline__ float ld_shared_f32(const float* ptr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))));
+    return v;
+}
+
+__device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(v));
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))));
+    return v;
+}
+
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ float ldg_f32(const float* ptr) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+    return v;
+}
+
+__device__ __forceinline__ int32_t ldg_s32(const int32_t* ptr) {
+    int32_t v;
+    asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
+    return v;
+}
+
+}  // namespace moe_fp8::ptx

@@ -1,0 +1,135 @@
+// Persistent tile schedulers. Each CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...; a
+// scheduler turns that linear index into a tile and says where its rows live. One scheduler per
+// layout (normal, M-grouped contiguous, M-grouped masked) so each stays small.
+#pragma once
+
+#include "../common/types.cuh"
+#include "../ptx/misc.cuh"
+
+namespace moe_fp8::sched {
+
+struct Tile {
+    uint32_t m_block;   // block index inside the group's rows
+    uint32_t n_block;
+    uint32_t group;     // expert id (0 for the normal GEMM)
+    uint32_t row0;      // first row of the tile in the flattened [rows, K] / [rows, N] views
+    uint32_t row_end;   // rows >= row_end are neither valid inputs nor written
+    uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
+    uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
+};
+
+// Linear tile index -> (m_block, n_block) in groups of kGroupM m-blocks walked M-fastest, so the
+// CTAs in flight at once share a few B (weight) columns and a band of A rows in L2.
+template <uint32_t kGroupM>
+__device__ __forceinline__ void swizzle_tile(uint32_t idx, uint32_t num_m_blocks, uint32_t num_n_blocks,
+                                             uint32_t& m_block, uint32_t& n_block) {
+    const uint32_t per_group = kGroupM * num_n_blocks;
+    const uint32_t first_m = (idx / per_group) * kGroupM;
+    const uint32_t group_m = min(kGroupM, num_m_blocks - first_m);
+    const uint32_t in_group = idx % per_group;
+    m_block = first_m + in_group % group_m;
+    n_block = in_group / group_m;
+}
+
+// Normal GEMM: rows [0, shape_m).
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+struct NormalScheduler {
+    static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+    uint32_t shape_m, num_m_blocks, num_tiles;
+    int32_t iter = -1;
+
+    __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/)
+        : shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
+        num_tiles = num_m_blocks * kNumNBlocks;
+    }
+
+    __device__ __forceinline__ bool next(Tile& t) {
+        const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
+        if (idx >= num_tiles) return false;
+        swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
+        t.group = 0;
+        t.row0 = t.m_block * BLOCK_M;
+        t.row_end = shape_m;
+        t.scale_m0 = t.row0;
+        t.scale_k0 = 0;
+        return true;
+    }
+};
+
+// M-grouped contiguous: rows [0, shape_m) hold each group's segment, padded to a multiple of 128
+// (>= BLOCK_M, so no tile spans two groups). m_indices[row] is the group, -1 on padding rows, which
+// come at the end of a segment: a tile whose first row is padding is all padding and is skipped
+// (no loads, no math, no stores).
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+struct ContiguousScheduler {
+    static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+    static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
+    const int32_t* m_indices;
+    uint32_t shape_m, num_m_blocks, num_tiles;
+    int32_t iter = -1;
+
+    __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/)
+        : m_indices(m_indices_), shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
+        num_tiles = num_m_blocks * kNumNBlocks;
+    }
+
+    __device__ __forceinline__ bool next(Tile& t) {
+        while (true) {
+            const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
+            if (idx >= num_tiles) return false;
+            swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
+            const int32_t group = ptx::ldg_s32(m_indices + t.m_block * BLOCK_M);
+            if (group < 0) continue;
+            t.group = static_cast<uint32_t>(group);
+            t.row0 = t.m_block * BLOCK_M;
+            t.row_end = shape_m;
+            t.scale_m0 = t.row0;
+            t.scale_k0 = 0;
+            return true;
+        }
+    }
+};
+
+// M-grouped masked: group g owns rows [g * max_m, g * max_m + masked_m[g]) of a [G, max_m] buffer;
+// masked_m lives on the device (no host sync, CUDA-graph safe). Tiles are numbered group by group,
+// each group contributing ceil(masked_m[g] / BLOCK_M) m-blocks; rows past masked_m[g] are never
+// written.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+struct MaskedScheduler {
+    static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+    static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
+    const int32_t* masked_m;
+    uint32_t max_m, num_groups;
+    uint32_t group = 0, group_first_tile = 0, group_rows = 0, group_tiles = 0;
+    int32_t iter = -1;
+
+    __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_)
+        : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
+        load_group();
+    }
+
+    __device__ __forceinline__ void load_group() {
+        // clamp: an out-of-range count must not write past the group's rows
+        group_rows = min(static_cast<uint32_t>(max(ptx::ldg_s32(masked_m + group), 0)), max_m);
+        group_tiles = ceil_div(group_rows, BLOCK_M) * kNumNBlocks;
+    }
+
+    __device__ __forceinline__ bool next(Tile& t) {
+        const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
+        while (idx >= group_first_tile + group_tiles) {
+            if (++group >= num_groups) return false;
+            group_first_tile += group_tiles;
+            load_group();
+        }
+        swizzle_tile<kGroupM>(idx - group_first_tile, ceil_div(group_rows, BLOCK_M), kNumNBlocks, t.m_block,
+                              t.n_block);
+        t.group = group;
+        t.row0 = group * max_m + t.m_block * BLOCK_M;
+        t.row_end = group * max_m + group_rows;
+        t.scale_m0 = t.m_block * BLOCK_M;
+        t.scale_k0 = group * kNumKBlocks;
+        return true;
+    }
+};
+
+}  // namespace moe_fp8::sched

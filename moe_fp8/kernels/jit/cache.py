@@ -1,0 +1,295 @@
+"""On-disk JIT cache: compile each kernel variant once per machine, load it many times.
+
+Layout under ``$MOE_FP8_CACHE_DIR`` (default ``~/.cache/moe_fp8``)::
+
+    <name>-<key[:16]>/kernel.cubin    the sm_90a cubin
+                     /kernel.cu       the exact source compiled
+                     /compile.log     compiler output (ptxas -v report)
+                     /meta.json       key, compiler, flags, cubin sha256 + size, ptxas report
+    locks/<name>-<key[:16]>.lock      one file lock per variant
+    failed/<name>-<key[:16]>/         source + log of the last failed compile
+    compile-journal.log               one line per compile (who, when, how long)
+
+Key = sha256 of (kernel name, generated source, every file of the include tree, compiler name +
+version + flags, extra flags).  An entry is compiled into a temporary directory inside the cache and
+published with one atomic ``os.replace``; the per-key lock makes N processes compile a variant once.
+Before use, ``meta.json`` and the cubin's size and sha256 are checked: a corrupt or incomplete entry is
+logged, removed and rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from filelock import FileLock
+
+from .compiler import (
+    CUBIN_FILE,
+    LOG_FILE,
+    SOURCE_FILE,
+    Compiler,
+    JitCompileError,
+    debug_print,
+    get_compiler,
+)
+from .runtime import JitKernel, resolve_kernel_name
+
+log = logging.getLogger("moe_fp8.jit")
+
+ENV_CACHE_DIR = "MOE_FP8_CACHE_DIR"
+META_FILE = "meta.json"
+JOURNAL_FILE = "compile-journal.log"
+ENTRY_FORMAT = 1
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
+
+
+def cache_dir() -> Path:
+    """The cache root: ``$MOE_FP8_CACHE_DIR`` or ``~/.cache/moe_fp8`` (read on every call)."""
+    return Path(os.environ.get(ENV_CACHE_DIR) or "~/.cache/moe_fp8").expanduser()
+
+
+def include_dir() -> Path:
+    """The package's CUDA header tree, ``moe_fp8/kernels/include`` (passed as ``-I``, hashed into keys)."""
+    return Path(__file__).resolve().parent.parent / "include"
+
+
+# ---------------------------------------------------------------- keys
+
+_tree_hash_memo: dict[str, tuple[tuple, str]] = {}
+
+
+def include_tree_hash(root: Path | None = None) -> str:
+    """sha256 over (relative path, content) of every file under ``root`` (default ``include_dir()``).
+
+    Memoized on the tree's (path, size, mtime) listing, so editing a header changes the hash while an
+    unchanged tree costs only a directory walk.
+    """
+    root = Path(root) if root is not None else include_dir()
+    files: list[tuple[str, Path]] = []
+    if root.is_dir():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for fn in sorted(filenames):
+                p = Path(dirpath) / fn
+                files.append((p.relative_to(root).as_posix(), p))
+    files.sort()
+    listing = tuple((rel, st.st_size, st.st_mtime_ns) for rel, st in ((r, p.stat()) for r, p in files))
+    memo = _tree_hash_memo.get(str(root))
+    if memo is not None and memo[0] == listing:
+        return memo[1]
+    h = hashlib.sha256()
+    for rel, p in files:
+        h.update(rel.encode() + b"\0")
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    digest = h.hexdigest()
+    _tree_hash_memo[str(root)] = (listing, digest)
+    return digest
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"kernel name {name!r} must match {_NAME_RE.pattern} (it names a cache directory)")
+
+
+def cache_key(name: str, source: str, *, compiler: str | Compiler | None = None,
+              flags: Sequence[str] = ()) -> str:
+    """The full sha256 key of a variant (see module docstring)."""
+    _check_name(name)
+    comp = compiler if isinstance(compiler, Compiler) else get_compiler(compiler)
+    return _key(name, source, comp, tuple(flags), include_dir())
+
+
+def _key(name: str, source: str, comp: Compiler, flags: tuple[str, ...], inc: Path) -> str:
+    h = hashlib.sha256()
+    for part in (f"moe_fp8-jit-entry-v{ENTRY_FORMAT}", name, source, include_tree_hash(inc),
+                 comp.identity(), "\n".join(flags)):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- entries
+
+def _entry_dir(root: Path, name: str, key: str) -> Path:
+    return root / f"{name}-{key[:16]}"
+
+
+def _load_entry(entry: Path, key: str) -> tuple[bytes, dict] | str:
+    """(cubin bytes, meta) of a complete entry, or the reason it is not usable."""
+    try:
+        meta = json.loads((entry / META_FILE).read_text())
+    except FileNotFoundError:
+        return "meta.json missing"
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    if not isinstance(meta, dict) or meta.get("key") != key or meta.get("format") != ENTRY_FORMAT:
+        return "meta.json does not match the key"
+    try:
+        cubin = (entry / CUBIN_FILE).read_bytes()
+    except OSError as e:
+        return f"cubin unreadable ({e})"
+    if len(cubin) != meta.get("cubin_size"):
+        return f"cubin is {len(cubin)} bytes, meta.json says {meta.get('cubin_size')}"
+    if hashlib.sha256(cubin).hexdigest() != meta.get("cubin_sha256"):
+        return "cubin sha256 does not match meta.json"
+    return cubin, meta
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename aside (atomic disappearance), then delete."""
+    trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _journal(root: Path, line: str) -> None:
+    with open(root / JOURNAL_FILE, "a") as f:  # one short O_APPEND write per compile
+        f.write(line + "\n")
+
+
+# ---------------------------------------------------------------- build
+
+_memory: dict[tuple, JitKernel] = {}
+_memory_lock = threading.Lock()
+
+
+def clear_memory_cache() -> None:
+    """Forget the in-process kernels (the next ``build`` re-checks the disk cache and header tree)."""
+    with _memory_lock:
+        _memory.clear()
+
+
+def build(name: str, source: str, *, kernel_name: str | None = None, compiler: str | Compiler | None = None,
+          flags: Sequence[str] = ()) -> JitKernel:
+    """Compile (if not cached) and return the kernel ``name`` generated as ``source``.
+
+    ``name`` names the cache entry (``[A-Za-z0-9_.-]``, e.g. ``"fp8_gemm_n7168_k2048_bm128"``);
+    ``kernel_name`` picks the entry symbol when the cubin has several (exact symbol, or the C++ name of a
+    unique mangled entry); ``compiler`` overrides ``$MOE_FP8_JIT_COMPILER``; ``flags`` are extra compiler
+    flags (part of the key).  The cubin is loaded into the driver lazily, on the first launch.
+    Raises ``JitCompileError`` (with ``.path`` to the saved source + log) when compilation fails.
+    """
+    comp = compiler if isinstance(compiler, Compiler) else get_compiler(compiler)
+    flags_t = tuple(flags)
+    # NOTE: the in-process memo skips the header-tree hash (a stat of every header); edited headers
+    # are picked up by new processes or after clear_memory_cache().
+    mkey = (name, source, kernel_name, comp.name, comp.version, flags_t)
+    k = _memory.get(mkey)
+    if k is not None:
+        return k
+    _check_name(name)
+    inc = include_dir()
+    key = _key(name, source, comp, flags_t, inc)
+    root = cache_dir()
+    entry = _entry_dir(root, name, key)
+    t0 = time.perf_counter()
+    got = _load_entry(entry, key)
+    if isinstance(got, str):
+        got = _build_locked(root, entry, name, key, source, comp, inc, flags_t, got)
+    else:
+        debug_print(f"cache hit {entry} ({(time.perf_counter() - t0) * 1e3:.1f} ms)")
+    cubin, meta = got
+    symbol = resolve_kernel_name(cubin, kernel_name)
+    k = JitKernel(name, entry / CUBIN_FILE, symbol, cubin=cubin, meta=meta)
+    with _memory_lock:
+        k = _memory.setdefault(mkey, k)
+    return k
+
+
+def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, comp: Compiler, inc: Path,
+                  flags: tuple[str, ...], why: str) -> tuple[bytes, dict]:
+    (root / "locks").mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "locks" / f"{entry.name}.lock")):
+        got = _load_entry(entry, key)  # another process may have built it while we waited
+        if not isinstance(got, str):
+            debug_print(f"cache hit after waiting for the lock: {entry}")
+            return got
+        if entry.exists():
+            log.warning("moe_fp8 JIT cache entry %s is corrupt or incomplete (%s); rebuilding it", entry, got)
+            _remove_dir(entry)
+        else:
+            debug_print(f"cache miss {entry} ({why})")
+        for stale in root.glob(f".tmp-{entry.name}-*"):  # left by a killed compile of this key
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=root))
+        try:
+            try:
+                res = comp.compile_ex(source, name, [inc], tmp, flags)
+            except JitCompileError as e:
+                failed = root / "failed" / entry.name
+                failed.parent.mkdir(exist_ok=True)
+                _remove_dir(failed)
+                os.replace(tmp, failed)
+                raise JitCompileError(str(e).replace(str(tmp), str(failed)), log=e.log, path=failed) from None
+            cubin = res.cubin.read_bytes()
+            meta = {
+                "format": ENTRY_FORMAT, "key": key, "name": name,
+                "compiler": comp.name, "compiler_version": comp.version, "compiler_path": comp.info.path,
+                "flags": comp.flags() + list(flags), "include_dir": str(inc),
+                "include_tree_sha256": include_tree_hash(inc),
+                "cubin_size": len(cubin), "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+                "compile_seconds": round(res.seconds, 3), "ptxas": res.ptxas,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
+            }
+            # meta.json is written last: its presence marks a complete temporary directory
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            try:
+                os.replace(tmp, entry)
+            except OSError:
+                # only a writer that ignores the lock can get here; keep its entry if it is complete
+                other = _load_entry(entry, key)
+                if isinstance(other, str):
+                    raise
+                return other
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        _journal(root, f"{meta['created']} pid={os.getpid()} host={meta['host']} compiled {entry.name} "
+                       f"key={key} with {comp.name} {comp.version} in {res.seconds:.2f}s")
+        return cubin, meta
+
+
+def cache_info() -> dict:
+    """``{"dir": str, "entries": int, "bytes": int}`` of the cache (entries = published variants)."""
+    root = cache_dir()
+    entries = 0
+    size = 0
+    if root.is_dir():
+        entries = sum(1 for d in root.iterdir()
+                      if d.is_dir() and not d.name.startswith(".") and d.name not in ("locks", "failed"))
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                try:
+                    size += (Path(dirpath) / f).stat().st_size
+                except OSError:
+                    pass  # removed while we walked
+    return {"dir": str(root), "entries": entries, "bytes": size}
+
+
+__all__ = [
+    "LOG_FILE",
+    "SOURCE_FILE",
+    "build",
+    "cache_dir",
+    "cache_info",
+    "cache_key",
+    "clear_memory_cache",
+    "include_dir",
+    "include_tree_hash",
+]

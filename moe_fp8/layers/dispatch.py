@@ -1,0 +1,14 @@
+"""Dispatch tokens to experts and combine their outputs (DESIGN §2, §5).
+
+- ``dispatch_contiguous`` → contiguous grouped layout (prefill; data-dependent size, a plain function);
+- ``dispatch_masked`` → masked grouped layout (decode; fixed size, CUDA-graph safe custom op);
+- ``combine`` → weighted sum of each token's expert outputs (custom op).
+
+The validated public wrappers and registrations live in ``moe_fp8.ops`` (one place for every op).
+"""
+
+from __future__ import annotations
+
+from moe_fp8.ops import combine, dispatch_contiguous, dispatch_masked
+
+__all__ = ["combine", "dispatch_contiguous", "dispatch_masked"]

@@ -1,0 +1,605 @@
+"""Every ``torch.library`` registration of moe_fp8, and the public wrappers around them (STYLE practice 7).
+
+Three layers per op:
+
+1. **Public wrapper** (``fp8_gemm`` … here; re-exported by ``moe_fp8``, ``moe_fp8.quant``,
+   ``moe_fp8.layers``): validates with ``moe_fp8.validation``, allocates ``out`` if None, then
+   - eager (``torch.compiler.is_compiling()`` false): calls the dispatching implementation directly —
+     the fast path, no dispatcher round trip (the eager launch budget is 10 µs);
+   - compiling: calls ``torch.ops.moe_fp8.<op>`` so the graph holds one opaque op with a fake impl.
+2. **Custom op** ``moe_fp8::<op>`` (``torch.library.custom_op``). GEMMs are destination-passing:
+   ``mutates_args=("out",)``, return nothing, and their fake does nothing. Ops that create their
+   outputs (quantization, routing, masked dispatch, combine) have fakes that allocate exactly what
+   the real op returns — including the TMA scale strides, through ``moe_fp8.utils.empty_scale_tma``,
+   the single definition of that layout.
+3. **Dispatching implementation** (``_<op>_impl``): picks ``(backend, fn)`` with
+   ``moe_fp8.backends.select`` (cached) and calls ``fn``. Backend calling conventions:
+
+   ================================  ================================================================
+   op                                backend fn
+   ================================  ================================================================
+   fp8_gemm                          fn(x_fp8, x_scale, w, w_scale, out) -> None
+   fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out) -> None
+   fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
+   per_token_group_quant             fn(x, group_size, ue8m0, eps) -> (x_fp8, x_scale[TMA layout])
+   per_block_quant                   fn(w, block, ue8m0, eps) -> (w_fp8, w_scale)
+   silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps) -> (y_fp8, y_scale[TMA])
+   select_experts                    fn(logits, top_k, scoring_func, renormalize, n_group,
+                                        topk_group, e_score_correction_bias, routed_scaling_factor)
+                                        -> (topk_weights f32, topk_ids i32)
+   dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+                                        -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64)
+   dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+                                        -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
+   combine                           fn(y, row_map, topk_weights, shared_output) -> bf16 [T, H]
+   ================================  ================================================================
+
+   Implementations receive validated arguments; empty problems (no rows) never reach them.
+
+``dispatch_contiguous`` is deliberately *not* a custom op: its output row count
+``M_total = Σ_e align(count_e, 128)`` depends on the routing data, so a fake could not give its
+shape from input shapes (it would need an unbacked SymInt, and eager needs a host sync to size the
+buffers anyway). It is a plain function hidden from the compiler (``torch.compiler.disable``): under
+``torch.compile`` it is a graph break, and ``fullgraph=True`` refuses it — use ``dispatch_masked``
+(fixed size, no sync) inside compiled regions and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp8 import backends, reference
+from moe_fp8 import validation as V
+from moe_fp8.utils import GROUP_K, ceil_div, empty_scale_tma, get_align_m
+
+Tensor = torch.Tensor
+_FP8 = torch.float8_e4m3fn
+_BF16 = torch.bfloat16
+_DEFAULT_EPS = 1e-10
+
+__all__ = [
+    "combine",
+    "dispatch_contiguous",
+    "dispatch_masked",
+    "fp8_gemm",
+    "fp8_grouped_gemm_contiguous",
+    "fp8_grouped_gemm_masked",
+    "per_block_quant",
+    "per_token_group_quant",
+    "select_experts",
+    "silu_mul_per_token_group_quant",
+]
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# ============================================================================================
+# Output allocation shared by fakes and the empty-problem paths (one definition of each layout)
+# ============================================================================================
+
+def _alloc_act_quant(shape: tuple, group_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """FP8 ``shape`` contiguous + FP32 scales ``[..., M, ceil(K/group_size)]`` in the TMA layout."""
+    kg = ceil_div(shape[-1], group_size)
+    x_fp8 = torch.empty(shape, dtype=_FP8, device=device)
+    if len(shape) == 2:
+        return x_fp8, empty_scale_tma(shape[0], kg, device=device)
+    return x_fp8, empty_scale_tma(shape[1], kg, groups=shape[0], device=device)
+
+
+def _alloc_block_quant(shape: tuple, block: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+    bn, bk = block
+    n, k = shape[-2:]
+    w_fp8 = torch.empty(shape, dtype=_FP8, device=device)
+    w_scale = torch.empty((*shape[:-2], ceil_div(n, bn), ceil_div(k, bk)), dtype=torch.float32, device=device)
+    return w_fp8, w_scale
+
+
+# ============================================================================================
+# Reference backend adapters (reference functions return new tensors; GEMM ops write into out)
+# ============================================================================================
+
+def _ref_fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Tensor) -> None:
+    out.copy_(reference.fp8_gemm(x_fp8, x_scale, w, w_scale))
+
+
+def _ref_grouped_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
+                            m_indices: Tensor, out: Tensor) -> None:
+    reference.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out=out)
+
+
+def _ref_grouped_masked(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, masked_m: Tensor,
+                        expected_m: int, out: Tensor) -> None:
+    reference.fp8_grouped_gemm_masked(x_fp8, x_scale, w, w_scale, masked_m, out=out)
+
+
+def _ref_per_block_quant(w: Tensor, block: tuple[int, int], ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    return reference.per_block_quant(w, tuple(block), ue8m0=ue8m0, eps=eps)
+
+
+def _ref_silu_mul_quant(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    return reference.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps=eps)
+
+
+def _ref_select_experts(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool,
+                        n_group: int | None, topk_group: int | None, e_score_correction_bias: Tensor | None,
+                        routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return reference.select_experts(
+        router_logits, top_k, scoring_func=scoring_func, renormalize=renormalize, n_group=n_group,
+        topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor)
+
+
+def _ref_dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                         expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return reference.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+
+
+_REFERENCE_IMPLS = {
+    "fp8_gemm": _ref_fp8_gemm,
+    "fp8_grouped_gemm_contiguous": _ref_grouped_contiguous,
+    "fp8_grouped_gemm_masked": _ref_grouped_masked,
+    "per_token_group_quant": reference.per_token_group_quant,
+    "per_block_quant": _ref_per_block_quant,
+    "silu_mul_per_token_group_quant": _ref_silu_mul_quant,
+    "select_experts": _ref_select_experts,
+    "dispatch_contiguous": reference.dispatch_contiguous,
+    "dispatch_masked": _ref_dispatch_masked,
+    "combine": reference.combine,
+}
+# Hopper kernels, imported lazily (only once a CUDA sm_90 device and a compiler are present). Add a
+# line here when a kernel lands; ops without one fall back (logged; an error under MOE_FP8_STRICT=1).
+_HOPPER_IMPLS = {
+    "fp8_gemm": "moe_fp8.kernels.gemm:fp8_gemm_hopper",
+    "fp8_grouped_gemm_contiguous": "moe_fp8.kernels.gemm:fp8_grouped_gemm_contiguous_hopper",
+    "fp8_grouped_gemm_masked": "moe_fp8.kernels.gemm:fp8_grouped_gemm_masked_hopper",
+}
+for _op, _fn in _REFERENCE_IMPLS.items():
+    backends.register(_op, "reference", _fn)
+for _op, _fn in _HOPPER_IMPLS.items():
+    backends.register(_op, "hopper", _fn)
+del _op, _fn
+
+
+# ============================================================================================
+# GEMMs (destination passing)
+# ============================================================================================
+
+def _fp8_gemm_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Tensor) -> None:
+    if out.numel() == 0:
+        return
+    backends.select("fp8_gemm", x_fp8.device)[1](x_fp8, x_scale, w, w_scale, out)
+
+
+@torch.library.custom_op("moe_fp8::fp8_gemm", mutates_args=("out",))
+def _fp8_gemm_op(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Tensor) -> None:
+    _fp8_gemm_impl(x_fp8, x_scale, w, w_scale, out)
+
+
+@_fp8_gemm_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Tensor) -> None:
+    return None
+
+
+def fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Tensor | None = None) -> Tensor:
+    """Block-scaled FP8 GEMM: ``out[M, N] (bf16) = (x_fp8·x_scale) @ (w·w_scale)ᵀ``, FP32 accumulation.
+
+    Args:
+        x_fp8: ``float8_e4m3fn [M, K]``, contiguous (row-major). ``K`` a positive multiple of 16
+            (need not be a multiple of 128: the last scale group is partial). ``M`` may be 0.
+        x_scale: ``float32 [M, ceil(K/128)]``, one scale per token per 128 columns, in the TMA layout
+            (column-major, M padded to a multiple of 4: ``moe_fp8.utils.empty_scale_tma``; as returned
+            by ``moe_fp8.quant.per_token_group``). Other layouts are refused, never copied silently:
+            convert with ``moe_fp8.utils.to_scale_tma_layout``.
+        w: ``float8_e4m3fn [N, K]`` contiguous ("NT": the weight as stored, ``y = x @ wᵀ``);
+            ``N`` a positive multiple of 8 on every backend (16-byte bf16 output rows).
+        w_scale: ``float32 [ceil(N/128), ceil(K/128)]`` contiguous (DeepSeek's ``weight_scale_inv``).
+        out: optional ``bfloat16 [M, N]`` contiguous to write into; allocated when None.
+
+    All tensors on one device; FP8 / output tensors start 16-byte aligned. Returns ``out``.
+    Raises ``TypeError`` (types, dtypes) or ``ValueError`` (shapes, strides, alignment, device).
+    """
+    m, n, _ = V.check_fp8_gemm(x_fp8, x_scale, w, w_scale, out)
+    if out is None:
+        out = torch.empty((m, n), dtype=_BF16, device=x_fp8.device)
+    if _compiling():
+        torch.ops.moe_fp8.fp8_gemm(x_fp8, x_scale, w, w_scale, out)
+    else:
+        _fp8_gemm_impl(x_fp8, x_scale, w, w_scale, out)
+    return out
+
+
+def _grouped_contiguous_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
+                             out: Tensor) -> None:
+    if out.numel() == 0:
+        return
+    backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1](x_fp8, x_scale, w, w_scale, m_indices, out)
+
+
+@torch.library.custom_op("moe_fp8::fp8_grouped_gemm_contiguous", mutates_args=("out",))
+def _grouped_contiguous_op(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
+                           out: Tensor) -> None:
+    _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out)
+
+
+@_grouped_contiguous_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor, out: Tensor) -> None:
+    return None
+
+
+def fp8_grouped_gemm_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
+                                m_indices: Tensor, out: Tensor | None = None) -> Tensor:
+    """Grouped FP8 GEMM, contiguous layout (prefill): row ``r`` uses group ``m_indices[r]``.
+
+    Args:
+        x_fp8: ``float8_e4m3fn [M_total, K]`` contiguous; each group's rows form one segment padded to a
+            multiple of ``moe_fp8.get_align_m()`` (128), so ``M_total % 128 == 0``
+            (``moe_fp8.layers.dispatch_contiguous`` builds this layout). ``K % 16 == 0``.
+        x_scale: ``float32 [M_total, ceil(K/128)]`` in the TMA layout.
+        w: ``float8_e4m3fn [G, N, K]`` contiguous, ``N % 8 == 0``.
+        w_scale: ``float32 [G, ceil(N/128), ceil(K/128)]`` contiguous.
+        m_indices: ``int32 [M_total]`` on x's device: group id per row, ``-1`` for padding rows
+            (their output rows are unspecified).
+        out: optional ``bfloat16 [M_total, N]`` contiguous.
+
+    Returns ``out``.
+    """
+    _, m, n, _ = V.check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
+    if out is None:
+        out = torch.empty((m, n), dtype=_BF16, device=x_fp8.device)
+    if _compiling():
+        torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
+    else:
+        _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out)
+    return out
+
+
+def _grouped_masked_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, masked_m: Tensor,
+                         expected_m: int, out: Tensor) -> None:
+    if out.numel() == 0:
+        return
+    backends.select("fp8_grouped_gemm_masked", x_fp8.device)[1](
+        x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
+
+
+@torch.library.custom_op("moe_fp8::fp8_grouped_gemm_masked", mutates_args=("out",))
+def _grouped_masked_op(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, masked_m: Tensor,
+                       expected_m: int, out: Tensor) -> None:
+    _grouped_masked_impl(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
+
+
+@_grouped_masked_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, masked_m: Tensor, expected_m: int,
+      out: Tensor) -> None:
+    return None
+
+
+def fp8_grouped_gemm_masked(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, masked_m: Tensor,
+                            expected_m: int, out: Tensor | None = None) -> Tensor:
+    """Grouped FP8 GEMM, masked layout (decode; CUDA-graph safe, no host sync).
+
+    Args:
+        x_fp8: ``float8_e4m3fn [G, max_m, K]`` contiguous, ``K % 16 == 0``.
+        x_scale: ``float32 [G, max_m, ceil(K/128)]`` in the 3-D TMA layout
+            (``empty_scale_tma(max_m, KG, groups=G)``).
+        w: ``float8_e4m3fn [G, N, K]`` contiguous, ``N % 8 == 0``; w_scale ``float32 [G, ceil(N/128), ceil(K/128)]``.
+        masked_m: ``int32 [G]`` on x's device: valid rows of each group. Never read on the host, so it is
+            not range-checked here: values must lie in ``[0, max_m]``.
+        expected_m: positive host int, a hint for the kernel configuration; it may change speed, never
+            the result.
+        out: optional ``bfloat16 [G, max_m, N]`` contiguous. Rows ``r >= masked_m[g]`` are not written
+            (when ``out`` is None they hold whatever ``torch.empty`` gave).
+
+    Returns ``out``.
+    """
+    g, max_m, n, _ = V.check_fp8_grouped_gemm_masked(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
+    if out is None:
+        out = torch.empty((g, max_m, n), dtype=_BF16, device=x_fp8.device)
+    if _compiling():
+        torch.ops.moe_fp8.fp8_grouped_gemm_masked(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
+    else:
+        _grouped_masked_impl(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
+    return out
+
+
+# ============================================================================================
+# Quantization (functional: returns new tensors)
+# ============================================================================================
+
+def _per_token_group_quant_impl(x: Tensor, group_size: int, ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    if x.numel() == 0:
+        return _alloc_act_quant(tuple(x.shape), group_size, x.device)
+    return backends.select("per_token_group_quant", x.device)[1](x, group_size, ue8m0, eps)
+
+
+@torch.library.custom_op("moe_fp8::per_token_group_quant", mutates_args=())
+def _per_token_group_quant_op(x: Tensor, group_size: int, ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    return _per_token_group_quant_impl(x, group_size, ue8m0, eps)
+
+
+@_per_token_group_quant_op.register_fake
+def _(x: Tensor, group_size: int, ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    return _alloc_act_quant(tuple(x.shape), group_size, x.device)
+
+
+def per_token_group_quant(x: Tensor, group_size: int = GROUP_K, ue8m0: bool = False,
+                          eps: float = _DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+    """Quantize activations per token per ``group_size`` columns: ``scale = max(amax, eps) / 448``.
+
+    Args:
+        x: ``[M, K]`` or ``[G, M, K]`` bf16/fp16/fp32, contiguous; ``K`` a positive multiple of 16.
+        group_size: columns per scale, a positive multiple of 16 (the GEMMs consume 128); the last
+            group may be partial.
+        ue8m0: round each scale up to a power of two.
+        eps: lower bound on a group's amax (> 0).
+
+    Returns ``(x_fp8, x_scale)``: ``float8_e4m3fn`` of ``x``'s shape (contiguous) and ``float32
+    [..., M, ceil(K/group_size)]`` in the TMA layout the GEMMs read.
+    """
+    V.check_per_token_group(x, group_size, ue8m0, eps)
+    if _compiling():
+        return torch.ops.moe_fp8.per_token_group_quant(x, group_size, ue8m0, eps)
+    return _per_token_group_quant_impl(x, group_size, ue8m0, eps)
+
+
+def _per_block_quant_impl(w: Tensor, block: tuple[int, int], ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    if w.numel() == 0:
+        return _alloc_block_quant(tuple(w.shape), block, w.device)
+    return backends.select("per_block_quant", w.device)[1](w, block, ue8m0, eps)
+
+
+@torch.library.custom_op("moe_fp8::per_block_quant", mutates_args=())
+def _per_block_quant_op(w: Tensor, block: list[int], ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    return _per_block_quant_impl(w, (block[0], block[1]), ue8m0, eps)
+
+
+@_per_block_quant_op.register_fake
+def _(w: Tensor, block: list[int], ue8m0: bool, eps: float) -> tuple[Tensor, Tensor]:
+    return _alloc_block_quant(tuple(w.shape), (block[0], block[1]), w.device)
+
+
+def per_block_quant(w: Tensor, block: tuple[int, int] = (GROUP_K, GROUP_K), ue8m0: bool = False,
+                    eps: float = _DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+    """Quantize weights per ``block = (bn, bk)`` tile (DeepSeek ``weight`` + ``weight_scale_inv``).
+
+    Args:
+        w: ``[N, K]`` or ``[G, N, K]`` bf16/fp16/fp32, contiguous; N, K may be ragged.
+        block: two positive ints; ``(128, 128)`` is what the GEMMs read.
+        ue8m0: round each scale up to a power of two. eps: lower bound on a block's amax.
+
+    Returns ``(w_fp8, w_scale)``: ``float8_e4m3fn`` of ``w``'s shape and ``float32
+    [..., ceil(N/bn), ceil(K/bk)]``, both contiguous.
+    """
+    block = V.check_per_block(w, block)
+    V.check_bool("ue8m0", ue8m0)
+    V.check_float("eps", eps)
+    if _compiling():
+        return torch.ops.moe_fp8.per_block_quant(w, list(block), ue8m0, eps)
+    return _per_block_quant_impl(w, block, ue8m0, eps)
+
+
+def _silu_mul_quant_impl(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None,
+                         eps: float) -> tuple[Tensor, Tensor]:
+    if h.numel() == 0:
+        return _alloc_act_quant((*h.shape[:-1], h.shape[-1] // 2), group_size, h.device)
+    return backends.select("silu_mul_per_token_group_quant", h.device)[1](h, group_size, ue8m0, masked_m, eps)
+
+
+@torch.library.custom_op("moe_fp8::silu_mul_per_token_group_quant", mutates_args=())
+def _silu_mul_quant_op(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None,
+                       eps: float) -> tuple[Tensor, Tensor]:
+    return _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps)
+
+
+@_silu_mul_quant_op.register_fake
+def _(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    return _alloc_act_quant((*h.shape[:-1], h.shape[-1] // 2), group_size, h.device)
+
+
+def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: bool = False,
+                                   masked_m: Tensor | None = None,
+                                   eps: float = _DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+    """Fused ``per_token_group_quant(silu(gate) · up)`` between the two expert GEMMs.
+
+    Args:
+        h: ``[M, 2I]`` (contiguous layout) or ``[G, max_m, 2I]`` (masked layout), bf16/fp16/fp32,
+            contiguous, ``[gate | up]`` (gate = first I columns); ``I`` a positive multiple of 16.
+        group_size, ue8m0, eps: as ``per_token_group_quant``.
+        masked_m: optional ``int32 [G]`` on h's device (3-D h only): rows ``r >= masked_m[g]`` are not
+            meaningful in the result (kernels leave them untouched).
+
+    Returns ``(y_fp8 [..., I], y_scale [..., ceil(I/group_size)])``, scales in the TMA layout.
+    """
+    V.check_silu_mul(h, group_size, ue8m0, masked_m)
+    V.check_float("eps", eps)
+    if _compiling():
+        return torch.ops.moe_fp8.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps)
+    return _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps)
+
+
+# ============================================================================================
+# Routing
+# ============================================================================================
+
+def _alloc_select_experts(t: int, top_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    return (torch.empty((t, top_k), dtype=torch.float32, device=device),
+            torch.empty((t, top_k), dtype=torch.int32, device=device))
+
+
+def _select_experts_impl(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool,
+                         n_group: int | None, topk_group: int | None, e_score_correction_bias: Tensor | None,
+                         routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    if router_logits.shape[0] == 0:
+        return _alloc_select_experts(0, top_k, router_logits.device)
+    return backends.select("select_experts", router_logits.device)[1](
+        router_logits, top_k, scoring_func, renormalize, n_group, topk_group, e_score_correction_bias,
+        routed_scaling_factor)
+
+
+@torch.library.custom_op("moe_fp8::select_experts", mutates_args=())
+def _select_experts_op(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool,
+                       n_group: int | None, topk_group: int | None, e_score_correction_bias: Tensor | None,
+                       routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return _select_experts_impl(router_logits, top_k, scoring_func, renormalize, n_group, topk_group,
+                                e_score_correction_bias, routed_scaling_factor)
+
+
+@_select_experts_op.register_fake
+def _(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool, n_group: int | None,
+      topk_group: int | None, e_score_correction_bias: Tensor | None,
+      routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    return _alloc_select_experts(router_logits.shape[0], top_k, router_logits.device)
+
+
+def select_experts(router_logits: Tensor, top_k: int, *, scoring_func: str = "softmax",
+                   renormalize: bool = True, n_group: int | None = None, topk_group: int | None = None,
+                   e_score_correction_bias: Tensor | None = None,
+                   routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Pick ``top_k`` experts per token (softmax top-k, or DeepSeek-V3 grouped top-k).
+
+    Args:
+        router_logits: ``[T, E]`` bf16/fp16/fp32 (scored in float32); ``T`` may be 0.
+        top_k: ``1 <= top_k <= E``.
+        scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
+        renormalize: divide the selected weights by their sum.
+        n_group, topk_group: grouped top-k, both or neither: ``E % n_group == 0``,
+            ``1 <= topk_group <= n_group``, ``top_k <= topk_group·E/n_group``.
+        e_score_correction_bias: optional ``[E]`` added to the scores for selection only.
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` ordered by descending
+    choice, ties to the lower index (``moe_fp8.reference.select_experts`` is the definition).
+    """
+    V.check_select_experts(router_logits, top_k, scoring_func, renormalize, n_group, topk_group,
+                           e_score_correction_bias, routed_scaling_factor)
+    routed_scaling_factor = float(routed_scaling_factor)
+    if _compiling():
+        return torch.ops.moe_fp8.select_experts(router_logits, top_k, scoring_func, renormalize, n_group,
+                                                topk_group, e_score_correction_bias, routed_scaling_factor)
+    return _select_experts_impl(router_logits, top_k, scoring_func, renormalize, n_group, topk_group,
+                                e_score_correction_bias, routed_scaling_factor)
+
+
+# ============================================================================================
+# Dispatch / combine
+# ============================================================================================
+
+def _dispatch_contiguous_eager_only(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
+                                    expert_map: Tensor | None, align_m: int
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return backends.select("dispatch_contiguous", x_fp8.device)[1](
+        x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+
+
+# Hidden from dynamo: a graph break under torch.compile, an error naming this function under
+# fullgraph=True. NOTE: torch._disable_dynamo (not torch.compiler.disable) because it imports
+# torch._dynamo on first call instead of at `import moe_fp8` (measured: +6 s of import time here).
+_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(_dispatch_contiguous_eager_only)
+
+
+def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
+                        expert_map: Tensor | None = None,
+                        align_m: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Scatter token copies into the contiguous grouped layout (prefill). Not a custom op (see module doc).
+
+    Args:
+        x_fp8: ``float8_e4m3fn [T, K]`` contiguous; x_scale: ``float32 [T, ceil(K/128)]`` (any layout).
+        topk_ids: ``int32/int64 [T, top_k]`` expert ids (global ids when ``expert_map`` is given).
+        num_experts: local expert count ``E`` (>= 1).
+        expert_map: optional ``int32/int64 [num_global_experts]``: global → local id, -1 = not on this rank.
+        align_m: segment alignment, default (and normally) ``moe_fp8.get_align_m()``.
+
+    Returns ``(out_fp8 [M_total, K], out_scale [M_total, KG] (TMA layout), m_indices int32 [M_total],
+    row_map int64 [T, top_k])``; ``M_total`` is data-dependent (this op syncs with the host to size its
+    outputs), each expert's segment padded to ``align_m`` rows, padding rows ``m_indices = -1``.
+    ``row_map[t, j]`` = row of token t's j-th copy, -1 if not local. Inputs feed
+    ``fp8_grouped_gemm_contiguous``; ``row_map`` feeds ``combine``.
+    """
+    V.check_dispatch(x_fp8, x_scale, topk_ids, num_experts, expert_map)
+    if align_m is None:
+        align_m = get_align_m()
+    V.check_int("align_m", align_m, min_value=1)
+    if _compiling():
+        return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+    return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+
+
+def _alloc_dispatch_masked(t: int, top_k: int, k: int, num_experts: int, max_m: int, device: torch.device
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty((num_experts, max_m, k), dtype=_FP8, device=device),
+            empty_scale_tma(max_m, ceil_div(k, GROUP_K), groups=num_experts, device=device),
+            torch.empty((num_experts,), dtype=torch.int32, device=device),
+            torch.empty((t, top_k), dtype=torch.int64, device=device))
+
+
+def _dispatch_masked_impl(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                          expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return backends.select("dispatch_masked", x_fp8.device)[1](
+        x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+
+
+@torch.library.custom_op("moe_fp8::dispatch_masked", mutates_args=())
+def _dispatch_masked_op(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                        expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+
+
+@_dispatch_masked_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+      expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _alloc_dispatch_masked(topk_ids.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts, max_m,
+                                  x_fp8.device)
+
+
+def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                    expert_map: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Scatter token copies into the masked grouped layout (decode); fixed size, no host sync.
+
+    Args: as ``dispatch_contiguous``, plus ``max_m`` (host int >= 0) rows per expert. An expert that
+    receives more than ``max_m`` copies keeps the first ``max_m`` in (token, slot) order; the rest are
+    dropped (``row_map = -1``).
+
+    Returns ``(out_fp8 [E, max_m, K], out_scale [E, max_m, KG] (3-D TMA layout), masked_m int32 [E],
+    row_map int64 [T, top_k])`` with ``row_map = e·max_m + position`` or -1 — the inputs of
+    ``fp8_grouped_gemm_masked`` and ``combine``.
+    """
+    V.check_dispatch(x_fp8, x_scale, topk_ids, num_experts, expert_map)
+    V.check_int("max_m", max_m, min_value=0)
+    if _compiling():
+        return torch.ops.moe_fp8.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+    return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+
+
+def _combine_impl(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None) -> Tensor:
+    if row_map.shape[0] == 0 or y.shape[-1] == 0:
+        return torch.zeros((row_map.shape[0], y.shape[-1]), dtype=_BF16, device=y.device)
+    return backends.select("combine", y.device)[1](y, row_map, topk_weights, shared_output)
+
+
+@torch.library.custom_op("moe_fp8::combine", mutates_args=())
+def _combine_op(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None) -> Tensor:
+    return _combine_impl(y, row_map, topk_weights, shared_output)
+
+
+@_combine_op.register_fake
+def _(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None) -> Tensor:
+    return torch.empty((row_map.shape[0], y.shape[-1]), dtype=_BF16, device=y.device)
+
+
+def combine(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None = None) -> Tensor:
+    """Weighted sum of each token's expert outputs: ``out[t] = Σ_j w[t, j]·y[row_map[t, j]] (+ shared)``.
+
+    Args:
+        y: expert outputs ``[M_total, H]`` (contiguous layout) or ``[E, max_m, H]`` (masked layout, rows
+            read flat), bf16/fp16/fp32.
+        row_map: ``int32/int64 [T, top_k]`` from a dispatch; -1 = skip the slot.
+        topk_weights: ``[T, top_k]`` float. shared_output: optional ``[T, H]`` added (shared experts).
+
+    Returns ``bfloat16 [T, H]`` (sums in float32).
+    """
+    V.check_combine(y, row_map, topk_weights, shared_output)
+    if _compiling():
+        return torch.ops.moe_fp8.combine(y, row_map, topk_weights, shared_output)
+    return _combine_impl(y, row_map, topk_weights, shared_output)

@@ -1,0 +1,108 @@
+"""Hopper M-grouped GEMMs (contiguous and masked) vs the reference on the same FP8 inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_fp8 import reference as ref
+from moe_fp8.kernels.gemm import fp8_grouped_gemm_contiguous_hopper, fp8_grouped_gemm_masked_hopper
+from moe_fp8.kernels.heuristics import make_config
+from moe_fp8.utils import calc_diff, get_num_sms, rel_error
+from tests.generators import make_contiguous_inputs, make_masked_inputs
+
+pytestmark = [pytest.mark.hopper, pytest.mark.gpu]
+
+# DeepSeek-V3 expert shapes (gate+up, down) and TP/EP shards, plus a ragged N/K.
+EXPERT_NK = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (2112, 576)]
+
+
+def _assert_close(out: torch.Tensor, expect: torch.Tensor) -> None:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} valid outputs unwritten"
+    assert calc_diff(out, expect) < 1e-5, calc_diff(out, expect)
+    assert rel_error(out, expect) < 1e-2, rel_error(out, expect)
+
+
+def _check_contiguous(inp, out: torch.Tensor) -> None:
+    expect = ref.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices)
+    valid = inp.m_indices >= 0
+    _assert_close(out[valid], expect[valid])
+    # every 128-row block that is all padding is skipped: never stored
+    blocks = inp.m_indices.view(-1, 128)
+    all_pad = (blocks < 0).all(dim=1)
+    assert out.view(-1, 128, out.shape[-1])[all_pad].isnan().all(), "an all-padding block was written"
+
+
+@pytest.mark.parametrize("n,k", EXPERT_NK)
+@pytest.mark.parametrize("num_groups,expected_m,num_empty", [(1, 300, 0), (4, 200, 1), (8, 64, 2), (32, 16, 5)])
+def test_contiguous(num_groups: int, expected_m: int, num_empty: int, n: int, k: int) -> None:
+    inp = make_contiguous_inputs(num_groups, expected_m, n, k, seed=num_groups + n, device="cuda",
+                                 num_empty=num_empty)
+    out = torch.full((inp.x_fp8.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out)
+    torch.cuda.synchronize()
+    _check_contiguous(inp, out)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 136), (128, 112), (64, 16), (128, 160)])
+def test_contiguous_block_shapes(block_m: int, block_n: int) -> None:
+    inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n, device="cuda", num_empty=1)
+    out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
+                                       config=make_config(block_m, block_n, get_num_sms()))
+    torch.cuda.synchronize()
+    _check_contiguous(inp, out)
+
+
+def _check_masked(inp, out: torch.Tensor) -> None:
+    max_m = inp.x_fp8.shape[1]
+    expect = ref.fp8_grouped_gemm_masked(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m)
+    valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
+    _assert_close(out[valid], expect[valid])
+    assert out[~valid].isnan().all(), "rows past masked_m were written"
+
+
+@pytest.mark.parametrize("n,k", EXPERT_NK)
+@pytest.mark.parametrize("num_groups,max_m,expected_m,num_empty",
+                         [(1, 1024, 700, 0), (4, 256, 100, 1), (32, 256, 8, 4), (32, 128, 64, 0), (3, 100, 33, 1)])
+def test_masked(num_groups: int, max_m: int, expected_m: int, num_empty: int, n: int, k: int) -> None:
+    inp = make_masked_inputs(num_groups, max_m, expected_m, n, k, seed=n + max_m, device="cuda", num_empty=num_empty)
+    out = torch.full((num_groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                   inp.expected_m, out)
+    torch.cuda.synchronize()
+    _check_masked(inp, out)
+
+
+def test_masked_full_and_empty_groups() -> None:
+    inp = make_masked_inputs(4, 192, 96, 1024, 512, seed=3, device="cuda", masked_m=[0, 192, 1, 0])
+    out = torch.full((4, 192, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 96, out)
+    torch.cuda.synchronize()
+    _check_masked(inp, out)
+
+
+@pytest.mark.parametrize("expected_m", [1, 64, 256])
+def test_masked_cuda_graph_replay(expected_m: int) -> None:
+    """Captured once with one expected_m hint, replayed with other counts and data: the hint may
+    change speed, never the result."""
+    g, max_m, n, k = 8, 256, 2048, 1024
+    first = make_masked_inputs(g, max_m, 32, n, k, seed=1, device="cuda")
+    x_fp8, x_scale, w_fp8, w_scale, masked_m = (first.x_fp8.clone(), first.x_scale, first.w_fp8.clone(),
+                                                first.w_scale.clone(), first.masked_m.clone())
+    out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, w_fp8, w_scale, masked_m, expected_m, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, w_fp8, w_scale, masked_m, expected_m, out)
+    for seed, counts in [(2, [0, 256, 3, 17, 128, 129, 64, 255]), (3, [256] * 8), (4, [0] * 7 + [5])]:
+        new = make_masked_inputs(g, max_m, 32, n, k, seed=seed, device="cuda", masked_m=counts)
+        x_fp8.copy_(new.x_fp8)
+        x_scale.copy_(new.x_scale)
+        w_fp8.copy_(new.w_fp8)
+        w_scale.copy_(new.w_scale)
+        masked_m.copy_(new.masked_m)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_masked(new, out)

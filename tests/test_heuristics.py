@@ -1,0 +1,75 @@
+"""Kernel configuration heuristics (pure host code: runs on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_fp8.kernels.heuristics import (
+    BLOCK_MS,
+    MAX_SMEM_BYTES,
+    GemmDesc,
+    estimate_ns,
+    get_config,
+    make_config,
+    max_stages,
+    smem_bytes,
+    straddle_ok,
+)
+from moe_fp8.utils import get_align_m
+
+
+def _valid(cfg) -> None:
+    assert cfg.block_m in BLOCK_MS
+    assert cfg.block_n % 8 == 0 and 16 <= cfg.block_n <= 160
+    assert straddle_ok(cfg.block_n)
+    assert 2 <= cfg.num_stages == max_stages(cfg.block_m, cfg.block_n)
+    assert cfg.smem_bytes == smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages) <= MAX_SMEM_BYTES
+    assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 20000), n=st.integers(1, 4096).map(lambda v: v * 8), k=st.integers(1, 1024).map(lambda v: v * 16),
+       layout=st.sampled_from(["normal", "contiguous", "masked"]), groups=st.integers(1, 256),
+       num_sms=st.sampled_from([132, 114, 78, 20]))
+def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
+    desc = GemmDesc(m, n, k, num_groups=groups if layout != "normal" else 1, layout=layout, num_sms=num_sms,
+                    expected_m=max(1, m // 3) if layout == "masked" else None)
+    cfg = get_config(desc)
+    _valid(cfg)
+    if layout == "contiguous":
+        assert get_align_m() % cfg.block_m == 0, "a tile must not straddle two expert segments"
+
+
+def test_straddle_rule() -> None:
+    # a tile touches at most two 128-column weight-scale blocks
+    for bn in range(8, 257, 8):
+        worst = max((b * bn) % 128 for b in range(128)) + bn
+        assert straddle_ok(bn) == (worst <= 256), bn
+
+
+def test_small_m_uses_one_math_warpgroup() -> None:
+    for n, k in [(7168, 2048), (2112, 7168)]:
+        assert get_config(GemmDesc(64, n, k)).block_m == 64
+
+
+def test_large_m_fills_the_machine() -> None:
+    cfg = get_config(GemmDesc(4096, 7168, 16384))
+    _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n)
+    assert cfg.block_m == 128 and tiles >= 132
+
+
+def test_make_config_rejects_bad_blocks() -> None:
+    with pytest.raises(ValueError, match="unsupported block"):
+        make_config(96, 128, 132)
+    with pytest.raises(ValueError, match="unsupported block"):
+        make_config(128, 152, 132)  # would straddle three scale blocks
+    with pytest.raises(ValueError, match="stages"):
+        make_config(128, 160, 132, num_stages=50)
+
+
+def test_masked_hint_changes_speed_not_validity() -> None:
+    """Any expected_m gives a config; the kernel itself handles every masked_m <= max_m."""
+    for expected in (1, 8, 64, 256, 4096):
+        _valid(get_config(GemmDesc(4096, 4096, 7168, num_groups=4, layout="masked", expected_m=expected)))

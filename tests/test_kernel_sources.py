@@ -1,0 +1,61 @@
+"""The GEMM kernel sources compile on any machine (no GPU needed) to sm_90a code that uses the
+FP8 tensor-core path (SASS QGMMA), without local-memory spills, under both compilers; the
+generated wgmma header is what its generator writes; host and device agree on shared memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from moe_fp8.kernels.gemm import generate_source
+from moe_fp8.kernels.heuristics import GemmDesc, get_config, make_config, smem_bytes
+from moe_fp8.kernels.jit.compiler import JitCompileError, find_compilers, get_compiler
+from moe_fp8.kernels.jit.cache import include_dir
+from moe_fp8.kernels.tools import gen_wgmma
+
+COMPILERS = [c.name for c in find_compilers() if c.available]
+
+VARIANTS = [
+    ("normal", 7168, 16384, make_config(128, 128, 132)),
+    ("normal", 2112, 576, make_config(64, 136, 132)),  # ragged N and K, straddling scale blocks
+    ("contiguous", 4096, 7168, make_config(128, 160, 132)),
+    ("masked", 7168, 2048, make_config(64, 16, 132)),
+    ("normal", 24576, 1536, get_config(GemmDesc(4096, 24576, 1536))),
+]
+
+
+def test_generated_wgmma_header_is_current() -> None:
+    assert gen_wgmma.HEADER.read_text() == gen_wgmma.render(), (
+        "run `python -m moe_fp8.kernels.tools.gen_wgmma` and commit the header")
+
+
+def test_a_compiler_is_available() -> None:
+    assert COMPILERS, f"no JIT compiler usable: {[(c.name, c.reason) for c in find_compilers()]}"
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("layout,n,k,cfg", VARIANTS, ids=lambda v: getattr(v, "block_n", v))
+def test_variant_compiles_to_qgmma(compiler, layout, n, k, cfg, tmp_path) -> None:
+    from moe_fp8.kernels.sass import count_instructions, dump_sass
+
+    res = get_compiler(compiler).compile_ex(generate_source(layout, n, k, cfg), "t", [include_dir()], tmp_path)
+    sass = dump_sass(res.cubin)
+    qgmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", sass)
+    assert qgmma and {int(v) for v in qgmma} == {cfg.block_n}, set(qgmma)
+    assert len(qgmma) % 4 == 0, "one 128-K block = four K=32 wgmmas (the compiler may duplicate the loop)"
+    assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
+    for fn in res.ptxas.values():
+        assert fn.get("spill_stores", 0) == 0 and fn.get("spill_loads", 0) == 0, res.ptxas
+
+
+def test_host_smem_size_matches_kernel_layout(tmp_path) -> None:
+    """The kernel static_asserts kSmemBytes >= its own layout size: the host formula passes, and
+    16 bytes less fails — so both sides compute the same layout."""
+    compiler = get_compiler(COMPILERS[0])
+    cfg = make_config(128, 112, 132)
+    compiler.compile(generate_source("normal", 7168, 2048, cfg), "ok", [include_dir()], tmp_path / "ok")
+    short = dataclasses.replace(cfg, smem_bytes=smem_bytes(128, 112, cfg.num_stages) - 16)
+    with pytest.raises(JitCompileError, match="shared-memory size disagrees"):
+        compiler.compile(generate_source("normal", 7168, 2048, short), "short", [include_dir()], tmp_path / "bad")
