@@ -62,10 +62,14 @@ def _scale_from_amax(amax: torch.Tensor, eps: float, ue8m0: bool) -> torch.Tenso
     """``max(amax, eps) / 448`` in float32 (rounded up to a power of two with ``ue8m0``).
 
     NaN amax stays NaN (``clamp`` would too, but we do not rely on it); +Inf stays +Inf.
+    The division is IEEE correctly rounded; a kernel computing ``amax * (1/448)`` can be 1 ulp off.
     """
     amax = amax.float()
     clamped = torch.where(torch.isnan(amax), amax, amax.clamp_min(eps))
-    scale = clamped / FP8_MAX
+    # NOTE: divide by a *tensor*: PyTorch's CUDA division by a Python scalar multiplies by the
+    # rounded reciprocal, which is 1 ulp off for some inputs, so CPU and CUDA would disagree (and an
+    # FP8 value sitting on a rounding tie would flip). Tensor / tensor is correctly rounded on both.
+    scale = clamped / torch.full_like(clamped, FP8_MAX)
     return _round_up_pow2(scale) if ue8m0 else scale
 
 
@@ -352,11 +356,15 @@ def fp8_grouped_gemm_masked(
 # 4. SiLU·mul (+ quantization)
 # ----------------------------------------------------------------------------------------------
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) · up`` in float32, where ``h [..., 2I] = [gate | up]`` (gate first). Returns ``[..., I]``."""
+    """``silu(gate) · up`` as float32, where ``h [..., 2I] = [gate | up]`` (gate first). Returns ``[..., I]``.
+
+    Evaluated in float64 and rounded once to float32: float32 ``exp`` differs by an ulp between CPU
+    and CUDA, and the oracle must give the same bits on both.
+    """
     if h.shape[-1] % 2 != 0:
         raise ValueError(f"h's last dim must be even (gate | up), got {h.shape[-1]}")
-    gate, up = h.float().chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = h.double().chunk(2, dim=-1)
+    return (F.silu(gate) * up).float()
 
 
 def silu_mul_per_token_group_quant(
@@ -415,7 +423,7 @@ def select_experts(
     """Pick ``top_k`` experts per token.
 
     Args:
-        router_logits: ``[T, E]`` (any float dtype; computed in float32). ``T`` may be 0.
+        router_logits: ``[T, E]`` (any float dtype). ``T`` may be 0. Scores are float32 (see below).
         top_k: experts per token.
         scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
         renormalize: divide the selected weights by their sum.
@@ -436,11 +444,13 @@ def select_experts(
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    logits = router_logits.float()
+    # Scores are evaluated in float64 and rounded once to float32 so CPU and CUDA agree bit for bit
+    # (their float32 exp differ by an ulp, enough to reorder near-ties); equal logits stay equal.
+    logits = router_logits.double()
     if scoring_func == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(logits, dim=-1).float()
     elif scoring_func == "sigmoid":
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(logits).float()
     else:
         raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
 

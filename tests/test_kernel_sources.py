@@ -59,3 +59,17 @@ def test_host_smem_size_matches_kernel_layout(tmp_path) -> None:
     short = dataclasses.replace(cfg, smem_bytes=smem_bytes(128, 112, cfg.num_stages) - 16)
     with pytest.raises(JitCompileError, match="shared-memory size disagrees"):
         compiler.compile(generate_source("normal", 7168, 2048, short), "short", [include_dir()], tmp_path / "bad")
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_every_block_shape_is_spill_free(block_m, tmp_path) -> None:
+    """Register pressure differs per BLOCK_N (one or two accumulator sets): no candidate may spill."""
+    from moe_fp8.kernels.heuristics import BLOCK_NS, straddle_ok
+
+    compiler = get_compiler(COMPILERS[-1])  # NVRTC when present: the faster of the two
+    for bn in (bn for bn in BLOCK_NS if straddle_ok(bn)):
+        cfg = make_config(block_m, bn, 132)
+        res = compiler.compile_ex(generate_source("normal", 7168, 2048, cfg), f"b{bn}", [include_dir()],
+                                  tmp_path / str(bn))
+        for fn in res.ptxas.values():
+            assert fn.get("spill_stores", 0) == 0 and fn.get("stack", 0) == 0, (block_m, bn, res.ptxas)

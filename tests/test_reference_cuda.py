@@ -53,8 +53,9 @@ def test_quant_cuda_matches_cpu_without_sync():
                *ref.silu_mul_per_token_group_quant(hc, masked_m=mc)]
     cpu = [*ref.per_token_group_quant(x, ue8m0=True), *ref.per_block_quant(w),
            *ref.silu_mul_per_token_group_quant(h, masked_m=masked_m)]
-    for a, b in zip(gpu, cpu, strict=True):
-        assert same_bytes(a, b)
+    names = ["x_fp8", "x_scale", "w_fp8", "w_scale", "y_fp8", "y_scale"]
+    for name, a, b in zip(names, gpu, cpu, strict=True):
+        assert same_bytes(a, b), name
     assert gpu[1].stride() == cpu[1].stride()
 
 
@@ -75,10 +76,18 @@ def test_gemms_cuda_full_fp32_and_no_sync():
             gpu_contig = ref.fp8_grouped_gemm_contiguous(*c_args)
     finally:
         torch.set_float32_matmul_precision(prev)
-    # FP32 sums in a different order may flip a bf16 rounding: at most one ulp apart.
-    for gpu, cpu in ((gpu_masked, cpu_masked), (gpu_contig, cpu_contig)):
+    # FP32 sums in another order differ by ~1e-7 of Σ|x·w|, which may flip a bf16 rounding.
+    x64 = ref.dequant_per_token_group(masked.x_fp8, masked.x_scale).double()
+    w64 = ref.dequant_per_block(masked.w_fp8, masked.w_scale).double()
+    mag_masked = x64.abs() @ w64.abs().transpose(1, 2)
+    x64 = ref.dequant_per_token_group(contig.x_fp8, contig.x_scale).double()
+    w64 = ref.dequant_per_block(contig.w_fp8, contig.w_scale).double()
+    ids = contig.m_indices.long().clamp_min(0)
+    mag_contig = torch.einsum("mk,mnk->mn", x64.abs(), w64.abs()[ids])
+    for gpu, cpu, mag in ((gpu_masked, cpu_masked, mag_masked), (gpu_contig, cpu_contig, mag_contig)):
         g, c = gpu.cpu().double(), cpu.double()
-        assert bool(((g - c).abs() <= 2.0**-7 * c.abs() + 1e-6).all())
+        excess = (g - c).abs() - (2.0**-7 * c.abs() + 1e-5 * mag)
+        assert bool((excess <= 0).all()), f"max excess {excess.max().item()}"
 
 
 def test_routing_dispatch_combine_cuda_matches_cpu_without_sync():

@@ -27,10 +27,10 @@ SETTINGS = settings(max_examples=30, deadline=None)
 # Routing
 # ----------------------------------------------------------------------------------------------
 def brute_force_route(router_logits, top_k, scoring_func, renormalize, n_group, topk_group, bias, scale):
-    """One token at a time in plain Python. Scores (and choice = scores + bias) come from torch in
+    """One token at a time in plain Python. Scores (and choice = scores + bias) come from torch as
     float32 — the elementwise math is not under test — everything after is written out by hand."""
-    logits = router_logits.float()
-    scores = torch.softmax(logits, -1) if scoring_func == "softmax" else torch.sigmoid(logits)
+    logits = router_logits.double()
+    scores = (torch.softmax(logits, -1) if scoring_func == "softmax" else torch.sigmoid(logits)).float()
     choice = scores if bias is None else scores + bias.float()
     num_experts = logits.shape[1]
     all_ids, all_weights = [], []
@@ -128,7 +128,7 @@ def test_select_experts_deepseek_v3_config():
     for row in ids.tolist():
         assert len(set(row)) == 8 and len({e // 32 for e in row}) <= 4
     # weights are the unbiased sigmoid scores, renormalized
-    sig = torch.sigmoid(inp.router_logits).gather(1, ids.long())
+    sig = torch.sigmoid(inp.router_logits.double()).float().gather(1, ids.long())
     torch.testing.assert_close(w, 2.5 * sig / sig.sum(-1, keepdim=True))
 
 

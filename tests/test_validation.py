@@ -122,8 +122,6 @@ def test_fp8_gemm_rejects(name, mutate, exc, pattern):
 
 def test_fp8_gemm_rejects_noncontiguous_w_scale():
     args = gemm_args()
-    args["w_scale"] = torch.ones(2, 1).t()  # shape (1, 2), strides (1, 1): not contiguous
-    assert not args["w_scale"].is_contiguous() or args["w_scale"].stride() == (2, 1)
     args["w_scale"] = torch.ones(1, 4)[:, ::2]  # shape (1, 2), strides (4, 2): not contiguous
     args["out"] = None
     with pytest.raises(ValueError, match=r"w_scale must be contiguous"):

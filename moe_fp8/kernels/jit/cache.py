@@ -19,6 +19,7 @@ logged, removed and rebuilt, never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -228,6 +229,7 @@ def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, com
         for stale in root.glob(f".tmp-{entry.name}-*"):  # left by a killed compile of this key
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=root))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; entries are plain readable files
         try:
             try:
                 res = comp.compile_ex(source, name, [inc], tmp, flags)
@@ -275,10 +277,8 @@ def cache_info() -> dict:
                       if d.is_dir() and not d.name.startswith(".") and d.name not in ("locks", "failed"))
         for dirpath, _, files in os.walk(root):
             for f in files:
-                try:
+                with contextlib.suppress(OSError):  # removed while we walked
                     size += (Path(dirpath) / f).stat().st_size
-                except OSError:
-                    pass  # removed while we walked
     return {"dir": str(root), "entries": entries, "bytes": size}
 
 

@@ -51,25 +51,21 @@ _SWIZZLE_ENUM = {
 class TmaDesc:
     """An encoded 128-byte ``CUtensorMap`` plus what it describes (dims/strides/box innermost first)."""
 
-    __slots__ = ("_buf", "address", "box", "data_ptr", "dims", "dtype", "strides_bytes", "swizzle")
+    __slots__ = ("_buf", "address", "box", "data_ptr", "dims", "dtype", "raw", "strides_bytes", "swizzle")
 
     def __init__(self, raw: bytes, *, data_ptr: int, dtype: torch.dtype, dims: tuple[int, ...],
                  strides_bytes: tuple[int, ...], box: tuple[int, ...], swizzle: str) -> None:
         if len(raw) != 128:
             raise ValueError(f"a CUtensorMap is 128 bytes, got {len(raw)}")
+        self.raw = bytes(raw)  # what kernel launches pack (one struct.pack_into per launch)
         self._buf = (ctypes.c_ubyte * 128).from_buffer_copy(raw)
-        self.address = ctypes.addressof(self._buf)
+        self.address = ctypes.addressof(self._buf)  # for APIs that want a CUtensorMap* (cuda.bindings)
         self.data_ptr = data_ptr
         self.dtype = dtype
         self.dims = dims
         self.strides_bytes = strides_bytes
         self.box = box
         self.swizzle = swizzle
-
-    @property
-    def raw(self) -> bytes:
-        """The 128 descriptor bytes."""
-        return bytes(self._buf)
 
     def __repr__(self) -> str:
         return (f"TmaDesc(ptr=0x{self.data_ptr:x}, dtype={self.dtype}, dims={self.dims}, "
@@ -121,7 +117,7 @@ def validate_tma(*, data_ptr: int, elem_bytes: int, dims: Sequence[int], strides
         raise ValueError(f"TMA inner box = {inner_box_bytes} bytes exceeds the {swizzle} swizzle span "
                          f"({span} bytes)")
     if tensor_extent_elems is not None:
-        region = 1 + sum((d - 1) * s for d, s in zip(dims, strides_elems))
+        region = 1 + sum((d - 1) * s for d, s in zip(dims, strides_elems, strict=True))
         if region > tensor_extent_elems:
             raise ValueError(f"TMA region (dims {tuple(dims)}, strides {tuple(strides_elems)} elements) spans "
                              f"{region} elements, past the tensor's {tensor_extent_elems}")
@@ -133,7 +129,7 @@ def _tensor_extent(t: torch.Tensor) -> int:
         raise ValueError("cannot describe an empty tensor with TMA")
     if any(s < 0 for s in t.stride()):
         raise ValueError(f"negative strides {t.stride()} are not supported by TMA")
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
 def infer_strides(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int]) -> tuple[int, ...] | None:
@@ -161,7 +157,7 @@ def infer_strides(shape: Sequence[int], stride: Sequence[int], dims: Sequence[in
         del pairs[j + 1]
     while len(pairs) < rank:  # described size-1 outer dims: stride = extent so far
         pairs.append([1, pairs[-1][0] * pairs[-1][1]])
-    if pairs[0][1] != 1 or any(d > p[0] for d, p in zip(dims, pairs)):
+    if pairs[0][1] != 1 or any(d > p[0] for d, p in zip(dims, pairs, strict=True)):
         return None
     return tuple(p[1] for p in pairs)
 

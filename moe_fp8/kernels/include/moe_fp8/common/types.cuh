@@ -27,6 +27,11 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 }
 
 template <typename T>
+__host__ __device__ constexpr T constexpr_min(T a, T b) {
+    return a < b ? a : b;
+}
+
+template <typename T>
 __host__ __device__ constexpr T constexpr_gcd(T a, T b) {
     return b == 0 ? a : constexpr_gcd(b, a % b);
 }

@@ -38,6 +38,27 @@ struct GemmSmem {
     static_assert(kSABytes % 128 == 0, "TMA destinations must be 128-byte aligned");
 };
 
+// Scales of one 128-K block for this thread's two fragment rows and (up to) two B-scale blocks.
+struct BlockScales {
+    float a_top, a_bot, b_lo, b_hi;
+};
+
+// total += acc · x_scale[row] · w_scale[n-block], on the D-fragment layout of WgmmaFp8<BLOCK_N>.
+template <uint32_t BLOCK_N, bool kMayStraddle>
+__device__ __forceinline__ void promote(float* total, const float* acc, const BlockScales& sc, uint32_t split) {
+    const float top_lo = sc.a_top * sc.b_lo, bot_lo = sc.a_bot * sc.b_lo;
+    const float top_hi = sc.a_top * sc.b_hi, bot_hi = sc.a_bot * sc.b_hi;
+#pragma unroll
+    for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
+        const bool hi = kMayStraddle && j * 8 >= split;
+        const float top = hi ? top_hi : top_lo, bot = hi ? bot_hi : bot_lo;
+        total[4 * j + 0] = fmaf(acc[4 * j + 0], top, total[4 * j + 0]);
+        total[4 * j + 1] = fmaf(acc[4 * j + 1], top, total[4 * j + 1]);
+        total[4 * j + 2] = fmaf(acc[4 * j + 2], bot, total[4 * j + 2]);
+        total[4 * j + 3] = fmaf(acc[4 * j + 3], bot, total[4 * j + 3]);
+    }
+}
+
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
           uint32_t kSmemBytes, class Scheduler>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
@@ -57,6 +78,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // A tile may straddle two 128-wide B-scale blocks when BLOCK_N does not divide 128; three
     // never happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
     constexpr bool kMayStraddle = 128 % BLOCK_N != 0;
+    // NOTE: ptxas allocates every thread of the kernel within the launch-bounds cap, 65536 / threads
+    // (168 with two math warpgroups, 232 = the setmaxnreg value with one), whatever setmaxnreg grants
+    // later. A second accumulator set (3 x BLOCK_N/2 live floats) only fits under the larger cap, so
+    // the overlapped mainloop is the one-math-warpgroup (BLOCK_M = 64, small-M) path; with two math
+    // warpgroups one promotes while the other's wgmmas run.
+    constexpr uint32_t kRegCap = constexpr_min(232u, (65536u / ((kNumMathWGs + 1) * 128)) & ~7u);
+    constexpr bool kOverlap = 3 * kNumAccum + 72 <= kRegCap;  // 72: addresses, scales, loop state
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
     static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8 up to 256");
@@ -111,31 +139,31 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 
     // ---- math warpgroups ----
     ptx::setmaxnreg_inc<232>();
-    const uint32_t lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x / 32) % 4;
-    const uint32_t frag_row = warpgroup * 64 + warp_in_wg * 16 + lane / 4;  // and frag_row + 8
-    float acc[kNumAccum], total[kNumAccum];
-    uint32_t stage = 0, phase = 0;
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t frag_row = warpgroup * 64 + ((threadIdx.x / 32) % 4) * 16 + lane / 4;  // and +8
+    float total[kNumAccum];
+    uint32_t stage = 0, phase = 0;  // next slot to issue from (continues across tiles)
+    uint32_t release_stage = 0;     // next slot to hand back (retired in issue order)
 
     while (scheduler.next(tile)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
         const float* tile_w_scale = w_scale + (tile.group * kNumNScales + n0 / 128) * kNumKBlocks;
         // columns of this tile below `split` use the first B-scale block, the rest the next one
         const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
+        const bool straddles = kMayStraddle && split < BLOCK_N;
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) total[i] = 0.0f;
 
-        for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-            // B scales come from global memory (tiny, L2-resident); issue before the barrier wait
-            const float sb_lo = ptx::ldg_f32(tile_w_scale + kb);
-            const float sb_hi = (kMayStraddle && split < BLOCK_N) ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb) : sb_lo;
-
-            // wait for TMA
+        // Wait for block kb's slot, read its scales, issue its four K=32 wgmmas into `acc`.
+        auto issue = [&](uint32_t kb, float* acc, BlockScales& sc) {
+            // B scales come from global memory (tiny, L2-resident): load before the barrier wait
+            sc.b_lo = ptx::ldg_f32(tile_w_scale + kb);
+            sc.b_hi = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb) : sc.b_lo;
             ptx::mbar_wait(&full_bar[stage], phase);
-            const float sa_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);
-            const float sa_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
-
-            // issue the four K=32 wgmmas of this 128-K block into fresh accumulators
-            const uint64_t desc_a = mma::make_desc_k_major_sw128(smem_a + stage * Smem::kABytes + warpgroup * 64 * kBlockK);
+            sc.a_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);
+            sc.a_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
+            const uint64_t desc_a =
+                mma::make_desc_k_major_sw128(smem_a + stage * Smem::kABytes + warpgroup * 64 * kBlockK);
             const uint64_t desc_b = mma::make_desc_k_major_sw128(smem_b + stage * Smem::kBBytes);
 #pragma unroll
             for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
@@ -145,26 +173,48 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 WgmmaFp8<BLOCK_N>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
                                        acc, k > 0);
             mma::wgmma_commit();
-            mma::wgmma_wait<0>();
+            if (++stage == kNumStages) stage = 0, phase ^= 1;
+        };
+        // The oldest issued block's wgmmas are complete: hand its slot back, then total += acc · x_scale · w_scale.
+        auto retire = [&](float* acc, const BlockScales& sc) {
 #pragma unroll
             for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
-
-            // release the slot: smem reads (wgmma operands, A scales) are done
             __syncwarp();
-            if (lane == 0) ptx::mbar_arrive(&empty_bar[stage]);
-            if (++stage == kNumStages) stage = 0, phase ^= 1;
-
-            // promote: total += acc · x_scale[row] · w_scale[n-block]
-            const float s_top_lo = sa_top * sb_lo, s_bot_lo = sa_bot * sb_lo;
-            const float s_top_hi = sa_top * sb_hi, s_bot_hi = sa_bot * sb_hi;
-#pragma unroll
-            for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
-                const bool hi = kMayStraddle && j * 8 >= split;
-                const float s_top = hi ? s_top_hi : s_top_lo, s_bot = hi ? s_bot_hi : s_bot_lo;
-                total[4 * j + 0] = fmaf(acc[4 * j + 0], s_top, total[4 * j + 0]);
-                total[4 * j + 1] = fmaf(acc[4 * j + 1], s_top, total[4 * j + 1]);
-                total[4 * j + 2] = fmaf(acc[4 * j + 2], s_bot, total[4 * j + 2]);
-                total[4 * j + 3] = fmaf(acc[4 * j + 3], s_bot, total[4 * j + 3]);
+            if (lane == 0) ptx::mbar_arrive(&empty_bar[release_stage]);
+            if (++release_stage == kNumStages) release_stage = 0;
+            promote<BLOCK_N, kMayStraddle>(total, acc, sc, split);
+        };
+        if constexpr (kOverlap) {
+            // Two accumulator sets: block kb+1's wgmmas run on the tensor cores while block kb is
+            // promoted on the CUDA cores (wait_group 1 = everything but the newest group is done).
+            float acc0[kNumAccum], acc1[kNumAccum];
+            BlockScales sc0, sc1;
+            issue(0, acc0, sc0);
+            for (uint32_t kb = 0; kb < kNumKBlocks; kb += 2) {
+                if (kb + 1 < kNumKBlocks) {
+                    issue(kb + 1, acc1, sc1);
+                    mma::wgmma_wait<1>();
+                } else {
+                    mma::wgmma_wait<0>();
+                }
+                retire(acc0, sc0);
+                if (kb + 1 < kNumKBlocks) {
+                    if (kb + 2 < kNumKBlocks) {
+                        issue(kb + 2, acc0, sc0);
+                        mma::wgmma_wait<1>();
+                    } else {
+                        mma::wgmma_wait<0>();
+                    }
+                    retire(acc1, sc1);
+                }
+            }
+        } else {
+            float acc[kNumAccum];
+            BlockScales sc;
+            for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+                issue(kb, acc, sc);
+                mma::wgmma_wait<0>();
+                retire(acc, sc);
             }
         }
 
