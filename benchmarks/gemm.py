@@ -42,7 +42,14 @@ def _impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int]] | None = None,
+def parse_block(spec: str) -> tuple[int, int, int, bool]:
+    """'128x160' -> (128, 160, 1, False); '128x128b' / '64x64a': 2-CTA multicast of B / A."""
+    on = spec[-1] if spec[-1] in "ab" else ""
+    bm, bn = (int(v) for v in spec.rstrip("ab").lower().split("x"))
+    return bm, bn, 2 if on else 1, on == "a"
+
+
+def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, bool]] | None = None,
         progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every impl on every shape; returns JSON rows and notes (failures, sweep results)."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
@@ -72,20 +79,22 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int]] | None 
                 notes.append(f"{impl} {m}x{n}x{k}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
             rows.append(row("gemm", shape, impl, us, flops, nbytes))
-        note = f"{m}x{n}x{k}: config block {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} stages"
+        mc = "" if cfg.multicast == 1 else f", multicast {'A' if cfg.multicast_on_a else 'B'}"
+        note = f"{m}x{n}x{k}: config block {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} stages{mc}"
         if (m, n, k) in DEEPGEMM_GEMM_TFLOPS:
             ours = next(r for r in rows[::-1] if r["impl"] == "moe_fp8" and r["shape"] == shape)
             note += f"; DeepGEMM {DEEPGEMM_GEMM_TFLOPS[(m, n, k)]} TF, ours {ours['tflops']} TF"
         notes.append(note)
-        for bm, bn in sweep or []:
+        for bm, bn, mc, on_a in sweep or []:
+            tag = f"{bm}x{bn}" + ("" if mc == 1 else "a" if on_a else "b")
             try:
-                c = make_config(bm, bn, get_num_sms())
+                c = make_config(bm, bn, get_num_sms(), multicast=mc, multicast_on_a=on_a)
                 us = bench_us(lambda c=c, t=t, out=out: fp8_gemm_hopper(
                     t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out, config=c))
-                notes.append(f"  sweep {m}x{n}x{k} block {bm}x{bn} s{c.num_stages}: {us:.1f} us "
+                notes.append(f"  sweep {m}x{n}x{k} block {tag} s{c.num_stages}: {us:.1f} us "
                              f"{flops / us / 1e6:.0f} TF")
             except Exception as e:
-                notes.append(f"  sweep {bm}x{bn}: {type(e).__name__}: {e}")
+                notes.append(f"  sweep {tag}: {type(e).__name__}: {e}")
         if progress:
             print(f"[{i + 1}/{len(shapes)}] {m}x{n}x{k} done", flush=True)
     return rows, notes
@@ -94,11 +103,12 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int]] | None 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="moe-fp8 bench gemm")
     p.add_argument("--shapes", nargs="*", help="M,N,K triples (default: DeepSeek-V3 table)")
-    p.add_argument("--sweep", nargs="*", default=[], help="BMxBN block shapes to time as well")
+    p.add_argument("--sweep", nargs="*", default=[],
+                   help="block shapes to time as well: BMxBN, suffix a/b for 2-CTA multicast of A/B")
     p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GEMM_SHAPES
-    sweep = [tuple(int(v) for v in s.lower().split("x")) for s in args.sweep]
+    sweep = [parse_block(s) for s in args.sweep]
     ceilings = measure_ceilings()
     rows, notes = run(shapes, sweep)
     path = write_record("gemm", rows, ceilings, args.out_dir)

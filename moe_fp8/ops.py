@@ -374,7 +374,7 @@ def per_block_quant(w: Tensor, block: tuple[int, int] = (GROUP_K, GROUP_K), ue8m
     """
     block = V.check_per_block(w, block)
     V.check_bool("ue8m0", ue8m0)
-    V.check_float("eps", eps)
+    V.check_eps(eps)
     if _compiling():
         return torch.ops.moe_fp8.per_block_quant(w, list(block), ue8m0, eps)
     return _per_block_quant_impl(w, block, ue8m0, eps)
@@ -413,7 +413,7 @@ def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: 
     Returns ``(y_fp8 [..., I], y_scale [..., ceil(I/group_size)])``, scales in the TMA layout.
     """
     V.check_silu_mul(h, group_size, ue8m0, masked_m)
-    V.check_float("eps", eps)
+    V.check_eps(eps)
     if _compiling():
         return torch.ops.moe_fp8.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps)
     return _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps)

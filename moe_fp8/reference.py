@@ -2,6 +2,9 @@
 
 Each function states the op's meaning in the plainest PyTorch we could write; speed is not a goal.
 All arithmetic is float32 after dequantization (real = fp8 · scale), tensors may live on CPU or CUDA.
+Transcendentals (SiLU, softmax, sigmoid) are evaluated in float64 and rounded once to float32, and
+every division is tensor / tensor (correctly rounded), so quantization, routing and dispatch give
+the same bits on CPU and CUDA; matmuls are true FP32 (never TF32) and agree to FP32 summation order.
 
 Conventions (DESIGN.md §2):
 - FP8 is ``torch.float8_e4m3fn`` (max 448); scales are FP32 multipliers.

@@ -56,6 +56,8 @@ def empty_scale_tma(m: int, k_groups: int, *, groups: int | None = None,
 
 def is_scale_tma_layout(scale: torch.Tensor) -> bool:
     """True when ``scale`` has the column-major, 4-row-padded layout of ``empty_scale_tma``."""
+    if scale.numel() == 0:
+        return True  # nothing is read (torch gives empty dimensions arbitrary strides)
     if scale.dim() == 2:
         m, kg = scale.shape
         return scale.stride(0) == 1 and (kg <= 1 or scale.stride(1) == get_tma_aligned_m(m))

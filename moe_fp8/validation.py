@@ -456,10 +456,15 @@ def check_per_token_group(x: object, group_size: object, ue8m0: object, eps: obj
         raise ValueError(f"x K (last dim) must be a positive multiple of {K_ALIGN}, got {k}")
     check_group_size(group_size)
     check_bool("ue8m0", ue8m0)
+    check_eps(eps)
+    return m, k
+
+
+def check_eps(eps: object) -> None:
+    """``eps`` (lower bound on a group's amax) must be a positive host float."""
     check_float("eps", eps)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
-    return m, k
 
 
 def check_per_block(w: object, block: object) -> tuple[int, int]:

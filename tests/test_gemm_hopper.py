@@ -67,6 +67,16 @@ def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
     _check(out, inp, 1152)
 
 
+# 2-CTA multicast: odd block counts leave one CTA of a pair past the matrix (must store nothing).
+@pytest.mark.parametrize("m,n,k", [(300, 2112, 1152), (128, 7168, 576), (4096, 4096, 512), (1, 200, 256)])
+@pytest.mark.parametrize("block_m,block_n,on_a", [(128, 128, False), (128, 144, True), (64, 64, True),
+                                                  (64, 112, False), (128, 160, False)])
+def test_gemm_multicast(m: int, n: int, k: int, block_m: int, block_n: int, on_a: bool) -> None:
+    cfg = make_config(block_m, block_n, get_num_sms(), multicast=2, multicast_on_a=on_a)
+    out, inp = _run(m, n, k, seed=block_n + m, config=cfg)
+    _check(out, inp, k)
+
+
 def test_gemm_m_zero() -> None:
     out, _ = _run(0, 256, 256, seed=0)
     assert out.shape == (0, 256)

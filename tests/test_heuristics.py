@@ -40,6 +40,10 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
     _valid(cfg)
     if layout == "contiguous":
         assert get_align_m() % cfg.block_m == 0, "a tile must not straddle two expert segments"
+    if layout != "normal":
+        assert cfg.multicast == 1, "multicast pairs could span two experts"
+    if cfg.multicast > 1:
+        assert num_sms % 2 == 0 and (cfg.block_m if cfg.multicast_on_a else cfg.block_n) % 16 == 0
 
 
 def test_straddle_rule() -> None:
@@ -56,7 +60,8 @@ def test_small_m_uses_one_math_warpgroup() -> None:
 
 def test_large_m_fills_the_machine() -> None:
     cfg = get_config(GemmDesc(4096, 7168, 16384))
-    _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n)
+    _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n, cfg.multicast,
+                           cfg.multicast_on_a)
     assert cfg.block_m == 128 and tiles >= 132
 
 

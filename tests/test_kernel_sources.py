@@ -11,8 +11,8 @@ import pytest
 
 from moe_fp8.kernels.gemm import generate_source
 from moe_fp8.kernels.heuristics import GemmDesc, get_config, make_config, smem_bytes
-from moe_fp8.kernels.jit.compiler import JitCompileError, find_compilers, get_compiler
 from moe_fp8.kernels.jit.cache import include_dir
+from moe_fp8.kernels.jit.compiler import JitCompileError, find_compilers, get_compiler
 from moe_fp8.kernels.tools import gen_wgmma
 
 COMPILERS = [c.name for c in find_compilers() if c.available]
@@ -23,6 +23,8 @@ VARIANTS = [
     ("contiguous", 4096, 7168, make_config(128, 160, 132)),
     ("masked", 7168, 2048, make_config(64, 16, 132)),
     ("normal", 24576, 1536, get_config(GemmDesc(4096, 24576, 1536))),
+    ("normal", 7168, 2048, make_config(128, 128, 132, multicast=2)),
+    ("normal", 2112, 7168, make_config(64, 24, 132, multicast=2, multicast_on_a=True)),
 ]
 
 

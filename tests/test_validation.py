@@ -266,6 +266,7 @@ def test_per_token_group_rejects(name, kwargs, exc, pattern):
     ("block one int", dict(block=128), TypeError, r"block must be a pair of ints \(block_n, block_k\), got 128"),
     ("block zero", dict(block=(0, 128)), ValueError, r"block must be positive, got \(0, 128\)"),
     ("ue8m0 str", dict(ue8m0="yes"), TypeError, r"ue8m0 must be a bool"),
+    ("eps zero", dict(eps=0.0), ValueError, r"eps must be > 0, got 0\.0"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_per_block_rejects(name, kwargs, exc, pattern):
     args = dict(w=torch.ones(8, 16))
@@ -285,6 +286,8 @@ def test_per_block_rejects(name, kwargs, exc, pattern):
      r"masked_m must be torch\.int32, got torch\.float32"),
     ("masked_m shape", dict(h=torch.ones(2, 3, 64), masked_m=torch.ones(3, dtype=torch.int32)), ValueError,
      r"masked_m must have shape \(2,\)"),
+    ("group_size", dict(group_size=-16), ValueError, r"group_size must be >= 1, got -16"),
+    ("eps", dict(eps=float("nan")), ValueError, r"eps must be > 0, got nan"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_silu_mul_rejects(name, kwargs, exc, pattern):
     args = dict(h=torch.ones(4, 64))

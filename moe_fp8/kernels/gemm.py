@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
-from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config
+from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles
 from .jit import build, make_tma_2d
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
@@ -23,7 +23,7 @@ __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::fp8_gemm_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
         /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes},
-        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}>>;
+        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{multicast_args}>>;
 }}
 """
 
@@ -36,14 +36,19 @@ SCHEDULERS: dict[Layout, str] = {
 
 def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
     """The tiny generated .cu of one variant (named fields from the config, nothing positional)."""
-    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], **{
+    if cfg.multicast > 1 and layout != "normal":
+        raise ValueError(f"multicast is only implemented for the normal layout, not {layout}")
+    multicast_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
+                      if cfg.multicast > 1 else "")
+    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], multicast_args=multicast_args, **{
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
 @functools.cache
 def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig):
     """Compile (or fetch from the disk cache) and return the variant for (layout, N, K, config)."""
-    name = f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}"
+    mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
+    name = f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
     return build(name, generate_source(layout, n, k, cfg))
 
 
@@ -71,18 +76,20 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
     cfg = get_config(desc) if config is None else config
     kernel = get_kernel(layout, n, k, cfg)
     kb = ceil_div(k, BLOCK_K)
-    tmap_a = make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m, swizzle="128B")
-    tmap_b = make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n, swizzle="128B")
+    # with multicast each CTA of the pair loads half of the shared operand's box
+    half_a = cfg.multicast if cfg.multicast_on_a else 1
+    half_b = 1 if cfg.multicast_on_a else cfg.multicast
+    tmap_a = make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B")
+    tmap_b = make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n // half_b, swizzle="128B")
     tmap_sa = _tma_scale(x_scale, rows_per_group, (num_groups if layout == "masked" else 1) * kb, cfg.block_m)
-    # an upper bound for masked (the device-side counts may skip tiles)
-    num_tiles = ceil_div(rows_per_group, cfg.block_m) * ceil_div(n, cfg.block_n) * (
-        num_groups if layout == "masked" else 1)
-    grid = max(1, min(cfg.num_sms, num_tiles))
+    # masked: an upper bound (the device-side counts may skip tiles)
+    tiles = num_tiles(desc, cfg.block_m, cfg.block_n, cfg.multicast, cfg.multicast_on_a)
+    grid = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles))
     kernel.launch(
         (grid, 1, 1), (cfg.num_threads, 1, 1),
         [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout,
          rows_per_group, num_groups],
-        smem_bytes=cfg.smem_bytes,
+        smem_bytes=cfg.smem_bytes, cluster=(cfg.multicast, 1, 1),
     )
     return cfg
 

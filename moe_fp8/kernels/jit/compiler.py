@@ -60,53 +60,59 @@ NVRTC_FLAGS: tuple[str, ...] = (
     "--ptxas-options=-v",
 )
 
-# NOTE: 64-bit types are `long` as in glibc's x86-64 (LP64) headers, which nvcc uses: both compilers
-# then see identical types, overloads and mangled names.
+# NVRTC has no C library headers.  When the toolkit's CCCL (<cuda/std/...>) is on the include path
+# the shims defer to it, since under NVRTC it defines the global fixed-width types itself; otherwise
+# they define them the way CCCL does.  NOTE: 64-bit types are then `long long` (CCCL's NVRTC choice),
+# `long` under nvcc (glibc): same size, but template instances over them mangle differently, so look
+# kernels up by C++ name (build(kernel_name="fn")), not by a mangled string copied from one compiler.
 _STDINT_SHIM = """#pragma once
-// moe_fp8 NVRTC shim: NVRTC ships no C library headers.
+// moe_fp8 NVRTC shim for <cstdint> / <stdint.h>
+#if __has_include(<cuda/std/cstdint>)
+#include <cuda/std/cstdint>
+#else
 typedef signed char int8_t;
-typedef short int16_t;
-typedef int int32_t;
-typedef long int64_t;
+typedef signed short int16_t;
+typedef signed int int32_t;
+typedef signed long long int64_t;
 typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
-typedef unsigned long uint64_t;
-typedef long intptr_t;
-typedef unsigned long uintptr_t;
-#define INT8_MIN (-128)
+typedef unsigned long long uint64_t;
+typedef int64_t intptr_t;
+typedef uint64_t uintptr_t;
+#define INT8_MIN (-127 - 1)
 #define INT16_MIN (-32767 - 1)
 #define INT32_MIN (-2147483647 - 1)
-#define INT64_MIN (-9223372036854775807L - 1)
+#define INT64_MIN (-9223372036854775807LL - 1)
 #define INT8_MAX 127
 #define INT16_MAX 32767
 #define INT32_MAX 2147483647
-#define INT64_MAX 9223372036854775807L
+#define INT64_MAX 9223372036854775807LL
 #define UINT8_MAX 255
 #define UINT16_MAX 65535
 #define UINT32_MAX 4294967295U
-#define UINT64_MAX 18446744073709551615UL
-#ifdef __cplusplus
+#define UINT64_MAX 18446744073709551615ULL
+#endif
 namespace std {
 using ::int8_t; using ::int16_t; using ::int32_t; using ::int64_t;
 using ::uint8_t; using ::uint16_t; using ::uint32_t; using ::uint64_t;
 using ::intptr_t; using ::uintptr_t;
 }
-#endif
 """
 _STDDEF_SHIM = """#pragma once
-// moe_fp8 NVRTC shim: NVRTC ships no C library headers.
+// moe_fp8 NVRTC shim for <cstddef> / <stddef.h>
+#if __has_include(<cuda/std/cstddef>)
+#include <cuda/std/cstddef>
+#endif
 typedef decltype(sizeof(0)) size_t;
 typedef decltype((char*)0 - (char*)0) ptrdiff_t;
 #ifndef NULL
 #define NULL 0
 #endif
-#ifdef __cplusplus
 namespace std {
 using ::size_t; using ::ptrdiff_t;
 typedef decltype(nullptr) nullptr_t;
 }
-#endif
 """
 NVRTC_SHIM_HEADERS: dict[str, str] = {
     "cstdint": _STDINT_SHIM,

@@ -135,28 +135,32 @@ def _tensor_extent(t: torch.Tensor) -> int:
 def infer_strides(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int]) -> tuple[int, ...] | None:
     """Element strides for TMA ``dims`` (innermost first) read straight from a tensor's layout.
 
-    The tensor's dims are ordered by increasing stride (a row-major tensor reversed; a column-major one
-    as is) and adjacent ones merged while mergeable (``stride[j+1] == size[j]*stride[j]``) until the rank
-    matches.  Returns None when the layout does not match ``dims`` (each described dim must be ≤ the
-    tensor's), in which case the caller must pass strides explicitly.
+    TMA dims are memory-ordered (dim 0 contiguous), so the tensor's dims are taken by increasing stride
+    (a row-major tensor reversed; the column-major FP32 scales ``[M, KG]`` stride ``(1, M_pad)`` as
+    ``(M, KG)``).  To lower the rank, the outermost dims are merged when they tile each other
+    (``stride[outer] == size[inner] * stride[inner]``) *and* keep their logical order (``[G, N, K]`` →
+    ``(K, G*N)``); a merge that would reorder rows (e.g. of a transposed view) is refused.  Size-1 dims
+    are dropped or appended as needed.  Each described dim must be ≤ the tensor's.  Returns None when
+    the layout does not match, in which case the caller must pass strides explicitly.
     """
     rank = len(dims)
     # increasing stride; among equal strides the later (more inner) torch dim first
     order = sorted(range(len(shape)), key=lambda i: (stride[i], -i))
-    pairs = [[shape[i], stride[i]] for i in order] or [[1, 1]]
+    pairs = [[shape[i], stride[i], i] for i in order] or [[1, 1, 0]]
     while len(pairs) > rank:
         # a size-1 dim can always go (its stride never addresses anything); prefer the outermost one
         ones = [j for j in range(1, len(pairs)) if pairs[j][0] == 1]
         if ones:
             del pairs[ones[-1]]
             continue
-        j = len(pairs) - 2  # else merge the two outermost dims, if they tile each other
-        if pairs[j + 1][1] != pairs[j][0] * pairs[j][1]:
+        j = len(pairs) - 2  # else merge the two outermost dims, if they tile each other in order
+        inner, outer = pairs[j], pairs[j + 1]
+        if outer[1] != inner[0] * inner[1] or outer[2] > inner[2]:
             return None
-        pairs[j][0] *= pairs[j + 1][0]
+        pairs[j] = [inner[0] * outer[0], inner[1], outer[2]]
         del pairs[j + 1]
     while len(pairs) < rank:  # described size-1 outer dims: stride = extent so far
-        pairs.append([1, pairs[-1][0] * pairs[-1][1]])
+        pairs.append([1, pairs[-1][0] * pairs[-1][1], -1])
     if pairs[0][1] != 1 or any(d > p[0] for d, p in zip(dims, pairs, strict=True)):
         return None
     return tuple(p[1] for p in pairs)

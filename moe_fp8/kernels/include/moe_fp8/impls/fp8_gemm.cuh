@@ -78,6 +78,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // A tile may straddle two 128-wide B-scale blocks when BLOCK_N does not divide 128; three
     // never happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
     constexpr bool kMayStraddle = 128 % BLOCK_N != 0;
+    constexpr uint32_t kMulticast = Scheduler::kMulticast;  // CTAs per cluster sharing one operand
+    constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
+    static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
+    static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
+                  "each multicast half must stay 1024-byte aligned");
     // NOTE: ptxas allocates every thread of the kernel within the launch-bounds cap, 65536 / threads
     // (168 with two math warpgroups, 232 = the setmaxnreg value with one), whatever setmaxnreg grants
     // later. A second accumulator set (3 x BLOCK_N/2 live floats) only fits under the larger cap, so
@@ -104,11 +109,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     if (threadIdx.x == 0) {
         for (uint32_t s = 0; s < kNumStages; ++s) {
             ptx::mbar_init(&full_bar[s], 1);
-            ptx::mbar_init(&empty_bar[s], kNumMathThreads / 32);
+            // with multicast a slot is refilled for both CTAs, so both CTAs' consumers release it
+            ptx::mbar_init(&empty_bar[s], kNumMathThreads / 32 * kMulticast);
         }
         ptx::fence_barrier_init();
     }
-    __syncthreads();
+    // the peer's barriers must be initialised before its multicasts or arrivals reach them
+    if constexpr (kMulticast > 1) ptx::cluster_sync(); else __syncthreads();
 
     Scheduler scheduler(shape_m, grouped_layout, num_groups);
     sched::Tile tile;
@@ -116,27 +123,42 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     if (warpgroup == kNumMathWGs) {
         // ---- producer: one thread issues every TMA load ----
         ptx::setmaxnreg_dec<40>();
-        if (threadIdx.x % 128 != 0) return;
-        ptx::tma_prefetch_desc(&tmap_a);
-        ptx::tma_prefetch_desc(&tmap_b);
-        ptx::tma_prefetch_desc(&tmap_sa);
-        uint32_t stage = 0, phase = 0;
-        while (scheduler.next(tile)) {
-            const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
-            for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-                // wait for the consumers to release the slot
-                ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-                ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
-                const int32_t k0 = static_cast<int32_t>(kb * kBlockK);
-                ptx::tma_load_2d(smem_a + stage * Smem::kABytes, &tmap_a, &full_bar[stage], k0, tile.row0);
-                ptx::tma_load_2d(smem_b + stage * Smem::kBBytes, &tmap_b, &full_bar[stage], k0, b_row);
-                ptx::tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, &full_bar[stage], tile.scale_m0, tile.scale_k0 + kb);
-                if (++stage == kNumStages) stage = 0, phase ^= 1;
+        if (threadIdx.x % 128 == 0) {
+            ptx::tma_prefetch_desc(&tmap_a);
+            ptx::tma_prefetch_desc(&tmap_b);
+            ptx::tma_prefetch_desc(&tmap_sa);
+            // multicast: this CTA fetches its half (by cluster rank) of the shared operand for both
+            const uint32_t rank = kMulticast > 1 ? ptx::cluster_cta_rank() : 0;
+            uint32_t stage = 0, phase = 0;
+            while (scheduler.next(tile)) {
+                const int32_t a_row = static_cast<int32_t>(tile.row0);
+                const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+                for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+                    // wait for the consumers (of both CTAs, with multicast) to release the slot
+                    ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
+                    ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
+                    const int32_t k0 = static_cast<int32_t>(kb * kBlockK);
+                    uint8_t* a_dst = smem_a + stage * Smem::kABytes;
+                    uint8_t* b_dst = smem_b + stage * Smem::kBBytes;
+                    if constexpr (kMulticast > 1 && kMulticastOnA) {
+                        ptx::tma_load_2d_multicast(a_dst + rank * Smem::kABytes / 2, &tmap_a, &full_bar[stage], k0,
+                                                   a_row + rank * BLOCK_M / 2, 0b11);
+                    } else {
+                        ptx::tma_load_2d(a_dst, &tmap_a, &full_bar[stage], k0, a_row);
+                    }
+                    if constexpr (kMulticast > 1 && !kMulticastOnA) {
+                        ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
+                                                   b_row + rank * BLOCK_N / 2, 0b11);
+                    } else {
+                        ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, b_row);
+                    }
+                    ptx::tma_load_2d(smem_sa + stage * BLOCK_M, &tmap_sa, &full_bar[stage], tile.scale_m0,
+                                     tile.scale_k0 + kb);
+                    if (++stage == kNumStages) stage = 0, phase ^= 1;
+                }
             }
         }
-        return;
-    }
-
+    } else {
     // ---- math warpgroups ----
     ptx::setmaxnreg_inc<232>();
     const uint32_t lane = threadIdx.x % 32;
@@ -147,7 +169,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 
     while (scheduler.next(tile)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
-        const float* tile_w_scale = w_scale + (tile.group * kNumNScales + n0 / 128) * kNumKBlocks;
+        // (a multicast partner tile past N reads the last scale block: its columns are never stored)
+        const float* tile_w_scale =
+            w_scale + (tile.group * kNumNScales + min(n0 / 128, kNumNScales - 1)) * kNumKBlocks;
         // columns of this tile below `split` use the first B-scale block, the rest the next one
         const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
         const bool straddles = kMayStraddle && split < BLOCK_N;
@@ -180,7 +204,14 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 #pragma unroll
             for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
             __syncwarp();
-            if (lane == 0) ptx::mbar_arrive(&empty_bar[release_stage]);
+            if (lane == 0) {
+                if constexpr (kMulticast > 1) {
+                    ptx::mbar_arrive_cluster(&empty_bar[release_stage], 0);
+                    ptx::mbar_arrive_cluster(&empty_bar[release_stage], 1);
+                } else {
+                    ptx::mbar_arrive(&empty_bar[release_stage]);
+                }
+            }
             if (++release_stage == kNumStages) release_stage = 0;
             promote<BLOCK_N, kMayStraddle>(total, acc, sc, split);
         };
@@ -225,6 +256,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumMathThreads>(smem_d, out, tile.row0, tile.row_end, n0,
                                                                     threadIdx.x);
     }
+    }
+    // no CTA may exit while its peer can still multicast into it or arrive on its barriers
+    if constexpr (kMulticast > 1) ptx::cluster_sync();
 }
 
 }  // namespace moe_fp8

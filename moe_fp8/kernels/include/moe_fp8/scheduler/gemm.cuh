@@ -31,25 +31,37 @@ __device__ __forceinline__ void swizzle_tile(uint32_t idx, uint32_t num_m_blocks
     n_block = in_group / group_m;
 }
 
-// Normal GEMM: rows [0, shape_m).
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+// Normal GEMM: rows [0, shape_m). With kMulticast == 2 the two CTAs of a cluster take the two
+// halves of one "cluster tile": m-blocks 2p, 2p+1 of one n-block (they share B) or, on A, n-blocks
+// 2q, 2q+1 of one m-block. A half past the matrix still runs (its peer needs its half of the shared
+// operand) but stores nothing.
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
+          uint32_t kMulticast_ = 1, bool kMulticastOnA_ = false>
 struct NormalScheduler {
+    static constexpr uint32_t kMulticast = kMulticast_;
+    static constexpr bool kMulticastOnA = kMulticastOnA_;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
-    uint32_t shape_m, num_m_blocks, num_tiles;
+    uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
     int32_t iter = -1;
 
     __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/)
         : shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
-        num_tiles = num_m_blocks * kNumNBlocks;
+        num_units_m = kMulticastOnA ? num_m_blocks : ceil_div(num_m_blocks, kMulticast);
+        num_units_n = kMulticastOnA ? ceil_div(kNumNBlocks, kMulticast) : kNumNBlocks;
+        num_units = num_units_m * num_units_n;
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
-        const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
-        if (idx >= num_tiles) return false;
-        swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
+        const uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
+        if (unit >= num_units) return false;
+        uint32_t um, un;
+        swizzle_tile<kGroupM>(unit, num_units_m, num_units_n, um, un);
+        const uint32_t rank = blockIdx.x % kMulticast;
+        t.m_block = kMulticastOnA ? um : um * kMulticast + rank;
+        t.n_block = kMulticastOnA ? un * kMulticast + rank : un;
         t.group = 0;
         t.row0 = t.m_block * BLOCK_M;
-        t.row_end = shape_m;
+        t.row_end = t.n_block < kNumNBlocks ? shape_m : 0;  // no rows to store past N
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
         return true;
@@ -62,6 +74,8 @@ struct NormalScheduler {
 // (no loads, no math, no stores).
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
 struct ContiguousScheduler {
+    static constexpr uint32_t kMulticast = 1;
+    static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
     const int32_t* m_indices;
@@ -96,6 +110,8 @@ struct ContiguousScheduler {
 // written.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
 struct MaskedScheduler {
+    static constexpr uint32_t kMulticast = 1;
+    static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     const int32_t* masked_m;
