@@ -109,12 +109,12 @@ def cache_key(name: str, source: str, *, compiler: str | Compiler | None = None,
     """The full sha256 key of a variant (see module docstring)."""
     _check_name(name)
     comp = compiler if isinstance(compiler, Compiler) else get_compiler(compiler)
-    return _key(name, source, comp, tuple(flags), include_dir())
+    return _key(name, source, comp, tuple(flags), include_tree_hash(include_dir()))
 
 
-def _key(name: str, source: str, comp: Compiler, flags: tuple[str, ...], inc: Path) -> str:
+def _key(name: str, source: str, comp: Compiler, flags: tuple[str, ...], tree_hash: str) -> str:
     h = hashlib.sha256()
-    for part in (f"moe_fp8-jit-entry-v{ENTRY_FORMAT}", name, source, include_tree_hash(inc),
+    for part in (f"moe_fp8-jit-entry-v{ENTRY_FORMAT}", name, source, tree_hash,
                  comp.identity(), "\n".join(flags)):
         data = part.encode()
         h.update(len(data).to_bytes(8, "little"))
@@ -196,13 +196,14 @@ def build(name: str, source: str, *, kernel_name: str | None = None, compiler: s
         return k
     _check_name(name)
     inc = include_dir()
-    key = _key(name, source, comp, flags_t, inc)
+    tree_hash = include_tree_hash(inc)
+    key = _key(name, source, comp, flags_t, tree_hash)
     root = cache_dir()
     entry = _entry_dir(root, name, key)
     t0 = time.perf_counter()
     got = _load_entry(entry, key)
     if isinstance(got, str):
-        got = _build_locked(root, entry, name, key, source, comp, inc, flags_t, got)
+        got = _build_locked(root, entry, name, key, source, comp, inc, tree_hash, flags_t, got)
     else:
         debug_print(f"cache hit {entry} ({(time.perf_counter() - t0) * 1e3:.1f} ms)")
     cubin, meta = got
@@ -214,7 +215,7 @@ def build(name: str, source: str, *, kernel_name: str | None = None, compiler: s
 
 
 def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, comp: Compiler, inc: Path,
-                  flags: tuple[str, ...], why: str) -> tuple[bytes, dict]:
+                  tree_hash: str, flags: tuple[str, ...], why: str) -> tuple[bytes, dict]:
     (root / "locks").mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / "locks" / f"{entry.name}.lock")):
         got = _load_entry(entry, key)  # another process may have built it while we waited
@@ -238,13 +239,15 @@ def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, com
                 failed.parent.mkdir(exist_ok=True)
                 _remove_dir(failed)
                 os.replace(tmp, failed)
-                raise JitCompileError(str(e).replace(str(tmp), str(failed)), log=e.log, path=failed) from None
+                flog = e.log.replace(str(tmp), str(failed))
+                (failed / LOG_FILE).write_text(flog)
+                raise JitCompileError(str(e).replace(str(tmp), str(failed)), log=flog, path=failed) from None
             cubin = res.cubin.read_bytes()
             meta = {
                 "format": ENTRY_FORMAT, "key": key, "name": name,
                 "compiler": comp.name, "compiler_version": comp.version, "compiler_path": comp.info.path,
                 "flags": comp.flags() + list(flags), "include_dir": str(inc),
-                "include_tree_sha256": include_tree_hash(inc),
+                "include_tree_sha256": tree_hash,
                 "cubin_size": len(cubin), "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
                 "compile_seconds": round(res.seconds, 3), "ptxas": res.ptxas,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),

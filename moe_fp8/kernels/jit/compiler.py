@@ -455,18 +455,29 @@ class NvrtcCompiler(Compiler):
 
     def _run(self, source: str, src_path: Path, include_dirs: list[Path], cubin_path: Path,
              extra_flags: list[str]) -> tuple[bool, str]:
+        opts = [*NVRTC_FLAGS, *(f"-I{d}" for d in include_dirs),
+                *(f"-I{d}" for d in self._system_includes), *extra_flags]
+        ok, log, invalid_option = self._compile(source, src_path, opts, cubin_path)
+        if not ok and invalid_option and "ptxas-options" in log:
+            # an NVRTC without --ptxas-options still compiles; only the register report is lost
+            opts = [o for o in opts if not o.startswith("--ptxas-options")]
+            ok, log, _ = self._compile(source, src_path, opts, cubin_path)
+            log += "\n(this NVRTC rejects --ptxas-options: no ptxas register/spill report)"
+        return ok, log
+
+    @staticmethod
+    def _compile(source: str, src_path: Path, opts: list[str], cubin_path: Path) -> tuple[bool, str, bool]:
+        """(success, log, failed with NVRTC_ERROR_INVALID_OPTION)."""
         from cuda.bindings import nvrtc
 
         ok_code = nvrtc.nvrtcResult.NVRTC_SUCCESS
-        opts = [*NVRTC_FLAGS, *(f"-I{d}" for d in include_dirs),
-                *(f"-I{d}" for d in self._system_includes), *extra_flags]
         names = list(NVRTC_SHIM_HEADERS)
         err, prog = nvrtc.nvrtcCreateProgram(
             source.encode(), str(src_path).encode(), len(names),
             [NVRTC_SHIM_HEADERS[n].encode() for n in names], [n.encode() for n in names],
         )
         if err != ok_code:
-            return False, f"nvrtcCreateProgram failed: {err}"
+            return False, f"nvrtcCreateProgram failed: {err}", False
         header = "nvrtc " + " ".join(opts) + "\n"
         try:
             (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
@@ -477,16 +488,16 @@ class NvrtcCompiler(Compiler):
                 nvrtc.nvrtcGetProgramLog(prog, buf)
                 log = bytes(buf).rstrip(b"\0").decode(errors="replace")
             if err != ok_code:
-                return False, f"{header}{log}\n{err.name}"
+                return False, f"{header}{log}\n{err.name}", err == nvrtc.nvrtcResult.NVRTC_ERROR_INVALID_OPTION
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
             if err != ok_code or size == 0:
-                return False, f"{header}{log}\nnvrtcGetCUBINSize failed: {err}"
+                return False, f"{header}{log}\nnvrtcGetCUBINSize failed: {err}", False
             cubin = bytearray(size)
             (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
             if err != ok_code:
-                return False, f"{header}{log}\nnvrtcGetCUBIN failed: {err}"
+                return False, f"{header}{log}\nnvrtcGetCUBIN failed: {err}", False
             cubin_path.write_bytes(bytes(cubin))
-            return True, header + log
+            return True, header + log, False
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
 

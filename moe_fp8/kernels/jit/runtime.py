@@ -253,8 +253,8 @@ class JitKernel:
         self._tls = threading.local()
         self._configs: dict[tuple, Any] = {}
         self._lock = threading.Lock()
-        self._fast: Any = None  # specialized packer for the argument types of the first launch
-        self._fast_tried = False
+        self._fast: Any = None  # packer specialized to the argument types of the latest generic pack
+        self._fast_budget = 4  # call sites with changing types end up on the generic path
 
     def __repr__(self) -> str:
         return f"JitKernel({self.name!r}, symbol={self.symbol!r}, cubin={str(self.cubin_path)!r})"
@@ -304,6 +304,7 @@ class JitKernel:
         return self
 
     def _device_state(self, dev: int) -> _DeviceState:
+        """Per-device handle and limits; ``dev`` must be the current device (its context is used)."""
         st = self._devices.get(dev)
         if st is not None:
             return st
@@ -323,8 +324,14 @@ class JitKernel:
         return st
 
     def function_handle(self, device: int | None = None) -> Any:
-        """The ``CUfunction`` of this kernel for ``device`` (default: torch's current device)."""
-        return self._device_state(_current_device() if device is None else device).func
+        """The ``CUfunction`` of this kernel for ``device`` (default: torch's current device); loads
+        the kernel into that device's context if needed."""
+        if device is None or device == _current_device():
+            return self._device_state(_current_device()).func
+        import torch
+
+        with torch.cuda.device(device):
+            return self._device_state(device).func
 
     # ---- launching
 
@@ -416,12 +423,12 @@ class JitKernel:
     def _pack(self, args: Sequence[Any]) -> int:
         """Write ``args`` into this thread's parameter buffer; return the ``void**`` address.
 
-        The generic (checked, ~1 µs per argument) path; after its first success the argument types
-        are compiled into a specialized packer (``_compile_packer``) that later launches try first.
+        The generic (checked, ~1 µs per argument) path; after a success the argument types are
+        compiled into a specialized packer (``_compile_packer``) that later launches try first.
         """
         ptrs = self._pack_generic(args)
-        if self._fast is None and not self._fast_tried:
-            self._fast_tried = True
+        if self._fast_budget > 0:  # (re)specialize to these types, a bounded number of times
+            self._fast_budget -= 1
             self._fast = _compile_packer(self._layout or (), args)
         return ptrs
 

@@ -198,7 +198,9 @@ def make_tma(tensor: torch.Tensor, dims: Sequence[int], box: Sequence[int], *, s
     else:
         strides_t = tuple(int(s) for s in strides_elems)
     ptr = tensor.data_ptr()
-    key = (tensor.device.index, ptr, tensor.dtype, dims_t, strides_t, box_t, swizzle)
+    # shape/stride are in the key because the bounds check below depends on the tensor's extent
+    key = (tensor.device.index, ptr, tensor.dtype, tensor.shape, tensor.stride(), dims_t, strides_t, box_t,
+           swizzle)
     with _cache_lock:
         desc = _cache.get(key)
         if desc is not None:

@@ -53,7 +53,7 @@ __device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
 
 __device__ __forceinline__ float ldg_f32(const float* ptr) {
     float v;
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));  // volatile: issue where written
     return v;
 }
 
