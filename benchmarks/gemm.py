@@ -42,14 +42,16 @@ def _impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def parse_block(spec: str) -> tuple[int, int, int, bool]:
-    """'128x160' -> (128, 160, 1, False); '128x128b' / '64x64a': 2-CTA multicast of B / A."""
+def parse_block(spec: str) -> tuple[int, int, int, bool, int | None]:
+    """'128x160' -> (128, 160, 1, False, None); suffix 'b' / 'a': 2-CTA multicast of B / A;
+    's4': 4 pipeline stages (default: the heuristic's)."""
+    spec, _, stages = spec.lower().partition("s")
     on = spec[-1] if spec[-1] in "ab" else ""
-    bm, bn = (int(v) for v in spec.rstrip("ab").lower().split("x"))
-    return bm, bn, 2 if on else 1, on == "a"
+    bm, bn = (int(v) for v in spec.rstrip("ab").split("x"))
+    return bm, bn, 2 if on else 1, on == "a", int(stages) if stages else None
 
 
-def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, bool]] | None = None,
+def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, bool, int | None]] | None = None,
         progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every impl on every shape; returns JSON rows and notes (failures, sweep results)."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
@@ -85,10 +87,10 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, boo
             ours = next(r for r in rows[::-1] if r["impl"] == "moe_fp8" and r["shape"] == shape)
             note += f"; DeepGEMM {DEEPGEMM_GEMM_TFLOPS[(m, n, k)]} TF, ours {ours['tflops']} TF"
         notes.append(note)
-        for bm, bn, mc, on_a in sweep or []:
+        for bm, bn, mc, on_a, st in sweep or []:
             tag = f"{bm}x{bn}" + ("" if mc == 1 else "a" if on_a else "b")
             try:
-                c = make_config(bm, bn, get_num_sms(), multicast=mc, multicast_on_a=on_a)
+                c = make_config(bm, bn, get_num_sms(), num_stages=st, multicast=mc, multicast_on_a=on_a)
                 us = bench_us(lambda c=c, t=t, out=out: fp8_gemm_hopper(
                     t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out, config=c))
                 notes.append(f"  sweep {m}x{n}x{k} block {tag} s{c.num_stages}: {us:.1f} us "
