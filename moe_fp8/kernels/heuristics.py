@@ -164,7 +164,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
 
 
 def make_config(block_m: int, block_n: int, num_sms: int, num_stages: int | None = None, multicast: int = 1,
-                multicast_on_a: bool = False) -> GemmConfig:
+                multicast_on_a: bool = False, swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps); stages default to
     as many as fit."""
     if block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n):
@@ -175,7 +175,7 @@ def make_config(block_m: int, block_n: int, num_sms: int, num_stages: int | None
     stages = max_stages(block_m, block_n) if num_stages is None else num_stages
     if not 2 <= stages <= max_stages(block_m, block_n):
         raise ValueError(f"block {block_m}x{block_n} fits 2..{max_stages(block_m, block_n)} stages, got {stages}")
-    return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=SWIZZLE_GROUP_M,
+    return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages), multicast=multicast,
                       multicast_on_a=multicast_on_a and multicast > 1)
 

@@ -133,7 +133,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
-                for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+                for (uint32_t kb_iter = 0; kb_iter < kNumKBlocks; ++kb_iter) {
+                    const uint32_t kb = tile.k_reverse ? kNumKBlocks - 1 - kb_iter : kb_iter;
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
                     ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
@@ -182,16 +183,19 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // consumed in the same iteration stalled every 128-K block by that latency (~460 ns/block
         // measured, even with the wgmmas removed), so each block's B scales are loaded one issue
         // earlier; only the first block of a tile waits.
-        float b_lo_next = ptx::ldg_f32(tile_w_scale);
-        float b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks) : b_lo_next;
+        // k-block of the i-th issue (the producer walks K in the same order)
+        auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
+        float b_lo_next = ptx::ldg_f32(tile_w_scale + k_block(0));
+        float b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + k_block(0)) : b_lo_next;
 
-        // Wait for block kb's slot, read its scales, issue its four K=32 wgmmas into `acc`.
-        auto issue = [&](uint32_t kb, float* acc, BlockScales& sc) {
+        // Wait for the i-th block's slot, read its scales, issue its four K=32 wgmmas into `acc`.
+        auto issue = [&](uint32_t i, float* acc, BlockScales& sc) {
             sc.b_lo = b_lo_next;
             sc.b_hi = b_hi_next;
-            if (kb + 1 < kNumKBlocks) {
-                b_lo_next = ptx::ldg_f32(tile_w_scale + kb + 1);
-                b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb + 1) : b_lo_next;
+            if (i + 1 < kNumKBlocks) {
+                const uint32_t kb_next = k_block(i + 1);
+                b_lo_next = ptx::ldg_f32(tile_w_scale + kb_next);
+                b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb_next) : b_lo_next;
             }
             ptx::mbar_wait(&full_bar[stage], phase);
             sc.a_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);

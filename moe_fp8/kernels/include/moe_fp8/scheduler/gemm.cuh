@@ -16,7 +16,17 @@ struct Tile {
     uint32_t row_end;   // rows >= row_end are neither valid inputs nor written
     uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
     uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
+    bool k_reverse;     // walk K from the last block down (see kSerpentineK)
 };
+
+// NOTE: consecutive waves of a persistent GEMM share operands (the same band of A rows, say), but a
+// wave streams its whole K range through L2, so by the time the next wave starts at k = 0 that data
+// is gone (L2 hit rate 73% at 4096x7168x16384). Alternating the K direction per wave makes each wave
+// begin on the K slice the previous one just used.
+#ifndef MOE_FP8_SERPENTINE_K
+#define MOE_FP8_SERPENTINE_K 1  // -DMOE_FP8_SERPENTINE_K=0 restores plain order (for measurements)
+#endif
+constexpr bool kSerpentineK = MOE_FP8_SERPENTINE_K;
 
 // Linear tile index -> (m_block, n_block) in groups of kGroupM m-blocks walked M-fastest, so the
 // CTAs in flight at once share a few B (weight) columns and a band of A rows in L2.
@@ -64,6 +74,7 @@ struct NormalScheduler {
         t.row_end = t.n_block < kNumNBlocks ? shape_m : 0;  // no rows to store past N
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
+        t.k_reverse = kSerpentineK && (iter & 1);
         return true;
     }
 };
@@ -99,6 +110,7 @@ struct ContiguousScheduler {
             t.row_end = shape_m;
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
+            t.k_reverse = kSerpentineK && (iter & 1);
             return true;
         }
     }
@@ -144,6 +156,7 @@ struct MaskedScheduler {
         t.row_end = group * max_m + group_rows;
         t.scale_m0 = t.m_block * BLOCK_M;
         t.scale_k0 = group * kNumKBlocks;
+        t.k_reverse = kSerpentineK && (iter & 1);
         return true;
     }
 };
