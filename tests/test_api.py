@@ -43,7 +43,8 @@ def test_public_surface():
         assert hasattr(quant, name), name
     for name in ("select_experts", "dispatch_contiguous", "dispatch_masked", "combine"):
         assert hasattr(layers, name), name
-    assert moe_fp8.backend() == "reference"  # CPU-only machine or CPU default
+    assert moe_fp8.backend("fp8_gemm", "cpu") == "reference"
+    assert moe_fp8.backend() in ("hopper", "portable", "reference")  # default device: current GPU, else CPU
 
 
 @pytest.mark.parametrize("m,n,k", [(37, 2112, 576), (1, 8, 16), (129, 136, 304), (0, 24, 128)])
@@ -249,3 +250,58 @@ def test_calc_diff():
     x = torch.randn(64, 64)
     assert moe_fp8.calc_diff(x, x) == pytest.approx(0.0, abs=1e-12)
     assert moe_fp8.calc_diff(x, -x) == pytest.approx(2.0)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the public API picks the kernel and stays CUDA-graph safe (skipped without a GPU)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.hopper
+def test_cuda_api_runs_hopper_and_matches_reference():
+    for op in ("fp8_gemm", "fp8_grouped_gemm_contiguous", "fp8_grouped_gemm_masked"):
+        assert moe_fp8.backend(op, "cuda") == "hopper", moe_fp8.backends.explain(op, "cuda")
+    g = make_gemm_inputs(37, 2112, 576, seed=40, device="cuda")
+    out = moe_fp8.fp8_gemm(g.x_fp8, g.x_scale, g.w_fp8, g.w_scale, out=torch.full((37, 2112), POISON, dtype=BF16,
+                                                                                      device="cuda"))
+    assert calc_diff(out, ref.fp8_gemm(g.x_fp8, g.x_scale, g.w_fp8, g.w_scale)) < 1e-5
+    mi = make_masked_inputs(4, 32, 16, 256, 576, seed=41, device="cuda")
+    out = torch.full((4, 32, 256), POISON, dtype=BF16, device="cuda")
+    moe_fp8.fp8_grouped_gemm_masked(mi.x_fp8, mi.x_scale, mi.w_fp8, mi.w_scale, mi.masked_m, mi.expected_m, out)
+    exp = ref.fp8_grouped_gemm_masked(mi.x_fp8, mi.x_scale, mi.w_fp8, mi.w_scale, mi.masked_m, out=out.clone())
+    assert torch.equal(out.isnan(), exp.isnan())  # same rows written, masked rows untouched
+    assert calc_diff(out.nan_to_num(0), exp.nan_to_num(0)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_path_replays_with_new_routing():
+    """The masked MoE path through the public API captures into a CUDA graph and replays correctly
+    with other tokens and another token-to-expert distribution (no host sync, no hidden copies)."""
+    t, hidden, inter, experts = 16, 256, 128, 8
+    dev = "cuda"
+    w13_fp8, w13_scale = quant.per_block(0.05 * randn((experts, 2 * inter, hidden), seed=42, device=dev))
+    w2_fp8, w2_scale = quant.per_block(0.05 * randn((experts, hidden, inter), seed=43, device=dev))
+
+    def step(x, logits):
+        weights, ids = layers.select_experts(logits, 2)
+        x_fp8, x_scale = quant.per_token_group(x)
+        a, a_scale, masked_m, row_map = layers.dispatch_masked(x_fp8, x_scale, ids, experts, t)
+        h = moe_fp8.fp8_grouped_gemm_masked(a, a_scale, w13_fp8, w13_scale, masked_m, 4)
+        y_fp8, y_scale = quant.silu_mul_per_token_group(h, masked_m=masked_m)
+        y = moe_fp8.fp8_grouped_gemm_masked(y_fp8, y_scale, w2_fp8, w2_scale, masked_m, 4)
+        return layers.combine(y, row_map, weights)
+
+    x = randn((t, hidden), seed=44, device=dev)
+    logits = randn((t, experts), seed=45, device=dev, dtype=torch.float32)
+    step(x, logits)  # warm up: backend selection, JIT compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(x, logits)
+    for seed, skew in ((46, 0.0), (47, 5.0)):
+        x.copy_(randn((t, hidden), seed=seed, device=dev))
+        new_logits = randn((t, experts), seed=seed + 1, device=dev, dtype=torch.float32)
+        new_logits[:, 0] += skew  # hot expert 0
+        logits.copy_(new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, step(x, logits))

@@ -71,8 +71,11 @@ def fast_compiler() -> str:
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private cache per test; the in-process memo is cleared around each test."""
+    """A private cache and header tree per test (the package's tree may be edited while tests run);
+    the in-process memo is cleared around each test."""
     d = tmp_path / "cache"
+    (tmp_path / "include").mkdir()
+    monkeypatch.setattr(cache_mod, "include_dir", lambda: tmp_path / "include")
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(d))
     monkeypatch.delenv("MOE_FP8_JIT_COMPILER", raising=False)
     monkeypatch.delenv("MOE_FP8_JIT_DEBUG", raising=False)
@@ -210,6 +213,16 @@ def test_nvrtc_shims_agree_with_cccl_and_both_compilers_build_it(compiler: str) 
     assert build("typed", src, compiler=compiler, kernel_name="typed").symbol == k.symbol
 
 
+def test_nvrtc_without_ptxas_options_still_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    _need("nvrtc")
+    flags = tuple(f.replace("--ptxas-options=", "--ptxas-options-unknown=") for f in compiler_mod.NVRTC_FLAGS)
+    monkeypatch.setattr(compiler_mod, "NVRTC_FLAGS", flags)
+    k = build("noptxas", SIMPLE_SRC, compiler="nvrtc")
+    assert k.symbol == "simple" and k.ptxas == {}
+    log = (k.cubin_path.parent / "compile.log").read_text()
+    assert "no ptxas register/spill report" in log
+
+
 def test_kernel_name_resolution(fast_compiler: str) -> None:
     src = SIMPLE_SRC + textwrap.dedent(r"""
         template <int N> __global__ void tmpl(float* x) { x[0] = N; }
@@ -296,6 +309,13 @@ def test_cache_key_changes_with_every_input(tmp_path: Path, monkeypatch: pytest.
     assert len(set(keys.values())) == len(keys), keys
 
 
+def test_include_dir_is_the_package_header_tree() -> None:
+    from moe_fp8.kernels.jit import include_dir
+
+    assert include_dir() == ROOT / "moe_fp8" / "kernels" / "include"
+    assert include_dir().is_dir()
+
+
 def test_include_tree_headers_are_used_and_invalidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       fast_compiler: str, cache_dir: Path) -> None:
     inc = tmp_path / "include"
@@ -363,8 +383,9 @@ def test_corrupt_entry_is_detected_and_rebuilt(damage: str, fast_compiler: str, 
 _CHILD = textwrap.dedent(r"""
     import json, sys, time
     from pathlib import Path
-    from moe_fp8.kernels.jit import build
+    from moe_fp8.kernels.jit import build, cache
     ready, go, compiler, src = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4]).read_text()
+    cache.include_dir = lambda: Path(sys.argv[5])
     ready.touch()
     deadline = time.time() + 120
     while not go.exists() and time.time() < deadline:
@@ -384,7 +405,8 @@ def test_processes_compiling_the_same_variant_compile_once(compiler: str, tmp_pa
     for i in range(2):
         ready = tmp_path / f"ready{i}"
         readies.append(ready)
-        procs.append(subprocess.Popen([sys.executable, "-c", _CHILD, str(ready), str(go), compiler, str(src_file)],
+        procs.append(subprocess.Popen([sys.executable, "-c", _CHILD, str(ready), str(go), compiler, str(src_file),
+                                       str(cache_mod.include_dir())],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     deadline = time.time() + 180
     while not all(r.exists() for r in readies):  # both imported and waiting: start together
@@ -393,7 +415,7 @@ def test_processes_compiling_the_same_variant_compile_once(compiler: str, tmp_pa
         time.sleep(0.01)
     go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
     res = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert res[0]["symbol"] == res[1]["symbol"] == "qgmma_probe"
@@ -583,7 +605,7 @@ def test_make_tma_refuses_cpu_tensors_and_bad_dtypes() -> None:
         make_tma_2d(torch.zeros(64, 128), 100, 65, 32, 32, swizzle="none")
     with pytest.raises(ValueError, match="both mid_stride_elems and outer_stride_elems"):
         make_tma_3d(torch.zeros(2, 64, 128), 128, 64, 2, 32, 32, 1, mid_stride_elems=128)
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         make_tma_2d([1, 2, 3], 3, 1, 16, 1)  # type: ignore[arg-type]
 
 
@@ -596,8 +618,8 @@ def test_sass_tools_found() -> None:
 
 def test_count_instructions_parses_both_tool_formats() -> None:
     text = textwrap.dedent("""\
-        	code for sm_90a
-        		Function : k
+                code for sm_90a
+                    Function : k
                 /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
                                                                                    /* 0x000fe20000000800 */
                 /*0010*/               @!P0 LDL.64 R2, [R1] ;

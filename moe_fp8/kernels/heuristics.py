@@ -3,16 +3,19 @@
 Runs on the CPU (CI tests it without a GPU). ``MOE_FP8_JIT_DEBUG=1`` prints each descriptor and
 the configuration chosen for it, once.
 
-The cost model, in nanoseconds on one H100 SXM SM (calibration in docs/kernels/gemm.md):
-- tensor-core time of a tile: BLOCK_M·BLOCK_N·K MACs at ~5.7k FP8 MAC/ns/SM (≈1500 TFLOPS chip-wide,
-  the power-limited rate DeepGEMM reaches), derated for narrow wgmma (N < 64 issue overhead);
-- load time of a tile: (BLOCK_M + BLOCK_N)·K bytes through one SM's share of L2 bandwidth (~50 B/ns,
-  the plateau measured at M = 4096: every block shape stalled near 6.6 TB/s aggregate); a 2-CTA
-  multicast halves the shared operand's part;
-- DRAM time of a wave: the distinct A rows and B columns its tiles touch (the swizzled order keeps
-  them to a band of ``swizzle_group_m`` m-blocks) at ~3 TB/s;
-- each wave costs the largest of the three plus a fixed epilogue/drain cost.
-Ties go to fewer tiles, then to the larger BLOCK_N.
+Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurements):
+- every CTA walks its tiles' 128-K blocks at ~``250 + BLOCK_M + BLOCK_N`` ns per block — the load
+  pipeline, not the tensor cores, sets this rate (the kernel with its wgmmas removed runs at the
+  same speed), so small tiles are not much cheaper per block than large ones;
+- but a wave is never faster than DRAM can deliver the distinct A rows and B columns its tiles
+  touch per 128-K block (the swizzled order keeps them to a band of ``SWIZZLE_GROUP_M`` m-blocks) at
+  ~2.9 TB/s — this is what decides memory-bound small-M shapes;
+- a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
+- ties go to fewer tiles, then to the wider BLOCK_N.
+Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
+(5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
+with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
+scale select costs as much as the promotion); 2-CTA multicast off (measured no faster here).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ Layout = Literal["normal", "contiguous", "masked"]
 BLOCK_K = 128
 MAX_SMEM_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on sm_90
 BARRIER_BYTES = 8
-MMA_MACS_PER_NS = 5700.0
-L2_BYTES_PER_NS_PER_SM = 50.0
-DRAM_BYTES_PER_NS = 3000.0
-TILE_FIXED_NS = 150.0
+K_BLOCK_BASE_NS = 250.0  # per 128-K block of one CTA: fixed part ...
+K_BLOCK_NS_PER_ROW = 1.0  # ... plus this per row of A and B in the tile
+TILE_FIXED_NS = 200.0  # epilogue and pipeline refill per tile
+DRAM_BYTES_PER_NS = 2900.0
 SWIZZLE_GROUP_M = 16
+TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
 BLOCK_NS = tuple(range(16, 161, 8))
 
@@ -97,16 +101,6 @@ def max_stages(block_m: int, block_n: int) -> int:
     return (MAX_SMEM_BYTES - fixed) // per_stage
 
 
-def _wave_ns(block_m: int, block_n: int, k: int, active: int, m_blocks: int, multicast: int = 1,
-             on_a: bool = False) -> float:
-    mma = block_m * block_n * k / MMA_MACS_PER_NS * max(1.0, 64 / block_n) ** 0.5
-    shared = block_m if on_a else block_n
-    l2 = (block_m + block_n - shared * (1 - 1 / multicast)) * k / L2_BYTES_PER_NS_PER_SM
-    band = min(m_blocks, SWIZZLE_GROUP_M, active)
-    dram = (band * block_m + ceil_div(active, band) * block_n) * k / DRAM_BYTES_PER_NS
-    return max(mma, l2, dram) + TILE_FIXED_NS
-
-
 def _rows_per_group(desc: GemmDesc) -> int:
     return desc.expected_m if desc.layout == "masked" and desc.expected_m else desc.m
 
@@ -127,11 +121,16 @@ def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
     """Model time and tile count of one candidate (see the module docstring)."""
     tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     m_blocks = ceil_div(_rows_per_group(desc), block_m)
-    full_waves, last = divmod(max(tiles, 1), desc.num_sms)
-    ns = full_waves * _wave_ns(block_m, block_n, desc.k, desc.num_sms, m_blocks, multicast, on_a)
-    if last:
-        ns += _wave_ns(block_m, block_n, desc.k, last, m_blocks, multicast, on_a)
-    return ns, tiles
+    k_blocks = ceil_div(desc.k, BLOCK_K)
+    k_block_ns = K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n)
+
+    def wave_ns(active: int) -> float:
+        band = min(m_blocks, SWIZZLE_GROUP_M, active)
+        dram_ns = (band * block_m + ceil_div(active, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
+        return k_blocks * max(k_block_ns, dram_ns) + TILE_FIXED_NS
+
+    full, last = divmod(max(tiles, 1), desc.num_sms)
+    return full * wave_ns(desc.num_sms) + (wave_ns(last) if last else 0.0), tiles
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
@@ -139,9 +138,10 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
+    - block_m 128 with a block_n that straddles weight-scale blocks (128 % block_n != 0): measured
+      slow (the select per column chunk competes with the promotion for the 168 registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
-    - multicast: normal layout only (a grouped pair could span two experts), at least two blocks
-      along the paired dimension, and 16-row halves (1024-byte aligned in shared memory).
+    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it).
     """
     rows = _rows_per_group(desc)
     out = []
@@ -153,13 +153,9 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
                 continue
-            out.append((bm, bn, 1, False))
-            if desc.layout != "normal" or desc.num_sms % 2:
+            if bm == 128 and 128 % bn:
                 continue
-            if ceil_div(rows, bm) >= 2 and bn % 16 == 0:
-                out.append((bm, bn, 2, False))
-            if ceil_div(desc.n, bn) >= 2:
-                out.append((bm, bn, 2, True))
+            out.append((bm, bn, 1, False))
     return out
 
 
@@ -192,7 +188,8 @@ def get_config(desc: GemmDesc) -> GemmConfig:
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
-    cfg = make_config(bm, bn, desc.num_sms, multicast=mc, multicast_on_a=on_a)
+    stages = min(TWO_WG_STAGES, max_stages(bm, bn)) if bm == 128 else None
+    cfg = make_config(bm, bn, desc.num_sms, num_stages=stages, multicast=mc, multicast_on_a=on_a)
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
     return cfg

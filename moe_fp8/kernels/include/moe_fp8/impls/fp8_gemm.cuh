@@ -208,12 +208,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             mma::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-#ifndef MOE_FP8_PROBE_NO_MMA
                 WgmmaFp8<BLOCK_N>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
                                        acc, k > 0);
-#else
-                ;
-#endif
             mma::wgmma_commit();
             if (++stage == kNumStages) stage = 0, phase ^= 1;
         };
@@ -231,9 +227,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 }
             }
             if (++release_stage == kNumStages) release_stage = 0;
-#ifndef MOE_FP8_PROBE_NO_PROMOTE
             promote<BLOCK_N, kMayStraddle>(total, acc, sc, split);
-#endif
         };
         if constexpr (kOverlap) {
             // Two accumulator sets: block kb+1's wgmmas run on the tensor cores while block kb is
