@@ -14,8 +14,14 @@ from .shapes import CONTIGUOUS_SHAPES, MASKED_DECODE_GBPS, MASKED_SHAPES
 
 
 def _blockwise_loop(x_fp8, x_scale, w_fp8, w_scale, segments):
-    """One ``_scaled_mm`` per non-empty group; ``segments`` = [(g, row0, rows)] known on the host."""
-    scales = [(g, r0, n, x_scale[r0:r0 + n].t().contiguous().t(), w_scale[g].t()) for g, r0, n in segments if n]
+    """One ``_scaled_mm`` per non-empty group; ``segments`` = [(g, row0, rows)] known on the host.
+
+    cuBLASLt's block-scaled mode refuses row counts that are not multiples of 16, so each slice is
+    rounded up to 16 rows (the segment's padding rows, always there in both layouts)."""
+    def rows16(n: int) -> int:
+        return (n + 15) // 16 * 16
+    scales = [(g, r0, rows16(n), x_scale[r0:r0 + rows16(n)].t().contiguous().t(), w_scale[g].t())
+              for g, r0, n in segments if n]
 
     def run():
         for g, r0, n, sa, sb in scales:
