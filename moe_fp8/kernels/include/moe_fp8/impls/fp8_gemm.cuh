@@ -43,19 +43,43 @@ struct BlockScales {
     float a_top, a_bot, b_lo, b_hi;
 };
 
-// total += acc · x_scale[row] · w_scale[n-block], on the D-fragment layout of WgmmaFp8<BLOCK_N>.
-template <uint32_t BLOCK_N, bool kMayStraddle>
-__device__ __forceinline__ void promote(float* total, const float* acc, const BlockScales& sc, uint32_t split) {
+// total += acc · x_scale[row] · w_scale[n-block], on the D-fragment layout of WgmmaFp8<BLOCK_N>;
+// tile columns below `split` take the first weight-scale block, the rest the next one.
+template <uint32_t BLOCK_N>
+__device__ __forceinline__ void promote_split(float* total, const float* acc, const BlockScales& sc, uint32_t split) {
     const float top_lo = sc.a_top * sc.b_lo, bot_lo = sc.a_bot * sc.b_lo;
     const float top_hi = sc.a_top * sc.b_hi, bot_hi = sc.a_bot * sc.b_hi;
 #pragma unroll
     for (uint32_t j = 0; j < BLOCK_N / 8; ++j) {
-        const bool hi = kMayStraddle && j * 8 >= split;
+        const bool hi = j * 8 >= split;
         const float top = hi ? top_hi : top_lo, bot = hi ? bot_hi : bot_lo;
         total[4 * j + 0] = fmaf(acc[4 * j + 0], top, total[4 * j + 0]);
         total[4 * j + 1] = fmaf(acc[4 * j + 1], top, total[4 * j + 1]);
         total[4 * j + 2] = fmaf(acc[4 * j + 2], bot, total[4 * j + 2]);
         total[4 * j + 3] = fmaf(acc[4 * j + 3], bot, total[4 * j + 3]);
+    }
+}
+
+// NOTE: with a run-time split every block paid a compare + select per 8 columns and a multiply per
+// pair (~80 extra instructions at BLOCK_N = 160, as many as the FMAs: 1050 vs 1290 TF without
+// promotion). The split is 128 - n0 % 128, a multiple of g = gcd(BLOCK_N, 128), so it takes only
+// 128 / g values: the tile picks a copy with the split folded in (warp-uniform branch, once per
+// block). Above 8 copies the code would grow too much; those fall back to the run-time split.
+template <uint32_t BLOCK_N, uint32_t kCase = 0>
+__device__ __forceinline__ void promote(float* total, const float* acc, const BlockScales& sc, uint32_t n0) {
+    constexpr uint32_t kGranule = constexpr_gcd(BLOCK_N, 128u);
+    constexpr uint32_t kNumCases = 128 % BLOCK_N == 0 ? 1 : 128 / kGranule;
+    if constexpr (kNumCases == 1) {
+        promote_split<BLOCK_N>(total, acc, sc, BLOCK_N);
+    } else if constexpr (kNumCases > 8) {
+        promote_split<BLOCK_N>(total, acc, sc, 128 - n0 % 128);
+    } else if constexpr (kCase + 1 == kNumCases) {
+        promote_split<BLOCK_N>(total, acc, sc, 128 - kCase * kGranule);
+    } else {
+        if ((n0 % 128) / kGranule == kCase)
+            promote_split<BLOCK_N>(total, acc, sc, 128 - kCase * kGranule);
+        else
+            promote<BLOCK_N, kCase + 1>(total, acc, sc, n0);
     }
 }
 
@@ -173,7 +197,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // (a multicast partner tile past N reads the last scale block: its columns are never stored)
         const float* tile_w_scale =
             w_scale + (tile.group * kNumNScales + min(n0 / 128, kNumNScales - 1)) * kNumKBlocks;
-        // columns of this tile below `split` use the first B-scale block, the rest the next one
+        // a tile straddling two weight-scale blocks needs both scales of each k-block
         const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
         const bool straddles = kMayStraddle && split < BLOCK_N;
 #pragma unroll
@@ -227,7 +251,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 }
             }
             if (++release_stage == kNumStages) release_stage = 0;
-            promote<BLOCK_N, kMayStraddle>(total, acc, sc, split);
+            promote<BLOCK_N>(total, acc, sc, n0);
         };
         if constexpr (kOverlap) {
             // Two accumulator sets: block kb+1's wgmmas run on the tensor cores while block kb is
