@@ -35,7 +35,7 @@ def _bytes(rows: int, groups_used: int, n: int, k: int) -> int:
 
 def bench_contiguous(g: int, m: int, n: int, k: int, seed: int) -> list[dict[str, Any]]:
     import moe_fp8
-    from tests.generators import make_contiguous_inputs
+    from moe_fp8.testing import make_contiguous_inputs
 
     inp = make_contiguous_inputs(g, m, n, k, seed=seed, device="cuda")
     out = torch.empty(inp.x_fp8.shape[0], n, device="cuda", dtype=torch.bfloat16)
@@ -52,7 +52,7 @@ def bench_contiguous(g: int, m: int, n: int, k: int, seed: int) -> list[dict[str
 
 def bench_masked(g: int, max_m: int, m: int, n: int, k: int, seed: int) -> list[dict[str, Any]]:
     import moe_fp8
-    from tests.generators import make_masked_inputs
+    from moe_fp8.testing import make_masked_inputs
 
     inp = make_masked_inputs(g, max_m, m, n, k, seed=seed, device="cuda")
     out = torch.empty(g, max_m, n, device="cuda", dtype=torch.bfloat16)

@@ -305,6 +305,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_KINDS = {"gemm": "moe_fp8.benchmarks.gemm", "grouped": "moe_fp8.benchmarks.grouped"}
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=sorted(BENCH_KINDS), help="what to benchmark")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="passed to the driver (e.g. --shapes M,N,K ..., --sweep 128x128s4, --out-dir DIR)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moe-fp8 bench: needs a CUDA GPU (none visible); `moe-fp8 info` says why", file=sys.stderr)
+        return 2
+    return importlib.import_module(BENCH_KINDS[args.kind]).main(args.bench_args)
+
+
 # --------------------------------------------------------------------------------------------
 # command table and entry point
 # --------------------------------------------------------------------------------------------
@@ -318,6 +338,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "info": Command("versions, GPUs, JIT compilers, cache and backends", _add_info_args, cmd_info),
+    "bench": Command("time our kernels against torch baselines; writes docs/benchmarks JSON",
+                     _add_bench_args, cmd_bench),
 }
 
 

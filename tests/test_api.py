@@ -14,8 +14,7 @@ import moe_fp8
 from moe_fp8 import layers, quant
 from moe_fp8 import reference as ref
 from moe_fp8.compat import deep_gemm
-from moe_fp8.utils import calc_diff, get_tma_aligned_m, is_scale_tma_layout
-from tests.generators import (
+from moe_fp8.testing import (
     make_contiguous_inputs,
     make_dispatch_inputs,
     make_gemm_inputs,
@@ -23,6 +22,7 @@ from tests.generators import (
     make_routing_inputs,
     randn,
 )
+from moe_fp8.utils import calc_diff, get_tma_aligned_m, is_scale_tma_layout
 
 BF16 = torch.bfloat16
 POISON = float("nan")

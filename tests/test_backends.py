@@ -17,7 +17,7 @@ import torch
 import moe_fp8
 from moe_fp8 import backends
 from moe_fp8.backends import ENV_BACKEND, ENV_STRICT, BackendError
-from tests.generators import make_gemm_inputs
+from moe_fp8.testing import make_gemm_inputs
 
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")

@@ -188,3 +188,22 @@ def test_python_dash_m():
     assert proc.returncode == 0, proc.stderr
     for title in SECTIONS:
         assert title in proc.stdout.splitlines()
+
+
+def test_bench_refuses_without_gpu(capsys, monkeypatch) -> None:
+    import torch
+
+    from moe_fp8 import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "gemm"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_kind() -> None:
+    import pytest
+
+    from moe_fp8 import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "nonsense"])

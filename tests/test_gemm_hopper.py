@@ -12,8 +12,8 @@ import torch
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.gemm import fp8_gemm_hopper
 from moe_fp8.kernels.heuristics import make_config
+from moe_fp8.testing import make_gemm_inputs
 from moe_fp8.utils import calc_diff, get_num_sms, rel_error, to_scale_tma_layout
-from tests.generators import make_gemm_inputs
 
 pytestmark = [pytest.mark.hopper, pytest.mark.gpu]
 

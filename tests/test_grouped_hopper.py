@@ -8,8 +8,8 @@ import torch
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.gemm import fp8_grouped_gemm_contiguous_hopper, fp8_grouped_gemm_masked_hopper
 from moe_fp8.kernels.heuristics import make_config
+from moe_fp8.testing import make_contiguous_inputs, make_masked_inputs
 from moe_fp8.utils import calc_diff, get_num_sms, rel_error
-from tests.generators import make_contiguous_inputs, make_masked_inputs
 
 pytestmark = [pytest.mark.hopper, pytest.mark.gpu]
 

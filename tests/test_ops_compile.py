@@ -12,14 +12,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_fp8
 from moe_fp8 import layers, quant
-from moe_fp8.utils import get_tma_aligned_m
-from tests.generators import (
+from moe_fp8.testing import (
     make_contiguous_inputs,
     make_dispatch_inputs,
     make_gemm_inputs,
     make_masked_inputs,
     randn,
 )
+from moe_fp8.utils import get_tma_aligned_m
 
 BF16 = torch.bfloat16
 # SchemaCheckMode (opcheck's test_schema) compares every aten argument before/after each call with

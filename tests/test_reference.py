@@ -14,12 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_fp8 import reference as ref
+from moe_fp8.testing import make_contiguous_inputs, make_gemm_inputs, make_masked_inputs, randn
 from moe_fp8.utils import FP8_DTYPE, FP8_MAX, calc_diff, ceil_div, get_tma_aligned_m, is_scale_tma_layout
-
-try:
-    from tests.generators import make_contiguous_inputs, make_gemm_inputs, make_masked_inputs, randn
-except ImportError:  # tests/ run as rootdir-less modules
-    from generators import make_contiguous_inputs, make_gemm_inputs, make_masked_inputs, randn
 
 EPS = 1e-10
 # e4m3: 3 mantissa bits → round-to-nearest relative error ≤ 2^-4 for normals; subnormals (below

@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from moe_fp8 import reference as ref
-
-try:
-    from tests.generators import make_contiguous_inputs, make_dispatch_inputs, make_masked_inputs, randn
-except ImportError:  # tests/ run as rootdir-less modules
-    from generators import make_contiguous_inputs, make_dispatch_inputs, make_masked_inputs, randn
+from moe_fp8.testing import make_contiguous_inputs, make_dispatch_inputs, make_masked_inputs, randn
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,12 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_fp8 import reference as ref
+from moe_fp8.testing import make_dispatch_inputs, make_routing_inputs, randn
 from moe_fp8.utils import is_scale_tma_layout
-
-try:
-    from tests.generators import make_dispatch_inputs, make_routing_inputs, randn
-except ImportError:  # tests/ run as rootdir-less modules
-    from generators import make_dispatch_inputs, make_routing_inputs, randn
 
 SETTINGS = settings(max_examples=30, deadline=None)
 
