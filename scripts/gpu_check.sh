@@ -4,12 +4,17 @@
 # commit the results under docs/benchmarks/ with the commit and device they name.
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [gemm] [grouped] [sweep]   (default: all but sweep)
-# Each step writes at most 3 files; run it in two calls (tests smoke / gemm grouped) when the
-# device tool limits how many files come back.
+#   SWEEP="128x128b 128x112a" bash scripts/gpu_check.sh gemm sweep     (block shapes to sweep)
+#   SHAPES="4096,7168,16384 ..."                                       (gemm shapes, default table)
+# Results go to $OUT/gpu_check/ and, after every step, into one archive $OUT/gpu_check.tgz (the
+# device tool brings back only a few files; the archive survives a run stopped at its time limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}
+ROOT=${OUT:-$PWD/out}
+OUT=$ROOT/gpu_check
 mkdir -p "$OUT"
+pack() { tar -C "$ROOT" -czf "$ROOT/gpu_check.tgz.tmp" gpu_check && mv "$ROOT/gpu_check.tgz.tmp" "$ROOT/gpu_check.tgz"; }
+trap pack EXIT
 export PYTHONUNBUFFERED=1
 export MOE_FP8_CACHE_DIR=${MOE_FP8_CACHE_DIR:-/tmp/moe_fp8_cache}
 steps=${*:-tests smoke gemm grouped}
@@ -25,15 +30,19 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
 if has tests; then
   # -n 3: the float32 reference of the big grouped cases needs a few GB per worker
   python3 -m pytest -q -p no:cacheprovider -n 3 -m "gpu or hopper" tests/ 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 30
+  pack
 fi
 if has smoke; then
   python3 scripts/jit_smoke.py --json "$OUT/jit_smoke.json" 2>&1 | tee "$OUT/jit_smoke.txt" | tail -n 25
   python3 scripts/host_overhead.py 2>&1 | head -n 2 | tee -a "$OUT/jit_smoke.txt"
+  pack
 fi
 if has gemm; then
-  sweep_args=()
-  has sweep && sweep_args=(--sweep 64x16 64x32 64x56 64x64 64x128 64x160 128x64 128x112 128x128 128x144 128x160)
-  python3 -m moe_fp8.benchmarks.gemm --out-dir "$OUT" "${sweep_args[@]}" 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 60
+  args=()
+  has sweep && args=(--sweep ${SWEEP:-64x16 64x32 64x56 64x64 64x128 64x160 128x64 128x112 128x128 128x144 128x160})
+  [ -n "${SHAPES:-}" ] && args+=(--shapes $SHAPES)
+  python3 -m moe_fp8.benchmarks.gemm --out-dir "$OUT" "${args[@]}" 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 60
+  pack
 fi
 if has grouped && python3 -c "import moe_fp8.benchmarks.grouped" 2>/dev/null; then
   python3 -m moe_fp8.benchmarks.grouped --out-dir "$OUT" 2>&1 | tee "$OUT/bench_grouped.txt" | tail -n 40
