@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 from collections.abc import Callable, Iterable
@@ -73,6 +74,9 @@ def measure_ceilings() -> dict[str, float]:
 
 
 def git_commit() -> str:
+    """The measured commit: ``MOE_FP8_COMMIT`` when set (a copied tree whose .git is stale), else git's."""
+    if os.environ.get("MOE_FP8_COMMIT"):
+        return os.environ["MOE_FP8_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,

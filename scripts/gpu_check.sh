@@ -22,7 +22,8 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
 {
-  echo "# commit $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo -dirty)"
+  # the device tool copies the working tree with a stale .git: pass MOE_FP8_COMMIT=<sha> from here
+  echo "# commit ${MOE_FP8_COMMIT:-$(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo -dirty)}"
   nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv
   moe-fp8 info
 } 2>&1 | tee "$OUT/info.txt"
