@@ -8,6 +8,7 @@ here; this module only checks what the kernel itself relies on.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -44,12 +45,18 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
+# Measurement switches of the kernel headers (e.g. "MOE_FP8_ORDERED_ISSUE=0 MOE_FP8_SERPENTINE_K=0"),
+# read once per process; for A/B timing runs only, never needed in use.
+ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
+
+
 @functools.cache
 def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig):
     """Compile (or fetch from the disk cache) and return the variant for (layout, N, K, config)."""
     mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
     name = f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
-    return build(name, generate_source(layout, n, k, cfg))
+    defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
+    return build(name, defines + generate_source(layout, n, k, cfg))
 
 
 def _tma_scale(x_scale: torch.Tensor, rows: int, kb_rows: int, block_m: int):
