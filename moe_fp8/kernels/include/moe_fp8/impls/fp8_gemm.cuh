@@ -19,12 +19,7 @@ namespace moe_fp8 {
 
 constexpr uint32_t kBlockK = 128;  // == scale granularity: one promotion per K block
 constexpr uint32_t kWgmmaK = 32;   // K of one fp8 wgmma
-
-#ifndef MOE_FP8_ORDERED_ISSUE
-#define MOE_FP8_ORDERED_ISSUE 1  // -DMOE_FP8_ORDERED_ISSUE=0: free-running math warpgroups (for measurements)
-#endif
-// Named barriers: 1 = epilogue; 2 / 3 = the issue token handed to math warpgroup 1 / 0.
-constexpr uint32_t kBarEpilogue = 1, kBarTokenToWG1 = 2, kBarTokenToWG0 = 3;
+constexpr uint32_t kBarEpilogue = 1;  // named barrier of the math warpgroups (0 is __syncthreads)
 
 // Shared-memory layout of one kernel variant; the host passes the total it computed as
 // kSmemBytes and the kernel checks it covers this layout (one formula, checked on both sides).
@@ -200,13 +195,6 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // stage 0's descriptors; a stage's are these plus its byte offset / 16 (keeps the loop short)
     const uint64_t desc_a0 = mma::make_desc_k_major_sw128(smem_a + warpgroup * 64 * kBlockK);
     const uint64_t desc_b0 = mma::make_desc_k_major_sw128(smem_b);
-    // NOTE: two math warpgroups waiting on the same slot issue their wgmmas at the same moment, the
-    // tensor cores interleave them, both finish together and then both promote while the tensor
-    // cores idle (ncu: tensor pipe 69%, 29% of warp samples on the wgmma wait). Handing an issue
-    // token back and forth (WG0 block k, WG1 block k, WG0 block k+1, ...) staggers them by one
-    // warpgroup's wgmma time, so one promotes while the other's wgmmas run.
-    constexpr bool kOrderedIssue = MOE_FP8_ORDERED_ISSUE && kNumMathWGs == 2 && !kOverlap;
-    bool first_issue = true;
 
     while (scheduler.next(tile)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
@@ -242,13 +230,6 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             sc.a_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
             const uint64_t desc_a = mma::advance_desc(desc_a0, stage * Smem::kABytes);
             const uint64_t desc_b = mma::advance_desc(desc_b0, stage * Smem::kBBytes);
-            if constexpr (kOrderedIssue) {
-                if (warpgroup == 1)
-                    ptx::named_barrier_sync(kBarTokenToWG1, kNumMathThreads);
-                else if (!first_issue)
-                    ptx::named_barrier_sync(kBarTokenToWG0, kNumMathThreads);
-                first_issue = false;
-            }
 #pragma unroll
             for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
             mma::wgmma_fence();
@@ -257,8 +238,6 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 WgmmaFp8<BLOCK_N>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
                                        acc, k > 0);
             mma::wgmma_commit();
-            if constexpr (kOrderedIssue)
-                ptx::named_barrier_arrive(warpgroup == 0 ? kBarTokenToWG1 : kBarTokenToWG0, kNumMathThreads);
             if (++stage == kNumStages) stage = 0, phase ^= 1;
         };
         // The oldest issued block's wgmmas are complete: hand its slot back, then total += acc · x_scale · w_scale.

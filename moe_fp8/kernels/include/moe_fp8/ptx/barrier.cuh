@@ -56,11 +56,6 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_thr
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
-// bar.arrive: count this warp's threads at the named barrier without waiting for it to complete.
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
