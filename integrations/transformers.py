@@ -289,6 +289,7 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
     if missing:
         raise KeyError(f"the checkpoint {reader.path} lacks {len(missing)} tensors of the model: {missing[:8]}")
     model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # assign=True replaced the embedding: re-point a tied lm_head (tie_word_embeddings) at it
     for p in model.parameters():
         p.requires_grad_(False)
     _rebuild_rotary(model, dev)
@@ -367,6 +368,7 @@ def load_reference_model(path: str | os.PathLike, *, device: torch.device | str 
             if name in reader:  # e_score_correction_bias (transformers keeps it a buffer, fp32)
                 state[name] = reader.get(name).to(device=dev, dtype=torch.float32)
     model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
     _rebuild_rotary(model, dev)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:

@@ -95,7 +95,7 @@ def forced_routing_logits(reference, input_ids, routed_ids, zero_moe=False):
 
         def force(mod, args, out):
             logits, _, _ = out
-            ids = queue.pop(0).long()
+            ids = queue.pop(0).long().to(logits.device)
             weights = logits.sigmoid().gather(1, ids)
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * config.routed_scaling_factor
             return logits, weights, ids
@@ -117,13 +117,13 @@ def _sorted(ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def check_against_reference(ours, reference, input_ids, recorder) -> float:
     recorder.clear()
-    logits = ours(input_ids).logits.float()
+    logits = ours(input_ids.to(ours.device)).logits.float().cpu()
     assert logits.isfinite().all()
     assert len(recorder.ids) == len(recorder.moe_layers) and recorder.moe_layers
     # 1. routing: transformers' router on our hidden states picks our experts
     for i, x, ids in zip(recorder.moe_layers, recorder.inputs, recorder.ids, strict=True):
-        _, _, ref_ids = reference.model.layers[i].mlp.gate(x.float())
-        assert torch.equal(_sorted(ref_ids), _sorted(ids)), f"layer {i}: routing differs from transformers' router"
+        _, _, ref_ids = reference.model.layers[i].mlp.gate(x.float().cpu())
+        assert torch.equal(_sorted(ref_ids), _sorted(ids.cpu())), f"layer {i}: routing differs from transformers' router"
     # 2. numerics with the same routing
     ref_logits = forced_routing_logits(reference, input_ids, recorder.ids)
     diff = calc_diff(logits, ref_logits)
@@ -179,19 +179,22 @@ def test_generate(ours, monkeypatch):
 
 def test_bf16_checkpoint_and_unquantizable_projection(tmp_path, monkeypatch):
     """A bf16 checkpoint is quantized on load; a projection the FP8 GEMM cannot take (kv_b_proj with
-    K = kv_lora_rank = 120, not a multiple of 16) stays an nn.Linear, and the model still matches."""
-    config = tiny_deepseek_v3_config(num_hidden_layers=2, kv_lora_rank=120)
+    K = kv_lora_rank = 120, not a multiple of 16) stays an nn.Linear, and the model still matches.
+    Also the config variants without q LoRA (one q_proj) and with tied embeddings."""
+    config = tiny_deepseek_v3_config(num_hidden_layers=2, kv_lora_rank=120, q_lora_rank=None,
+                                     tie_word_embeddings=True)
     path = write_deepseek_v3_checkpoint(tmp_path / "bf16", config, seed=5, fp8=False, num_shards=1)
     ours = hf.load_model(path)
     report = ours.moe_fp8_report
     assert report.kept_unquantized == ["model.layers.0.self_attn.kv_b_proj", "model.layers.1.self_attn.kv_b_proj"]
     kv_b = ours.model.layers[0].self_attn.kv_b_proj
     assert type(kv_b) is torch.nn.Linear and kv_b.weight.dtype == torch.bfloat16
-    assert "model.layers.0.self_attn.q_a_proj.weight" in report.quantized_on_load
     assert "model.layers.1.mlp.experts.15.down_proj.weight" in report.quantized_on_load
-    q_a = ours.model.layers[0].self_attn.q_a_proj
-    w, s = quant.per_block(CheckpointReader(path).get("model.layers.0.self_attn.q_a_proj.weight"))
-    assert torch.equal(q_a.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(q_a.weight_scale_inv, s)
+    assert "model.layers.0.self_attn.q_proj.weight" in report.quantized_on_load
+    q = ours.model.layers[0].self_attn.q_proj
+    w, s = quant.per_block(CheckpointReader(path).get("model.layers.0.self_attn.q_proj.weight"))
+    assert torch.equal(q.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(q.weight_scale_inv, s)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # still tied after loading
     reference = hf.load_reference_model(path)
     recorder = RoutingRecorder(ours, monkeypatch)
     input_ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -241,3 +244,16 @@ def test_errors(ckpt, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"moe-fp8\[transformers\]"):
         hf.load_model(ckpt)
+
+
+@pytest.mark.hopper
+def test_logits_match_on_hopper(ckpt, reference, monkeypatch):
+    """The same end-to-end check with the model on an sm_90 GPU (Hopper GEMM kernels)."""
+    ours_gpu = hf.load_model(ckpt, device="cuda", masked_max_tokens=CROSSOVER)
+    assert ours_gpu.model.layers[1].mlp.experts.w13_weight.is_cuda
+    recorder = RoutingRecorder(ours_gpu, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    check_against_reference(ours_gpu, reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous", "contiguous"]
+    out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 11)
