@@ -34,8 +34,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moe_fp8.layers.linear import Fp8Linear, Fp8MLP
 from moe_fp8.layers.moe import Fp8FusedMoE
@@ -137,6 +135,9 @@ class CheckpointReader:
     def _handle(self, file: str) -> Any:
         handle = self._handles.get(file)
         if handle is None:
+            # NOTE: safetensors is imported on first use (keeps ~25 ms off `import moe_fp8`).
+            from safetensors import safe_open
+
             handle = safe_open(str(self.path / file), framework="pt", device="cpu")
             self._handles[file] = handle
         return handle
@@ -499,6 +500,8 @@ def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, A
     for name, t in tensors.items():  # contiguous runs of names, balanced by bytes
         shards[min(num_shards - 1, running * num_shards // max(total, 1))][name] = t
         running += t.numel() * t.element_size()
+    from safetensors.torch import save_file
+
     weight_map: dict[str, str] = {}
     for idx, shard in enumerate(shards):
         file = f"model-{idx + 1:05d}-of-{num_shards:05d}.safetensors"
