@@ -50,6 +50,7 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "read_block_fp8",
     "tiny_deepseek_v3_config",
     "write_deepseek_v3_checkpoint",
 ]
