@@ -17,6 +17,10 @@ from typing import NamedTuple
 import torch
 
 from moe_fp8 import reference as ref
+
+# Random DeepSeek-V3 checkpoints (block-FP8 safetensors in the published format) live with the loaders
+# that read them; re-exported here beside the other generators.
+from moe_fp8.layers.checkpoint import tiny_deepseek_v3_config, write_deepseek_v3_checkpoint  # noqa: F401
 from moe_fp8.utils import align, get_align_m
 
 

@@ -1,0 +1,376 @@
+"""Hugging Face transformers: run ``DeepseekV3ForCausalLM`` on moe_fp8's block-FP8 layers.
+
+Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` (``pip install
+'moe-fp8[transformers]'``), imported only when a function here is called.
+
+    from moe_fp8.integrations.transformers import load_model
+    model = load_model("/path/to/DeepSeek-V3", device="cuda")          # FP8 checkpoint, bf16 activations
+    out = model.generate(input_ids, max_new_tokens=32)
+
+``load_model`` builds transformers' own ``DeepseekV3ForCausalLM`` on the meta device (no memory), then
+``patch_model`` swaps its modules for ours and fills everything from the checkpoint:
+
+- each MoE block (``DeepseekV3MoE``) → ``Fp8DeepseekV3MoE``: the router weight (logits in fp32, as
+  transformers computes them) + ``Fp8FusedMoE`` (routed experts stacked as ``w13`` / ``w2``, correction
+  bias, shared experts);
+- each dense MLP (``DeepseekV3MLP``) → ``Fp8MLP`` (gate and up fused);
+- each attention projection (``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``,
+  ``kv_b_proj``, ``o_proj``) → ``Fp8Linear``;
+- embeddings, norms, ``lm_head`` and the rotary tables stay in transformers' modules, in ``dtype``.
+
+FP8 weights are copied as stored (never through bf16); a bf16 checkpoint is quantized on load per
+128×128 block. A projection the FP8 GEMM cannot take (``K % 16`` or ``N % 8`` not 0) stays an
+``nn.Linear`` in ``dtype`` (dequantized if stored as FP8); ``LoadReport.kept_unquantized`` names those
+(none for DeepSeek-V3 and for ``tiny_deepseek_v3_config``: the ragged ``kv_a_proj_with_mqa``, N = 576
+or 160, runs in FP8 with a partial last scale block). Single process: no tensor / expert parallelism here.
+
+``load_reference_model`` builds the same model with plain transformers modules and weights dequantized
+to ``dtype`` (fp32 by default): the baseline the tests compare logits against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_fp8.layers.checkpoint import SCALE_SUFFIX, CheckpointReader, load_fp8_linear, load_fp8_mlp
+from moe_fp8.layers.checkpoint import load_fused_moe as _load_fused_moe
+from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape
+from moe_fp8.layers.moe import MASKED_MAX_TOKENS, Fp8FusedMoE
+from moe_fp8.quant import dequant_per_block
+from moe_fp8.utils import GROUP_K
+
+__all__ = ["Fp8DeepseekV3MoE", "LoadReport", "load_model", "load_reference_model", "patch_model"]
+
+logger = logging.getLogger("moe_fp8")
+Tensor = torch.Tensor
+
+ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "moe_fp8.integrations.transformers needs Hugging Face transformers >= 5 with DeepseekV3ForCausalLM: "
+            "pip install 'moe-fp8[transformers]'") from exc
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        raise ImportError(f"transformers {transformers.__version__} has no DeepseekV3ForCausalLM; "
+                          "install transformers >= 5")
+    return transformers
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What ``patch_model`` did, by module / tensor name."""
+
+    fp8_linears: list[str] = dataclasses.field(default_factory=list)  # Fp8Linear / Fp8MLP modules
+    moe_layers: list[str] = dataclasses.field(default_factory=list)  # Fp8DeepseekV3MoE modules
+    quantized_on_load: list[str] = dataclasses.field(default_factory=list)  # bf16 weights quantized by us
+    kept_unquantized: list[str] = dataclasses.field(default_factory=list)  # projections the GEMM cannot take
+    unused: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model did not take
+
+
+class _Router(nn.Module):
+    """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, device: torch.device | str | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros((num_experts, hidden_size), device=device, dtype=dtype),
+                                   requires_grad=False)
+
+
+class Fp8DeepseekV3MoE(nn.Module):
+    """Drop-in for transformers' ``DeepseekV3MoE``: ``forward(hidden_states [..., H]) -> [..., H]``.
+
+    ``gate.weight [E, H]`` gives fp32 router logits (``hidden.float() @ weight.float()ᵀ``, as transformers'
+    router does); ``experts`` is an ``Fp8FusedMoE`` with DeepSeek-V3 routing (sigmoid, grouped top-k,
+    correction bias, ``routed_scaling_factor``) and the shared experts. ``path`` is passed to its forward.
+    """
+
+    def __init__(self, config: Any, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, masked_max_tokens: int = MASKED_MAX_TOKENS,
+                 path: str = "auto") -> None:
+        super().__init__()
+        num_experts = int(config.n_routed_experts)
+        hidden = int(config.hidden_size)
+        self.gate = _Router(num_experts, hidden, device, dtype)
+        n_group = getattr(config, "n_group", None)
+        topk_group = getattr(config, "topk_group", None)
+        if not n_group or n_group <= 1:
+            n_group = topk_group = None  # one group: plain top-k
+        shared = int(getattr(config, "n_shared_experts", 0) or 0)
+        self.experts = Fp8FusedMoE(
+            num_experts, hidden, int(config.moe_intermediate_size), int(config.num_experts_per_tok),
+            scoring_func=getattr(config, "scoring_func", "sigmoid"),
+            renormalize=bool(getattr(config, "norm_topk_prob", True)),
+            n_group=n_group, topk_group=topk_group,
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+            use_correction_bias=getattr(config, "topk_method", "noaux_tc") == "noaux_tc",
+            num_shared_experts=shared, masked_max_tokens=masked_max_tokens, device=device)
+        self.path = path
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1]).contiguous()
+        router_logits = F.linear(x.float(), self.gate.weight.float())
+        return self.experts(x, router_logits, path=self.path).view(shape)
+
+
+# ==============================================================================================
+# patching
+# ==============================================================================================
+
+def _check_config(config: Any) -> None:
+    if getattr(config, "model_type", None) not in ("deepseek_v3",):
+        raise ValueError(f"moe_fp8 patches DeepSeek-V3 models (model_type 'deepseek_v3'), got "
+                         f"{getattr(config, 'model_type', None)!r}")
+    if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError("moe_layer_freq != 1 is not supported (transformers' DeepseekV3 puts a MoE block in "
+                         "every layer from first_k_dense_replace on)")
+
+
+def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    devices = {p.device for p in model.parameters()}
+    real = {d for d in devices if d.type != "meta"}
+    if not real:
+        raise ValueError("the model is on the meta device: pass device=... to patch_model")
+    if len(real) > 1:
+        raise ValueError(f"the model spans several devices {sorted(map(str, real))}: pass device=...")
+    return real.pop()
+
+
+def _dequantized(reader: CheckpointReader, prefix: str) -> Tensor:
+    """``{prefix}.weight`` in fp32, dequantized when stored as block FP8."""
+    weight = reader.get(f"{prefix}.weight")
+    if f"{prefix}.weight{SCALE_SUFFIX}" in reader:
+        return dequant_per_block(weight, reader.get(f"{prefix}.weight{SCALE_SUFFIX}"))
+    return weight.float()
+
+
+def _swap_linear(owner: nn.Module, attr: str, prefix: str, reader: CheckpointReader, device: torch.device,
+                 dtype: torch.dtype, report: LoadReport) -> None:
+    """Replace ``owner.<attr>`` (an nn.Linear) by an Fp8Linear loaded from ``prefix``, or load it unquantized."""
+    old = getattr(owner, attr)
+    has_bias = old.bias is not None
+    try:
+        check_fp8_linear_shape(old.in_features, old.out_features, prefix)
+    except ValueError as exc:
+        logger.warning("moe_fp8: %s stays an unquantized nn.Linear: %s", prefix, exc)
+        new = nn.Linear(old.in_features, old.out_features, bias=has_bias, device=device, dtype=dtype)
+        with torch.no_grad():
+            new.weight.copy_(_dequantized(reader, prefix))
+            if has_bias:
+                new.bias.copy_(reader.get(f"{prefix}.bias"))
+        new.requires_grad_(False)
+        setattr(owner, attr, new)
+        report.kept_unquantized.append(prefix)
+        return
+    new = Fp8Linear(old.in_features, old.out_features, bias=has_bias, device=device)
+    if f"{prefix}.weight{SCALE_SUFFIX}" not in reader:
+        report.quantized_on_load.append(f"{prefix}.weight")
+    load_fp8_linear(new, reader, prefix)
+    setattr(owner, attr, new)
+    report.fp8_linears.append(prefix)
+
+
+def _swap_dense_mlp(layer: nn.Module, prefix: str, reader: CheckpointReader, device: torch.device,
+                    dtype: torch.dtype, report: LoadReport) -> None:
+    mlp = layer.mlp
+    hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    if inter % GROUP_K == 0 and hidden % 16 == 0:
+        for proj in _MLP_PROJECTIONS:
+            if f"{prefix}.{proj}.weight{SCALE_SUFFIX}" not in reader:
+                report.quantized_on_load.append(f"{prefix}.{proj}.weight")
+        new = Fp8MLP(hidden, inter, device=device)
+        load_fp8_mlp(new, reader, prefix)
+        layer.mlp = new
+        report.fp8_linears.append(prefix)
+        return
+    # An intermediate size off the 128 grid cannot fuse gate and up: keep transformers' MLP, swap each projection.
+    for proj in _MLP_PROJECTIONS:
+        _swap_linear(mlp, proj, f"{prefix}.{proj}", reader, device, dtype, report)
+
+
+def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers left on the meta device (the rotary tables) on ``device``."""
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise ValueError(f"buffers of {name} ({type(module).__name__}) are on the meta device and are not "
+                             "in the checkpoint")
+        with torch.device(device):
+            rebuilt = type(module)(config=model.config)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, rebuilt)
+
+
+@torch.no_grad()
+def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLike, *,
+                device: torch.device | str | None = None, masked_max_tokens: int = MASKED_MAX_TOKENS,
+                moe_path: str = "auto") -> LoadReport:
+    """Swap a transformers ``DeepseekV3ForCausalLM``'s MoE blocks, MLPs and attention projections for moe_fp8
+    layers and load every weight from a DeepSeek-V3-format checkpoint (FP8 or bf16).
+
+    Args:
+        model: ``transformers.DeepseekV3ForCausalLM`` (on the meta device, or real: its weights are replaced).
+            Modules that stay transformers' keep their parameter dtypes; the checkpoint's values are cast to them.
+        checkpoint: directory (or ``CheckpointReader``).
+        device: where the weights go (default: the model's device; required for a meta model).
+        masked_max_tokens, moe_path: passed to every ``Fp8FusedMoE`` (dispatch crossover, forced path).
+
+    Returns a ``LoadReport``. Raises ``KeyError`` for a parameter the checkpoint lacks and ``ValueError`` for
+    a shape mismatch or an unsupported config; nothing is silently left uninitialised.
+    """
+    _transformers()
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    config = model.config
+    _check_config(config)
+    dev = _target_device(model, device)
+    dtype = model.get_input_embeddings().weight.dtype
+    report = LoadReport()
+    base = model.get_submodule("model")
+    for i, layer in enumerate(base.layers):
+        prefix = f"model.layers.{i}"
+        for proj in ATTENTION_PROJECTIONS:
+            if isinstance(getattr(layer.self_attn, proj, None), nn.Linear):
+                _swap_linear(layer.self_attn, proj, f"{prefix}.self_attn.{proj}", reader, dev, dtype, report)
+        kind = type(layer.mlp).__name__
+        if kind == "DeepseekV3MoE":
+            moe = Fp8DeepseekV3MoE(config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
+                                   path=moe_path)
+            _copy_param(moe.gate.weight, reader.get(f"{prefix}.mlp.gate.weight"), f"{prefix}.mlp.gate.weight")
+            for e in moe.experts.local_expert_ids():
+                for proj in _MLP_PROJECTIONS:
+                    if f"{prefix}.mlp.experts.{e}.{proj}.weight{SCALE_SUFFIX}" not in reader:
+                        report.quantized_on_load.append(f"{prefix}.mlp.experts.{e}.{proj}.weight")
+            _load_fused_moe(moe.experts, reader, f"{prefix}.mlp")
+            layer.mlp = moe
+            report.moe_layers.append(f"{prefix}.mlp")
+        elif kind == "DeepseekV3MLP":
+            _swap_dense_mlp(layer, f"{prefix}.mlp", reader, dev, dtype, report)
+        else:
+            raise ValueError(f"{prefix}.mlp is a {kind}, not transformers' DeepseekV3MoE / DeepseekV3MLP "
+                             "(already patched?)")
+
+    # Everything else keeps transformers' modules: load by name (transformers' DeepseekV3 names are the
+    # checkpoint's), replacing meta parameters by real ones (assign) in their current dtype.
+    ours = (Fp8Linear, Fp8MLP, Fp8DeepseekV3MoE)
+    skip = {f"{n}." for n, m in model.named_modules() if isinstance(m, ours)}
+    state: dict[str, Tensor] = {}
+    missing = []
+    for name, param in model.named_parameters():
+        if any(name.startswith(s) for s in skip):
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and f"{prefix}.weight{SCALE_SUFFIX}" in reader:
+            value = _dequantized(reader, prefix)  # an FP8 tensor of a module that stays unquantized
+        elif name in reader:
+            value = reader.get(name)
+        else:
+            missing.append(name)
+            continue
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{name}: the checkpoint gives shape {tuple(value.shape)}, the model expects "
+                             f"{tuple(param.shape)}")
+        state[name] = value.to(device=dev, dtype=param.dtype)
+    if missing:
+        raise KeyError(f"the checkpoint {reader.path} lacks {len(missing)} tensors of the model: {missing[:8]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # assign=True replaced the embedding: re-point a tied lm_head (tie_word_embeddings) at it
+    for p in model.parameters():
+        p.requires_grad_(False)
+    _rebuild_rotary(model, dev)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"not filled from the checkpoint: {still_meta[:8]}")
+    report.unused = [n for n in reader if n not in reader.used]
+    return report
+
+
+def _copy_param(dst: Tensor, src: Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: the checkpoint gives shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _build_meta_model(path: str | os.PathLike, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    transformers = _transformers()
+    config = transformers.AutoConfig.from_pretrained(path)
+    _check_config(config)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    return model.to(dtype)
+
+
+def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+               masked_max_tokens: int = MASKED_MAX_TOKENS, moe_path: str = "auto",
+               attn_implementation: str | None = None) -> nn.Module:
+    """Build transformers' ``DeepseekV3ForCausalLM`` from ``path/config.json`` and run it on moe_fp8 layers.
+
+    Args:
+        path: DeepSeek-V3-format checkpoint directory (FP8 with ``weight_scale_inv``, or bf16).
+        device: where the model lives (``"cuda"`` for the Hopper kernels).
+        dtype: activation dtype and dtype of the modules that stay transformers' (embeddings, norms, lm_head).
+        masked_max_tokens, moe_path: see ``Fp8FusedMoE``.
+        attn_implementation: transformers' attention backend (``"eager"``, ``"sdpa"``, ...); default: its choice.
+
+    Returns the model in eval mode, with ``model.moe_fp8_report`` (a ``LoadReport``); ``model.generate`` works
+    as usual. Construction happens on the meta device, so host memory holds no bf16 copy of the experts.
+    """
+    model = _build_meta_model(path, dtype, attn_implementation)
+    with CheckpointReader(path) as reader:
+        report = patch_model(model, reader, device=device, masked_max_tokens=masked_max_tokens, moe_path=moe_path)
+    model.moe_fp8_report = report
+    return model.eval()
+
+
+@torch.no_grad()
+def load_reference_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+    """transformers' plain ``DeepseekV3ForCausalLM`` with every weight dequantized to ``dtype`` (validation only:
+    it materialises the whole model in ``dtype``). Routed experts are stacked as transformers stores them:
+    ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``."""
+    model = _build_meta_model(path, dtype, attn_implementation)
+    dev = torch.device(device)
+    state: dict[str, Tensor] = {}
+    with CheckpointReader(path) as reader:
+        for name, param in model.named_parameters():
+            if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+                block = name.rsplit(".", 1)[0]
+                num_experts = param.shape[0]
+                if name.endswith("gate_up_proj"):
+                    value = torch.stack([torch.cat([_dequantized(reader, f"{block}.{e}.gate_proj"),
+                                                    _dequantized(reader, f"{block}.{e}.up_proj")])
+                                         for e in range(num_experts)])
+                else:
+                    value = torch.stack([_dequantized(reader, f"{block}.{e}.down_proj") for e in range(num_experts)])
+            elif name.endswith(".weight") and f"{name}{SCALE_SUFFIX}" in reader:
+                value = _dequantized(reader, name[: -len(".weight")])
+            else:
+                value = reader.get(name)
+            state[name] = value.to(device=dev, dtype=param.dtype)
+        for name, _buf in model.named_buffers():
+            if name in reader:  # e_score_correction_bias (transformers keeps it a buffer, fp32)
+                state[name] = reader.get(name).to(device=dev, dtype=torch.float32)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    _rebuild_rotary(model, dev)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"not filled from the checkpoint: {still_meta[:8]}")
+    return model.eval()

@@ -1,0 +1,514 @@
+"""DeepSeek-V3-format safetensors checkpoints: read them into the FP8 layers, and write random ones.
+
+Format (as published by DeepSeek for V3 / R1 and read by vLLM, SGLang and transformers):
+
+- ``config.json``: the Hugging Face config (``model_type = "deepseek_v3"``), with, for FP8 weights,
+  ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+  "weight_block_size": [128, 128]}``;
+- ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}``), or one
+  ``model.safetensors``;
+- every linear weight of the decoder layers is ``<module>.weight`` (``float8_e4m3fn [N, K]``) plus
+  ``<module>.weight_scale_inv`` (``float32 [ceil(N/128), ceil(K/128)]``, a multiplier despite the name);
+  embeddings, norms, the router (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``) and
+  ``lm_head`` stay bf16 / fp32. Routed experts are separate tensors per expert:
+  ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
+
+Loading (``load_fp8_linear`` / ``load_fp8_mlp`` / ``load_fused_moe``) copies FP8 bytes and scales
+straight from the memory-mapped files into the (stacked) parameters, reading only the slice a rank
+needs (``safe_open(...).get_slice``): no bf16 copy of an FP8 weight is ever made. A weight stored
+without ``weight_scale_inv`` (a bf16 checkpoint) is quantized on load (``moe_fp8.quant.per_block``) on
+the parameter's device.
+
+Writing (``write_deepseek_v3_checkpoint``) builds a random checkpoint of any DeepSeek-V3 config in this
+exact format, for tests, demos and kernel warm-up; ``tiny_deepseek_v3_config`` gives a small valid config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from moe_fp8.layers.linear import Fp8Linear, Fp8MLP
+from moe_fp8.layers.moe import Fp8FusedMoE
+from moe_fp8.layers.parallel import tp_shard_range
+from moe_fp8.quant import per_block
+from moe_fp8.utils import GROUP_K, ceil_div
+
+__all__ = [
+    "FP8_QUANTIZATION_CONFIG",
+    "CheckpointReader",
+    "TensorSpec",
+    "deepseek_v3_tensor_specs",
+    "is_moe_layer",
+    "load_fp8_linear",
+    "load_fp8_mlp",
+    "load_fused_moe",
+    "read_block_fp8",
+    "tiny_deepseek_v3_config",
+    "write_deepseek_v3_checkpoint",
+]
+
+Tensor = torch.Tensor
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+
+# The quantization_config of DeepSeek-V3's config.json (block FP8, dynamic per-token-group activations).
+FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [GROUP_K, GROUP_K],
+}
+
+
+# ==============================================================================================
+# Reading
+# ==============================================================================================
+
+class CheckpointReader:
+    """Lazy, memory-mapped access to the tensors of a (sharded) safetensors checkpoint.
+
+    Args:
+        path: a checkpoint directory (with ``model.safetensors.index.json``, or a single
+            ``*.safetensors`` file) or the path of one ``.safetensors`` file.
+
+    ``config`` is ``config.json`` as a dict (``{}`` if absent). Tensors are read on CPU through
+    ``safetensors.safe_open``; ``get_slice`` reads only the requested rows / columns. Names a loader
+    consumed are collected in ``used`` (so callers can report what a model did not take). Use as a
+    context manager or call ``close()`` to drop the file handles.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if path.is_file():
+            root, files = path.parent, [path.name]
+            self._weight_map = None
+        elif (path / INDEX_FILE).is_file():
+            root = path
+            index = json.loads((path / INDEX_FILE).read_text())
+            if not isinstance(index.get("weight_map"), dict):
+                raise ValueError(f"{path / INDEX_FILE} has no 'weight_map' object")
+            self._weight_map = dict(index["weight_map"])
+            files = sorted(set(self._weight_map.values()))
+        elif path.is_dir():
+            root, files = path, sorted(p.name for p in path.glob("*.safetensors"))
+            self._weight_map = None
+            if not files:
+                raise FileNotFoundError(f"no {INDEX_FILE} and no *.safetensors file in {path}")
+        else:
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        self.path = root
+        self._handles: dict[str, Any] = {}
+        if self._weight_map is None:  # no index: list every file's tensors
+            self._weight_map = {}
+            for name in files:
+                for key in self._handle(name).keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    self._weight_map[key] = name
+        for name in files:
+            if not (root / name).is_file():
+                raise FileNotFoundError(f"shard {name} listed in {root / INDEX_FILE} is missing")
+        config_file = root / "config.json"
+        self.config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.used: set[str] = set()
+        self._check_quantization_config()
+
+    def _check_quantization_config(self) -> None:
+        qc = self.config.get("quantization_config")
+        if qc is None:
+            return
+        method, fmt = qc.get("quant_method"), qc.get("fmt", "e4m3")
+        block = list(qc.get("weight_block_size") or [])
+        if method != "fp8" or fmt != "e4m3" or block != [GROUP_K, GROUP_K]:
+            raise ValueError(f"unsupported quantization_config in {self.path / 'config.json'}: {qc}; moe_fp8 reads "
+                             f"quant_method 'fp8', fmt 'e4m3', weight_block_size [{GROUP_K}, {GROUP_K}]")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"activation_scheme {qc.get('activation_scheme')!r} is not supported (only 'dynamic': "
+                             "activations are quantized per token per 128 columns at run time)")
+
+    def _handle(self, file: str) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            # NOTE: safetensors is imported on first use (keeps ~25 ms off `import moe_fp8`).
+            from safetensors import safe_open
+
+            handle = safe_open(str(self.path / file), framework="pt", device="cpu")
+            self._handles[file] = handle
+        return handle
+
+    def _file_of(self, name: str) -> str:
+        try:
+            return self._weight_map[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.path}") from None
+
+    def keys(self) -> list[str]:
+        """Every tensor name, sorted."""
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weight_map
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._file_of(name)).get_slice(name).get_shape())
+
+    def get(self, name: str) -> Tensor:
+        """The whole tensor (CPU, stored dtype)."""
+        tensor = self._handle(self._file_of(name)).get_tensor(name)
+        self.used.add(name)
+        return tensor
+
+    def get_slice(self, name: str, rows: tuple[int, int] | None = None,
+                  cols: tuple[int, int] | None = None) -> Tensor:
+        """Rows ``[r0, r1)`` and / or columns ``[c0, c1)`` of a 2-D tensor, reading only those bytes."""
+        if rows is None and cols is None:
+            return self.get(name)
+        sl = self._handle(self._file_of(name)).get_slice(name)
+        r = slice(*rows) if rows is not None else slice(None)
+        c = slice(*cols) if cols is not None else slice(None)
+        self.used.add(name)
+        return sl[r, c]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_reader(checkpoint: CheckpointReader | str | os.PathLike) -> CheckpointReader:
+    return checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+
+
+def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, int] | None = None,
+                   cols: tuple[int, int] | None = None,
+                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """``(weight fp8 [n, k], weight_scale_inv fp32 [ceil(n/128), ceil(k/128)])`` of ``{prefix}.weight``,
+    restricted to ``rows`` / ``cols`` (each ``[start, stop)``; starts must be multiples of 128).
+
+    A stored FP8 weight and its scales are sliced as stored (bytes unchanged). A weight without
+    ``weight_scale_inv`` (bf16 / fp16 / fp32) is read (the slice only), moved to ``device`` and quantized
+    per 128×128 block. Non-fp32 scales (e.g. UE8M0 ``float8_e8m0fnu``) are converted to fp32 exactly.
+    """
+    w_name, s_name = f"{prefix}.weight", f"{prefix}.weight{SCALE_SUFFIX}"
+    shape = reader.shape(w_name)
+    if len(shape) != 2:
+        raise ValueError(f"{w_name} must be 2-D [N, K], the checkpoint has shape {shape}")
+    for what, rng in (("rows", rows), ("cols", cols)):
+        if rng is not None and rng[0] % GROUP_K != 0:
+            raise ValueError(f"{w_name}: a {what} slice must start on a {GROUP_K} boundary, got {rng}")
+    if s_name in reader:
+        s_shape = reader.shape(s_name)
+        want = (ceil_div(shape[0], GROUP_K), ceil_div(shape[1], GROUP_K))
+        if s_shape != want:
+            raise ValueError(f"{s_name} must have shape {want} (128×128 blocks of {w_name} {shape}), the "
+                             f"checkpoint has {s_shape}")
+        w = reader.get_slice(w_name, rows, cols)
+        if w.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{w_name} has a {s_name} but is stored as {w.dtype}, not float8_e4m3fn")
+        s_rows = None if rows is None else (rows[0] // GROUP_K, ceil_div(rows[1], GROUP_K))
+        s_cols = None if cols is None else (cols[0] // GROUP_K, ceil_div(cols[1], GROUP_K))
+        s = reader.get_slice(s_name, s_rows, s_cols)
+        return w, s if s.dtype == torch.float32 else s.to(torch.float32)
+    w = reader.get_slice(w_name, rows, cols)
+    if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{w_name} is stored as {w.dtype} without a {s_name}: cannot interpret it")
+    return per_block(w.to(device).contiguous())
+
+
+def _copy(dst: Tensor, src: Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: the checkpoint gives shape {tuple(src.shape)}, the module expects "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+@torch.no_grad()
+def load_fp8_linear(module: Fp8Linear, checkpoint: CheckpointReader | str | os.PathLike,
+                    prefixes: str | Sequence[str], *, tp_rank: int = 0, tp_size: int = 1,
+                    mode: str = "column") -> None:
+    """Fill an ``Fp8Linear`` from ``{prefix}.weight`` (+ ``.weight_scale_inv``, ``.bias``).
+
+    Args:
+        prefixes: one module name (``"model.layers.0.self_attn.o_proj"``), or several whose weights are
+            stacked along N into this one layer (``[".../gate_proj", ".../up_proj"]`` for a fused gate_up;
+            every part but the last must be a multiple of 128 rows).
+        tp_rank, tp_size, mode: load this rank's shard: ``"column"`` splits each part's N, ``"row"`` splits K
+            (bias on rank 0 only); the same split as ``shard_fp8_linear``. Shards must be multiples of 128.
+    """
+    reader = _as_reader(checkpoint)
+    parts = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    if mode not in ("column", "row"):
+        raise ValueError(f"mode must be 'column' or 'row', got {mode!r}")
+    if mode == "row" and len(parts) != 1:
+        raise ValueError("mode='row' takes a single prefix")
+    row_off = 0
+    for idx, prefix in enumerate(parts):
+        n, k = reader.shape(f"{prefix}.weight")
+        if mode == "column":
+            rows, cols = tp_shard_range(n, tp_rank, tp_size, f"{prefix}.weight N"), None
+        else:
+            rows, cols = None, tp_shard_range(k, tp_rank, tp_size, f"{prefix}.weight K")
+        w, s = read_block_fp8(reader, prefix, rows=rows, cols=cols, device=module.weight.device)
+        if idx < len(parts) - 1 and w.shape[0] % GROUP_K != 0:
+            raise ValueError(f"{prefix}: a fused part must have a multiple of {GROUP_K} rows, got {w.shape[0]}")
+        r0 = row_off
+        _copy(module.weight[r0:r0 + w.shape[0]], w, f"{prefix}.weight -> rows {r0}: of {tuple(module.weight.shape)}")
+        _copy(module.weight_scale_inv[r0 // GROUP_K:r0 // GROUP_K + s.shape[0]], s, f"{prefix}.weight{SCALE_SUFFIX}")
+        if module.bias is not None:
+            b_name = f"{prefix}.bias"
+            if mode == "row":  # a row split adds the bias once: on rank 0
+                bias = reader.get(b_name) if tp_rank == 0 else torch.zeros(w.shape[0])
+            else:
+                bias = reader.get(b_name)[rows[0]:rows[1]]
+            _copy(module.bias[r0:r0 + w.shape[0]], bias, b_name)
+        row_off += w.shape[0]
+    if row_off != module.out_features:
+        raise ValueError(f"{parts}: the checkpoint gives {row_off} output rows, the module has {module.out_features}")
+
+
+def load_fp8_mlp(module: Fp8MLP, checkpoint: CheckpointReader | str | os.PathLike, prefix: str, *,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Fill an ``Fp8MLP`` from ``{prefix}.{gate,up,down}_proj`` (dense MLP or ``mlp.shared_experts``):
+    gate and up stacked into ``gate_up_proj``; under TP, column split of gate / up and row split of down."""
+    reader = _as_reader(checkpoint)
+    load_fp8_linear(module.gate_up_proj, reader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"],
+                    tp_rank=tp_rank, tp_size=tp_size, mode="column")
+    load_fp8_linear(module.down_proj, reader, f"{prefix}.down_proj", tp_rank=tp_rank, tp_size=tp_size, mode="row")
+
+
+@torch.no_grad()
+def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.PathLike, prefix: str, *,
+                   tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Fill an ``Fp8FusedMoE`` from a DeepSeek-V3 MoE block ``prefix`` (e.g. ``"model.layers.3.mlp"``).
+
+    Reads, for each expert of this rank (``module.local_expert_ids()``, from its ``expert_map``),
+    ``{prefix}.experts.{e}.{gate,up,down}_proj.weight`` (+ scales) into ``w13_weight[local] = [gate | up]``
+    and ``w2_weight[local] = down``; with ``tp_size > 1`` only rows / columns ``[r·I, (r+1)·I)`` of the
+    expert intermediate size (``I = module.intermediate_size``). Also ``{prefix}.gate.e_score_correction_bias``
+    when the module uses it and ``{prefix}.shared_experts.*`` when it has shared experts (split the same way).
+    The router weight ``{prefix}.gate.weight`` is not part of the module (router logits are an input).
+    """
+    reader = _as_reader(checkpoint)
+    inter = module.intermediate_size
+    ib = inter // GROUP_K
+    dev = module.w13_weight.device
+    for local, expert in enumerate(module.local_expert_ids()):
+        base = f"{prefix}.experts.{expert}"
+        full_i = reader.shape(f"{base}.gate_proj.weight")[0]
+        i_range = tp_shard_range(full_i, tp_rank, tp_size, f"{base} intermediate size")
+        for half, proj in enumerate(("gate_proj", "up_proj")):
+            w, s = read_block_fp8(reader, f"{base}.{proj}", rows=i_range, device=dev)
+            _copy(module.w13_weight[local, half * inter:(half + 1) * inter], w, f"{base}.{proj}.weight")
+            _copy(module.w13_weight_scale_inv[local, half * ib:(half + 1) * ib], s, f"{base}.{proj}.weight{SCALE_SUFFIX}")
+        w, s = read_block_fp8(reader, f"{base}.down_proj", cols=i_range, device=dev)
+        _copy(module.w2_weight[local], w, f"{base}.down_proj.weight")
+        _copy(module.w2_weight_scale_inv[local], s, f"{base}.down_proj.weight{SCALE_SUFFIX}")
+    if module.e_score_correction_bias is not None:
+        name = f"{prefix}.gate.e_score_correction_bias"
+        _copy(module.e_score_correction_bias, reader.get(name).to(torch.float32), name)
+    if module.shared_experts is not None:
+        load_fp8_mlp(module.shared_experts, reader, f"{prefix}.shared_experts", tp_rank=tp_rank, tp_size=tp_size)
+
+
+# ==============================================================================================
+# Writing random checkpoints
+# ==============================================================================================
+
+class TensorSpec(NamedTuple):
+    """One tensor of a DeepSeek-V3 checkpoint: shape, stored dtype when not FP8, whether it is stored as
+    block FP8 in an FP8 checkpoint, and the normal distribution random checkpoints draw it from."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fp8: bool
+    mean: float
+    std: float
+
+
+def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
+    """A small but complete DeepSeek-V3 ``config.json`` dict (FP8 ``quantization_config`` included).
+
+    Every GEMM dimension is a multiple of 128 except the MLA projections' natural sizes
+    (``kv_a_proj_with_mqa``: N = kv_lora_rank + qk_rope_head_dim = 160), which the FP8 GEMM takes as
+    ragged N. 3 layers, the first dense; 16 routed experts in 4 groups, top-4 of the best 2 groups,
+    one shared expert. Keyword arguments override entries.
+    """
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_shared_experts": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 128,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "hidden_act": "silu",
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+        "quantization_config": dict(FP8_QUANTIZATION_CONFIG),
+    }
+    config.update(overrides)
+    return config
+
+
+def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` has a routed-expert MLP (DeepSeek-V3: ``layer >= first_k_dense_replace``
+    and ``layer % moe_layer_freq == 0``)."""
+    return (bool(config.get("n_routed_experts")) and layer >= int(config.get("first_k_dense_replace", 0))
+            and layer % int(config.get("moe_layer_freq", 1)) == 0)
+
+
+def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Every tensor of a DeepSeek-V3 checkpoint for ``config`` (weight names; FP8 ones also have a
+    ``.weight_scale_inv`` in FP8 checkpoints), in a stable order.
+
+    Random draws: linear weights ``N(0, 1/K)`` (unit-variance outputs for unit inputs), the attention
+    output and MLP down projections at half that scale (the residual stream stays dominated by the
+    embeddings, as in trained models), norms ``N(1, 0.1²)``, embeddings ``N(0, 1)``, router weight
+    ``N(0, 4/H)`` (well separated expert scores), correction bias ``N(0, 0.05²)``.
+    """
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    q_lora = config.get("q_lora_rank")
+    kv_lora = int(config["kv_lora_rank"])
+    rope, nope, v_dim = int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+    bf16 = torch.bfloat16
+    specs: dict[str, TensorSpec] = {}
+
+    def linear(name: str, n: int, k: int, scale: float = 1.0) -> None:
+        specs[f"{name}.weight"] = TensorSpec((n, k), bf16, True, 0.0, scale / math.sqrt(k))
+
+    def norm(name: str, size: int) -> None:
+        specs[f"{name}.weight"] = TensorSpec((size,), bf16, False, 1.0, 0.1)
+
+    def mlp(name: str, inter: int) -> None:
+        linear(f"{name}.gate_proj", inter, h)
+        linear(f"{name}.up_proj", inter, h)
+        linear(f"{name}.down_proj", h, inter, 0.5)
+
+    specs["model.embed_tokens.weight"] = TensorSpec((int(config["vocab_size"]), h), bf16, False, 0.0, 1.0)
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm", h)
+        norm(f"{p}.post_attention_layernorm", h)
+        attn = f"{p}.self_attn"
+        if q_lora:
+            linear(f"{attn}.q_a_proj", int(q_lora), h)
+            norm(f"{attn}.q_a_layernorm", int(q_lora))
+            linear(f"{attn}.q_b_proj", heads * (nope + rope), int(q_lora))
+        else:
+            linear(f"{attn}.q_proj", heads * (nope + rope), h)
+        linear(f"{attn}.kv_a_proj_with_mqa", kv_lora + rope, h)
+        norm(f"{attn}.kv_a_layernorm", kv_lora)
+        linear(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
+        linear(f"{attn}.o_proj", h, heads * v_dim, 0.5)
+        if is_moe_layer(config, i):
+            num_experts = int(config["n_routed_experts"])
+            moe_i = int(config["moe_intermediate_size"])
+            specs[f"{p}.mlp.gate.weight"] = TensorSpec((num_experts, h), bf16, False, 0.0, 2.0 / math.sqrt(h))
+            if config.get("topk_method", "noaux_tc") == "noaux_tc":
+                specs[f"{p}.mlp.gate.e_score_correction_bias"] = TensorSpec((num_experts,), torch.float32, False,
+                                                                            0.0, 0.05)
+            for e in range(num_experts):
+                mlp(f"{p}.mlp.experts.{e}", moe_i)
+            if int(config.get("n_shared_experts") or 0) > 0:
+                mlp(f"{p}.mlp.shared_experts", moe_i * int(config["n_shared_experts"]))
+        else:
+            mlp(f"{p}.mlp", int(config["intermediate_size"]))
+    norm("model.norm", h)
+    if not config.get("tie_word_embeddings", False):
+        specs["lm_head.weight"] = TensorSpec((int(config["vocab_size"]), h), bf16, False, 0.0, 1.0 / math.sqrt(h))
+    return specs
+
+
+def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                                 seed: int = 0, fp8: bool = True, num_shards: int = 2) -> Path:
+    """Write a random DeepSeek-V3 checkpoint for ``config`` (default ``tiny_deepseek_v3_config()``) to ``path``.
+
+    ``fp8=True``: the linear weights of the decoder layers are block FP8 (``weight`` + ``weight_scale_inv``,
+    quantized from the random draw with ``moe_fp8.quant.per_block``) and ``config.json`` carries
+    ``quantization_config``; ``fp8=False``: everything bf16 (fp32 correction bias), no ``quantization_config``.
+    Tensors are spread over ``num_shards`` files ``model-0000i-of-0000n.safetensors`` in spec order, with
+    ``model.safetensors.index.json``. Draws come from one CPU generator seeded with ``seed`` (same seed,
+    same bytes). Returns the directory.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    config = dict(tiny_deepseek_v3_config() if config is None else config)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    else:
+        config.pop("quantization_config", None)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Tensor] = {}
+    for name, spec in deepseek_v3_tensor_specs(config).items():
+        draw = torch.randn(spec.shape, generator=gen, dtype=torch.float32) * spec.std + spec.mean
+        if fp8 and spec.fp8:
+            w_fp8, w_scale = per_block(draw)
+            tensors[name] = w_fp8
+            tensors[name + SCALE_SUFFIX] = w_scale
+        else:
+            tensors[name] = draw.to(spec.dtype)
+
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    shards: list[dict[str, Tensor]] = [{} for _ in range(num_shards)]
+    running = 0
+    for name, t in tensors.items():  # contiguous runs of names, balanced by bytes
+        shards[min(num_shards - 1, running * num_shards // max(total, 1))][name] = t
+        running += t.numel() * t.element_size()
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    for idx, shard in enumerate(shards):
+        file = f"model-{idx + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,201 @@
+"""DeepSeek-V3-format checkpoints: the writer's exact format, the loaders fill the exact bytes (FP8),
+quantize bf16 on load, read only a rank's slice (TP / EP), and refuse mismatches clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moe_fp8 import quant
+from moe_fp8.layers import (
+    CheckpointReader,
+    Fp8FusedMoE,
+    Fp8Linear,
+    Fp8MLP,
+    deepseek_v3_tensor_specs,
+    expert_map_for_rank,
+    load_fp8_linear,
+    load_fp8_mlp,
+    load_fused_moe,
+    shard_moe_weights,
+    tiny_deepseek_v3_config,
+    write_deepseek_v3_checkpoint,
+)
+
+CFG = tiny_deepseek_v3_config(num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
+                              moe_intermediate_size=256, intermediate_size=384)
+MOE = "model.layers.1.mlp"
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    return write_deepseek_v3_checkpoint(tmp_path_factory.mktemp("fp8"), CFG, seed=3, num_shards=3)
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    return write_deepseek_v3_checkpoint(tmp_path_factory.mktemp("bf16"), CFG, seed=4, fp8=False, num_shards=1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _moe(expert_map=None, inter=256):
+    return Fp8FusedMoE(8, 256, inter, 4, scoring_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                       use_correction_bias=True, num_shared_experts=1, shared_intermediate_size=inter,
+                       expert_map=expert_map)
+
+
+def test_writer_format(fp8_ckpt):
+    files = sorted(p.name for p in fp8_ckpt.iterdir())
+    assert files == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                     "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    config = json.loads((fp8_ckpt / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}
+    index = json.loads((fp8_ckpt / "model.safetensors.index.json").read_text())
+    stored, total = {}, 0
+    for file in set(index["weight_map"].values()):
+        with safe_open(str(fp8_ckpt / file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                t = f.get_tensor(name)
+                stored[name] = t
+                total += t.numel() * t.element_size()
+                assert index["weight_map"][name] == file
+    assert index["metadata"]["total_size"] == total
+    specs = deepseek_v3_tensor_specs(config)
+    fp8_names = {n for n, s in specs.items() if s.fp8}
+    assert set(stored) == set(specs) | {n + "_scale_inv" for n in fp8_names}
+    for name, spec in specs.items():
+        assert tuple(stored[name].shape) == spec.shape
+        if spec.fp8:
+            assert stored[name].dtype == torch.float8_e4m3fn
+            n, k = spec.shape
+            assert stored[name + "_scale_inv"].dtype == torch.float32
+            assert stored[name + "_scale_inv"].shape == ((n + 127) // 128, (k + 127) // 128)
+        else:
+            assert stored[name].dtype == spec.dtype
+    # DeepSeek-V3 names (spot checks) and what stays unquantized
+    for name in (f"{MOE}.experts.7.down_proj.weight", f"{MOE}.shared_experts.gate_proj.weight",
+                 "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        assert specs[name].fp8
+    for name in (f"{MOE}.gate.weight", f"{MOE}.gate.e_score_correction_bias", "model.embed_tokens.weight",
+                 "lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"):
+        assert not specs[name].fp8
+    assert specs[f"{MOE}.gate.e_score_correction_bias"].dtype == torch.float32
+    # same seed, same bytes
+    again = write_deepseek_v3_checkpoint(fp8_ckpt.parent / "again", CFG, seed=3, num_shards=3)
+    for file in set(index["weight_map"].values()):
+        assert (again / file).read_bytes() == (fp8_ckpt / file).read_bytes()
+
+
+def test_reader(fp8_ckpt):
+    with CheckpointReader(fp8_ckpt) as reader:
+        assert reader.config["n_routed_experts"] == 8
+        name = f"{MOE}.experts.3.gate_proj.weight"
+        assert name in reader and reader.shape(name) == (256, 256)
+        full = reader.get(name)
+        assert torch.equal(_bytes(reader.get_slice(name, rows=(128, 256))), _bytes(full[128:]))
+        assert torch.equal(_bytes(reader.get_slice(name, cols=(0, 128))), _bytes(full[:, :128]))
+        with pytest.raises(KeyError, match="not in the checkpoint"):
+            reader.get("model.layers.9.mlp.gate.weight")
+    single = CheckpointReader(fp8_ckpt / "model-00002-of-00003.safetensors")
+    assert set(single.keys()) < set(CheckpointReader(fp8_ckpt).keys())
+
+
+def test_load_fused_moe_copies_exact_bytes(fp8_ckpt):
+    reader = CheckpointReader(fp8_ckpt)
+    moe = _moe()
+    load_fused_moe(moe, reader, MOE)
+    for e in range(8):
+        p = f"{MOE}.experts.{e}"
+        gate, up, down = (reader.get(f"{p}.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        assert torch.equal(_bytes(moe.w13_weight[e]), _bytes(torch.cat([gate, up])))
+        assert torch.equal(_bytes(moe.w2_weight[e]), _bytes(down))
+        assert torch.equal(moe.w13_weight_scale_inv[e], torch.cat([reader.get(f"{p}.gate_proj.weight_scale_inv"),
+                                                                     reader.get(f"{p}.up_proj.weight_scale_inv")]))
+        assert torch.equal(moe.w2_weight_scale_inv[e], reader.get(f"{p}.down_proj.weight_scale_inv"))
+    assert torch.equal(moe.e_score_correction_bias, reader.get(f"{MOE}.gate.e_score_correction_bias"))
+    sh = f"{MOE}.shared_experts"
+    assert torch.equal(_bytes(moe.shared_experts.gate_up_proj.weight),
+                       _bytes(torch.cat([reader.get(f"{sh}.gate_proj.weight"), reader.get(f"{sh}.up_proj.weight")])))
+    assert torch.equal(_bytes(moe.shared_experts.down_proj.weight), _bytes(reader.get(f"{sh}.down_proj.weight")))
+    assert torch.equal(moe.shared_experts.down_proj.weight_scale_inv, reader.get(f"{sh}.down_proj.weight_scale_inv"))
+
+
+def test_load_fused_moe_expert_and_tensor_parallel(fp8_ckpt):
+    """A rank reads only its experts (EP) and its slice of I (TP): the same tensors as sharding the full layer."""
+    reader = CheckpointReader(fp8_ckpt)
+    full = _moe()
+    load_fused_moe(full, reader, MOE)
+    for rank in range(2):
+        ep = _moe(expert_map=expert_map_for_rank(8, rank, 2))
+        reader.used.clear()
+        load_fused_moe(ep, reader, MOE)
+        assert torch.equal(_bytes(ep.w13_weight), _bytes(full.w13_weight[rank * 4:(rank + 1) * 4]))
+        assert torch.equal(ep.w2_weight_scale_inv, full.w2_weight_scale_inv[rank * 4:(rank + 1) * 4])
+        read_experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reader.used if ".experts." in n}
+        assert read_experts == set(range(rank * 4, rank * 4 + 4))
+
+        tp = _moe(inter=128)
+        load_fused_moe(tp, reader, MOE, tp_rank=rank, tp_size=2)
+        w13, s13, w2, s2 = shard_moe_weights(full.w13_weight, full.w13_weight_scale_inv, full.w2_weight,
+                                             full.w2_weight_scale_inv, rank, 2)
+        assert torch.equal(_bytes(tp.w13_weight), _bytes(w13)) and torch.equal(tp.w13_weight_scale_inv, s13)
+        assert torch.equal(_bytes(tp.w2_weight), _bytes(w2)) and torch.equal(tp.w2_weight_scale_inv, s2)
+        half = slice(rank * 128, (rank + 1) * 128)
+        assert torch.equal(_bytes(tp.shared_experts.down_proj.weight),
+                           _bytes(full.shared_experts.down_proj.weight[:, half]))
+
+
+def test_load_linear_and_mlp(fp8_ckpt):
+    reader = CheckpointReader(fp8_ckpt)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa"  # ragged N = 160
+    lin = Fp8Linear(256, 160)
+    load_fp8_linear(lin, reader, name)
+    assert torch.equal(_bytes(lin.weight), _bytes(reader.get(f"{name}.weight")))
+    assert torch.equal(lin.weight_scale_inv, reader.get(f"{name}.weight_scale_inv"))
+    mlp = Fp8MLP(256, 384)
+    load_fp8_mlp(mlp, reader, "model.layers.0.mlp")
+    gate, up = reader.get("model.layers.0.mlp.gate_proj.weight"), reader.get("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(_bytes(mlp.gate_up_proj.weight), _bytes(torch.cat([gate, up])))
+
+
+def test_bf16_checkpoint_is_quantized_on_load(bf16_ckpt):
+    reader = CheckpointReader(bf16_ckpt)
+    assert "quantization_config" not in reader.config
+    assert not any(n.endswith("_scale_inv") for n in reader)
+    moe = _moe()
+    load_fused_moe(moe, reader, MOE)
+    gate = reader.get(f"{MOE}.experts.2.gate_proj.weight")
+    up = reader.get(f"{MOE}.experts.2.up_proj.weight")
+    assert gate.dtype == torch.bfloat16
+    w, s = quant.per_block(torch.cat([gate, up]))
+    assert torch.equal(_bytes(moe.w13_weight[2]), _bytes(w)) and torch.equal(moe.w13_weight_scale_inv[2], s)
+    tp = _moe(inter=128)
+    load_fused_moe(tp, reader, MOE, tp_rank=1, tp_size=2)
+    w, s = quant.per_block(reader.get(f"{MOE}.experts.2.down_proj.weight")[:, 128:].contiguous())
+    assert torch.equal(_bytes(tp.w2_weight[2]), _bytes(w)) and torch.equal(tp.w2_weight_scale_inv[2], s)
+
+
+def test_loaders_refuse_mismatches(fp8_ckpt, tmp_path):
+    reader = CheckpointReader(fp8_ckpt)
+    with pytest.raises(ValueError, match="expects"):
+        load_fused_moe(Fp8FusedMoE(8, 256, 128, 4, scoring_func="sigmoid"), reader, MOE)  # wrong I
+    with pytest.raises(ValueError, match="multiple of 128"):
+        load_fused_moe(_moe(inter=128), reader, MOE, tp_rank=0, tp_size=4)  # 256 / 4 = 64
+    with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.experts\.0"):
+        load_fused_moe(_moe(), reader, "model.layers.0.mlp")  # a dense layer has no experts
+    with pytest.raises(ValueError, match="rows"):
+        load_fp8_linear(Fp8Linear(256, 256), reader, "model.layers.0.self_attn.kv_a_proj_with_mqa")
+    bad = dict(CFG, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [1, 32]})
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        CheckpointReader(tmp_path / "nowhere")
