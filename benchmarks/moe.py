@@ -1,0 +1,253 @@
+"""``moe-fp8 bench moe``: one DeepSeek-V3 MoE layer as one expert-parallel rank of 8 holds it (32 of
+256 experts, top-8 grouped routing, hidden 7168, expert intermediate 2048), prefill and decode.
+
+Impls per token count (kind ``moe_layer``):
+- ``moe_fp8``: ``Fp8FusedMoE`` (contiguous path above the crossover, masked path at and below it;
+  decode rows also under a CUDA graph, ``moe_fp8_graph``);
+- ``torch_blockwise_loop``: the same layer with each grouped GEMM replaced by one torch block-scaled
+  ``_scaled_mm`` per expert (what a user has without our kernels);
+- ``torch_bf16``: a bf16 PyTorch MoE looping over the local experts (dequantized weights).
+Plus ``moe_layer_split`` rows: the time of each step of our layer (routing, quant + dispatch, GEMM1,
+SiLU·mul + quant, GEMM2, combine), both paths, and the masked-vs-contiguous crossover.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .harness import REPO, bench_us, measure_ceilings, row, write_record
+
+NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
+N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
+PREFILL_TOKENS = (512, 2048, 8192, 16384)
+DECODE_TOKENS = (1, 8, 64, 128, 256)
+
+
+def build_layer(seed: int = 0):
+    """Rank 0's layer with random block-FP8 experts (and the bf16 copies the baseline needs)."""
+    from moe_fp8.layers import Fp8FusedMoE
+    from moe_fp8.reference import dequant_per_block
+    from moe_fp8.testing import _per_block_quant_grouped
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    expert_map = [i if i < LOCAL_EXPERTS else -1 for i in range(NUM_EXPERTS)]
+    layer = Fp8FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TOP_K, scoring_func="sigmoid", renormalize=True,
+                        n_group=N_GROUP, topk_group=TOPK_GROUP, routed_scaling_factor=SCALING,
+                        use_correction_bias=True, expert_map=expert_map, device="cuda")
+    bf16 = {}
+    for name, shape in (("w13", (LOCAL_EXPERTS, 2 * INTER, HIDDEN)), ("w2", (LOCAL_EXPERTS, HIDDEN, INTER))):
+        w = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        w_fp8, w_scale = _per_block_quant_grouped(w)
+        getattr(layer, f"{name}_weight").copy_(w_fp8)
+        getattr(layer, f"{name}_weight_scale_inv").copy_(w_scale)
+        bf16[name] = torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16)
+                                  for e in range(LOCAL_EXPERTS)])
+        del w
+    layer.e_score_correction_bias.copy_(torch.randn(NUM_EXPERTS, device="cuda", generator=gen) * 0.01)
+    return layer, bf16
+
+
+def _bf16_loop(layer, bf16: dict[str, torch.Tensor], hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The usual PyTorch MoE: route, then for each local expert gather its tokens and run its MLP."""
+    from moe_fp8.layers import select_experts
+
+    weights, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
+                                  topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
+                                  routed_scaling_factor=SCALING)
+    out = torch.zeros_like(hidden)
+    for e in range(LOCAL_EXPERTS):  # local id e == global id e on rank 0
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        x = hidden[tok]
+        gate, up = (x @ bf16["w13"][e].t()).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ bf16["w2"][e].t()
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+    return out
+
+
+def _blockwise_grouped(a, a_scale, w, w_scale, m_indices):
+    """Contiguous grouped GEMM as one torch block-scaled ``_scaled_mm`` per non-empty expert segment."""
+    counts = torch.bincount(m_indices[m_indices >= 0].long(), minlength=w.shape[0]).tolist()  # host sync
+    out = torch.empty(a.shape[0], w.shape[1], device=a.device, dtype=torch.bfloat16)
+    row0 = 0
+    for g, c in enumerate(counts):
+        if c:
+            rows = (c + 127) // 128 * 128  # segments are 128-aligned: the padding rows are there
+            sa = a_scale[row0:row0 + rows].t().contiguous().t()
+            out[row0:row0 + rows] = torch._scaled_mm(a[row0:row0 + rows], w[g].t(), scale_a=sa,
+                                                     scale_b=w_scale[g].t(), out_dtype=torch.bfloat16)
+            row0 += rows
+    return out
+
+
+def _blockwise_layer(layer, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Our layer's contiguous path with torch's block-scaled GEMMs in place of ours."""
+    from moe_fp8.layers import combine, dispatch_contiguous, select_experts
+    from moe_fp8.quant import per_token_group, silu_mul_per_token_group
+
+    weights, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
+                                  topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
+                                  routed_scaling_factor=SCALING)
+    x_fp8, x_scale = per_token_group(hidden)
+    a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
+    h = _blockwise_grouped(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, m_indices)
+    y_fp8, y_scale = silu_mul_per_token_group(h)
+    y = _blockwise_grouped(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv, m_indices)
+    return combine(y, row_map, weights, None)
+
+
+def _split(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> dict[str, float]:
+    """Microseconds of each step of our layer's ``path``, timed one by one on the same data."""
+    from moe_fp8 import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+    from moe_fp8.layers import combine, dispatch_contiguous, dispatch_masked, select_experts
+    from moe_fp8.quant import per_token_group, silu_mul_per_token_group
+
+    def route():
+        return select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
+                              topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
+                              routed_scaling_factor=SCALING)
+    weights, ids = route()
+    x_fp8, x_scale = per_token_group(hidden)
+    t = hidden.shape[0]
+    if path == "contiguous":
+        def disp():
+            per_token_group(hidden)
+            return dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
+        a, a_scale, groups, row_map = disp()
+
+        def gemm(x, s, w, ws):
+            return fp8_grouped_gemm_contiguous(x, s, w, ws, groups)
+
+        def act(h):
+            return silu_mul_per_token_group(h)
+    else:
+        max_m, expected_m = t, max(1, -(-t * TOP_K // NUM_EXPERTS))
+
+        def disp():
+            per_token_group(hidden)
+            return dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, max_m, layer.expert_map)
+        a, a_scale, groups, row_map = disp()
+
+        def gemm(x, s, w, ws):
+            return fp8_grouped_gemm_masked(x, s, w, ws, groups, expected_m)
+
+        def act(h):
+            return silu_mul_per_token_group(h, masked_m=groups)
+    h = gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)
+    y_fp8, y_scale = act(h)
+    y = gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)
+    return {
+        "routing": bench_us(route),
+        "dispatch": bench_us(disp),
+        "gemm1": bench_us(lambda: gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)),
+        "act_quant": bench_us(lambda: act(h)),
+        "gemm2": bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)),
+        "combine": bench_us(lambda: combine(y, row_map, weights, None)),
+    }
+
+
+def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> float:
+    """Decode under a captured CUDA graph (the masked path; what an engine replays every step)."""
+    for _ in range(2):
+        layer(hidden, logits, path="masked")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(hidden, logits)
+    return bench_us(graph.replay)
+
+
+def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
+                  copy_gbps: float) -> tuple[list[dict[str, Any]], list[str]]:
+    from moe_fp8 import calc_diff
+    from moe_fp8.layers import select_experts
+
+    expert_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) + 4 * (2 * INTER * HIDDEN + HIDDEN * INTER) // 16384
+    rows, notes = [], []
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    hidden = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32, generator=gen)
+    # work of the local experts actually used: 3 GEMMs of H x I per routed token copy on this rank
+    _, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
+                            topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
+                            routed_scaling_factor=SCALING)
+    local = ids[ids < LOCAL_EXPERTS]
+    copies, touched = int(local.numel()), int(torch.unique(local).numel())
+    flops = 2 * copies * 3 * HIDDEN * INTER
+    nbytes = touched * expert_bytes + 2 * t * HIDDEN * 2
+    shape = {"tokens": t, "experts": NUM_EXPERTS, "local_experts": LOCAL_EXPERTS, "top_k": TOP_K,
+             "hidden": HIDDEN, "intermediate": INTER}
+    d = calc_diff(layer(hidden, logits).float(), _bf16_loop(layer, bf16, hidden, logits).float())
+    if d > 2e-3:
+        notes.append(f"tokens {t}: moe_fp8 vs bf16 loop diff {d:.2e} > 2e-3")
+    rows.append(row("moe_layer", shape, "moe_fp8", bench_us(lambda: layer(hidden, logits)), flops, nbytes))
+    if is_decode:
+        g_us = _graph_us(layer, hidden, logits)
+        rows.append(row("moe_layer", shape, "moe_fp8_graph", g_us, flops, nbytes))
+        floor_us = touched * expert_bytes / copy_gbps / 1e3
+        notes.append(f"decode {t} tokens (CUDA graph): {g_us:.1f} us; reading the {touched} touched experts' "
+                     f"FP8 weights at {copy_gbps:.0f} GB/s takes {floor_us:.1f} us -> {g_us / floor_us:.2f}x")
+    rows.append(row("moe_layer", shape, "torch_blockwise_loop",
+                    bench_us(lambda: _blockwise_layer(layer, hidden, logits)), flops, nbytes))
+    rows.append(row("moe_layer", shape, "torch_bf16", bench_us(lambda: _bf16_loop(layer, bf16, hidden, logits)),
+                    flops, nbytes))
+    for path in ("contiguous", "masked"):
+        if path == "masked" and t > 2048:
+            continue  # the masked buffer is E_local x T rows: meant for small batches
+        full = bench_us(lambda path=path: layer(hidden, logits, path=path))
+        split = _split(layer, hidden, logits, path)
+        rows.append(row("moe_layer_path", {**shape, "path": path}, "moe_fp8", full, flops, nbytes))
+        gemm = split["gemm1"] + split["gemm2"]
+        notes.append(f"tokens {t} {path}: layer {full:.1f} us; " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+                     + f"; GEMMs {100 * gemm / sum(split.values()):.0f}% of the steps' sum")
+    return rows, notes
+
+
+def run(prefill: tuple[int, ...] = PREFILL_TOKENS, decode: tuple[int, ...] = DECODE_TOKENS,
+        progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    layer, bf16 = build_layer()
+    copy_gbps = measure_ceilings()["copy_gbps"]
+    rows, notes = [], []
+    for i, t in enumerate(sorted(set(prefill) | set(decode))):
+        r, n = _bench_tokens(layer, bf16, t, t in decode, copy_gbps)
+        rows += r
+        notes += n
+        if progress:
+            print(f"[{i + 1}] tokens {t} done", flush=True)
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moe-fp8 bench moe")
+    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
+    p.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_TOKENS))
+    p.add_argument("--decode", type=int, nargs="*", default=list(DECODE_TOKENS))
+    args = p.parse_args(argv)
+    ceilings = measure_ceilings()
+    rows, notes = run(tuple(args.prefill), tuple(args.decode))
+    print()
+    print("| tokens | moe_fp8 us | graph us | torch_blockwise_loop us | x | torch_bf16 us | x |")
+    print("|---|---|---|---|---|---|---|")
+    by = {}
+    for r in rows:
+        if r["kind"] == "moe_layer":
+            by.setdefault(r["shape"]["tokens"], {})[r["impl"]] = r["us"]
+    for t, v in sorted(by.items()):
+        ours = v["moe_fp8"]
+        graph = f"{v['moe_fp8_graph']:.1f}" if "moe_fp8_graph" in v else "-"
+        print(f"| {t} | {ours:.1f} | {graph} | {v['torch_blockwise_loop']:.1f} | {v['torch_blockwise_loop'] / ours:.2f} "
+              f"| {v['torch_bf16']:.1f} | {v['torch_bf16'] / ours:.2f} |")
+    print()
+    print("\n".join(notes))
+    path = write_record("moe", rows, ceilings, args.out_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
