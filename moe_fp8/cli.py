@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -477,8 +478,11 @@ def _add_bench_outputs(p: argparse.ArgumentParser, shape_help: str | None = None
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from moe_fp8.benchmarks import KINDS, load_kind
-
+    try:
+        from moe_fp8.benchmarks import KINDS, load_kind
+    except Exception as exc:  # e.g. installed without the benchmarks folder: `info` must still work
+        p.set_defaults(bench_broken=_error(exc), bench_kind="")
+        return
     sub = p.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
     for name in KINDS:
         try:
@@ -543,7 +547,8 @@ def _bench_plot(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "bench_broken", None):
-        raise CliError(f"bench {args.bench_kind} is unavailable: {args.bench_broken}")
+        what = " ".join(filter(None, ("bench", args.bench_kind)))
+        raise CliError(f"{what} is unavailable: {args.bench_broken}")
     if args.bench_kind == "plot":
         return _bench_plot(args)
 
@@ -682,17 +687,30 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 # quantize
 # --------------------------------------------------------------------------------------------
 
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"quantize runs on cpu or cuda, not {device.type}")
+    return text
+
+
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", type=Path, metavar="SRC", help="bf16 Hugging Face checkpoint directory (safetensors)")
     p.add_argument("dst", type=Path, metavar="DST", help="output directory (created; must be empty)")
     p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="PATTERN",
                    help="keep tensors whose name matches this regular expression as they are (repeatable)")
-    p.add_argument("--device", default=None,
-                   help="where to quantize: cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="where to quantize: cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty DST")
     p.add_argument("--report", type=Path, metavar="CSV", help="write the per-tensor table (all tensors) as CSV")
     p.add_argument("--top", type=int, default=30, metavar="N",
-                   help="largest errors shown when there are more than 2N FP8 tensors (default 30)")
+                   help="with more than 2N tensors, show the N largest errors and a count per kept reason "
+                        "(default 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -742,6 +760,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from moe_fp8.progress import Progress
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: no CUDA GPU is visible; use --device cpu (slower, same result)")
     progress = Progress(0, "quantize", enabled=not args.no_progress)
 
     def total(n: int) -> None:
@@ -786,7 +806,9 @@ def explain_error(exc: BaseException) -> str | None:
         return None
     if isinstance(exc, JitCompileError):
         first = str(exc).splitlines()[0]
-        errors = [ln.strip() for ln in (exc.log or "").splitlines() if "error" in ln.lower()][:5]
+        # compiler diagnostics ("kernel.cu(3): error: ...", "ptxas error   : ..."), not the summary lines
+        errors = [ln.strip() for ln in (exc.log or "").splitlines()
+                  if re.search(r"\b(error|fatal)\s*:", ln, re.IGNORECASE)][:5]
         detail = "".join(f"\n  {ln}" for ln in errors)
         where = f"\n  source and full log: {exc.path}" if exc.path else ""
         return f"{first}{detail}{where}\n  please report it with the output of `moe-fp8 info`"

@@ -205,3 +205,13 @@ def test_refusals_are_one_line_errors(tmp_path, capsys):
     assert cli.main(["quantize", str(fp8), str(tmp_path / "again")]) == 1
     err = capsys.readouterr().err
     assert "is already quantized (quantization_config.quant_method = fp8)" in err and "Traceback" not in err
+
+
+def test_large_summary_shows_worst_and_counts(tmp_path, capsys):
+    src, _ = _checkpoint(tmp_path)
+    assert cli.main(["quantize", str(src), str(tmp_path / "dst"), "--top", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    fp8 = len(QUANTIZED) + 1  # o_proj too: no --skip here
+    assert f"... {fp8 - 2} more FP8 tensors (--report CSV lists every tensor)" in out
+    assert "  kept: 1 × MoE router" in out and "  kept: 2 × 1-D" in out
+    assert sum(" fp8   " in ln for ln in out.splitlines()) == 2
