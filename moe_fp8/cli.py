@@ -643,7 +643,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from moe_fp8.utils import get_num_sms
 
     cfg = W.load_model_config(args.model)
-    gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W._fp8_lm_head(args.model))
+    gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W.fp8_lm_head_in_checkpoint(args.model))
     num_sms = args.num_sms or get_num_sms()
     variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
     comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys

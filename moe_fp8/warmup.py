@@ -52,6 +52,7 @@ __all__ = [
     "compile_variants",
     "describe_rows",
     "enumerate_variants",
+    "fp8_lm_head_in_checkpoint",
     "load_model_config",
     "model_gemms",
     "warmup",
@@ -142,7 +143,7 @@ def _split(what: str, size: int, parts: int, flag: str) -> int:
     return size // parts
 
 
-def _fp8_lm_head(model_dir: Path | None) -> bool:
+def fp8_lm_head_in_checkpoint(model_dir: Path | None) -> bool:
     """True when the checkpoint stores lm_head in FP8 (DeepSeek's own checkpoints keep it bf16)."""
     if model_dir is None or not model_dir.is_dir():
         return False
@@ -361,7 +362,7 @@ def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, 
     from moe_fp8.utils import get_num_sms
 
     cfg = load_model_config(Path(model))
-    gemms = model_gemms(cfg, tp, ep, fp8_lm_head=_fp8_lm_head(Path(model)))
+    gemms = model_gemms(cfg, tp, ep, fp8_lm_head=fp8_lm_head_in_checkpoint(Path(model)))
     variants = enumerate_variants(gemms, max_tokens, num_sms or get_num_sms(),
                                   top_k=int(cfg.get("num_experts_per_tok") or 1))
     return compile_variants(variants, jobs, compiler)

@@ -56,3 +56,15 @@ def test_interrupt_exits_130(monkeypatch, capsys):
     _failing(monkeypatch, KeyboardInterrupt())
     assert cli.main(["info"]) == 130
     assert capsys.readouterr().err == "moe-fp8 info: interrupted\n"
+
+
+def test_build_into_unwritable_cache_raises_jit_cache_error(tmp_path, monkeypatch):
+    from moe_fp8.kernels.jit import build, find_compilers
+
+    if not any(c.available for c in find_compilers()):
+        pytest.skip("no JIT compiler")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(blocker / "cache"))  # root ignores chmod; a file does not
+    with pytest.raises(JitCacheError, match=r"is not writable .* set MOE_FP8_CACHE_DIR to a writable directory"):
+        build("cache_probe", 'extern "C" __global__ void k() {}\n')

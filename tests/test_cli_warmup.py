@@ -201,3 +201,14 @@ def test_unwritable_cache_is_one_line_error(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert f"JIT cache directory {blocker / 'cache'} is not writable" in err
     assert "set MOE_FP8_CACHE_DIR to a writable directory" in err and "Traceback" not in err
+
+
+def test_fp8_lm_head_is_detected_from_the_index(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(tmp_path, TINY_DENSE)
+    assert not W.fp8_lm_head_in_checkpoint(model)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "lm_head.weight": "model.safetensors", "lm_head.weight_scale_inv": "model.safetensors"}}))
+    assert W.fp8_lm_head_in_checkpoint(model)
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--dry-run"]) == 0
+    assert "  lm_head                            256×128  normal" in capsys.readouterr().out
