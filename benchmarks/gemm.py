@@ -4,12 +4,12 @@ and bf16 matmul, in one process, on the DeepSeek-V3 shape table (or given shapes
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .harness import REPO, bench_us, measure_ceilings, ratio_table, row, write_record
+from . import BenchKind, Step, parse_ints
+from .harness import bench_us, row
 from .shapes import DEEPGEMM_GEMM_TFLOPS, GEMM_SHAPES
 
 BASELINES = ("torch_blockwise", "torch_fp8_pertensor", "torch_bf16")
@@ -52,14 +52,15 @@ def parse_block(spec: str) -> tuple[int, int, int, bool, int | None]:
 
 
 def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, bool, int | None]] | None = None,
-        progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
-    """Time every impl on every shape; returns JSON rows and notes (failures, sweep results)."""
+        step: Step | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Time every impl on every shape; returns JSON rows and notes (failures, sweep results).
+    ``step(label)`` is called after each shape (progress)."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
     from moe_fp8.kernels.heuristics import GemmDesc, get_config, make_config
     from moe_fp8.utils import calc_diff, get_num_sms
 
     rows, notes = [], []
-    for i, (m, n, k) in enumerate(shapes):
+    for m, n, k in shapes:
         t = _inputs(m, n, k)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         shape = {"m": m, "n": n, "k": k}
@@ -97,29 +98,48 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, boo
                              f"{flops / us / 1e6:.0f} TF")
             except Exception as e:
                 notes.append(f"  sweep {tag}: {type(e).__name__}: {e}")
-        if progress:
-            print(f"[{i + 1}/{len(shapes)}] {m}x{n}x{k} done", flush=True)
+        if step is not None:
+            step(f"{m}x{n}x{k}")
     return rows, notes
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``'M,N,K'``, refused up front where the kernels' alignment rules (moe_fp8.validation) fail."""
+    m, n, k = parse_ints(text, 3, "M,N,K")
+    if n % 8 or k % 16:
+        raise ValueError(f"shape {text!r}: N must be a multiple of 8 and K of 16 (got N={n}, K={k})")
+    return m, n, k
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", nargs="+", default=[], type=parse_block, metavar="BMxBN[a|b][sS]",
+                   help="block shapes to time as well: BMxBN, suffix a/b for 2-CTA multicast of A/B, sS stages")
+
+
+def _run(shapes: list[tuple[int, ...]], args: argparse.Namespace, step: Step) -> tuple[list[dict[str, Any]], list[str]]:
+    return run(shapes, getattr(args, "sweep", None), step)  # type: ignore[arg-type]
+
+
+KIND = BenchKind(
+    name="gemm",
+    help="fp8_gemm vs torch block-scaled / per-tensor _scaled_mm and bf16 matmul",
+    tables={"gemm": BASELINES},
+    default_shapes=lambda: list(GEMM_SHAPES),
+    parse_shape=parse_shape,
+    shape_help="M,N,K",
+    run=_run,
+    add_args=_add_args,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moe-fp8 bench gemm")
-    p.add_argument("--shapes", nargs="*", help="M,N,K triples (default: DeepSeek-V3 table)")
-    p.add_argument("--sweep", nargs="*", default=[],
-                   help="block shapes to time as well: BMxBN, suffix a/b for 2-CTA multicast of A/B")
-    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
-    args = p.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else GEMM_SHAPES
-    sweep = [parse_block(s) for s in args.sweep]
-    ceilings = measure_ceilings()
-    rows, notes = run(shapes, sweep)
-    path = write_record("gemm", rows, ceilings, args.out_dir)
-    print(f"\nceilings: {ceilings}\n")
-    print(ratio_table(rows, "moe_fp8", BASELINES))
-    print("\n".join(notes))
-    print(f"\nwrote {path}")
-    return 0
+    """``python -m moe_fp8.benchmarks.gemm ARGS`` = ``moe-fp8 bench gemm ARGS``."""
+    from moe_fp8.cli import main as cli_main
+
+    return cli_main(["bench", "gemm", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -4,12 +4,12 @@ per-group loop of torch's block-scaled ``_scaled_mm`` (what a user has without u
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .harness import REPO, bench_us, measure_ceilings, ratio_table, row, write_record
+from . import BenchKind, Step, parse_ints
+from .harness import bench_us, row
 from .shapes import CONTIGUOUS_SHAPES, MASKED_DECODE_GBPS, MASKED_SHAPES
 
 
@@ -69,32 +69,68 @@ def bench_masked(g: int, max_m: int, m: int, n: int, k: int, seed: int) -> list[
             row("grouped_masked", shape, "torch_blockwise_loop", bench_us(loop), flops, nbytes)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moe-fp8 bench grouped")
-    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
-    args = p.parse_args(argv)
-    ceilings = measure_ceilings()
+def default_shapes() -> list[tuple[int, ...]]:
+    """The ANCHORS.md rows: contiguous (G, M, N, K), then masked (G, max_m, expected_m, N, K)."""
+    return [*CONTIGUOUS_SHAPES, *MASKED_SHAPES, *MASKED_DECODE_GBPS]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``G,M,N,K`` (contiguous, M rows per group) or ``G,MAX_M,M,N,K`` (masked, expected M per group)."""
+    shape = parse_ints(text, (4, 5), "G,M,N,K (contiguous) or G,MAX_M,M,N,K (masked)")
+    n, k = shape[-2:]
+    if n % 8 or k % 16:
+        raise ValueError(f"shape {text!r}: N must be a multiple of 8 and K of 16 (got N={n}, K={k})")
+    if len(shape) == 5 and shape[2] > shape[1]:
+        raise ValueError(f"shape {text!r}: expected M ({shape[2]}) exceeds MAX_M ({shape[1]})")
+    return shape
+
+
+def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
+        step: Step | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Time both layouts on every shape (4 numbers: contiguous, 5: masked); rows and DeepGEMM notes."""
     rows: list[dict[str, Any]] = []
     notes = []
-    for (g, m, n, k), dg in CONTIGUOUS_SHAPES.items():
-        rows += bench_contiguous(g, m, n, k, seed=g + n)
-        notes.append(f"contiguous {g}x{m} {n}x{k}: ours {rows[-2]['tflops']} TF, DeepGEMM {dg} TF")
-        print(notes[-1], flush=True)
-    for shape, dg in {**MASKED_SHAPES, **MASKED_DECODE_GBPS}.items():
-        rows += bench_masked(*shape, seed=sum(shape))
-        unit = "GB/s" if shape in MASKED_DECODE_GBPS else "TF"
-        mine = rows[-2]["gbps"] if unit == "GB/s" else rows[-2]["tflops"]
-        notes.append(f"masked {shape}: ours {mine} {unit}, DeepGEMM {dg} {unit}")
-        print(notes[-1], flush=True)
-    path = write_record("grouped", rows, ceilings, args.out_dir)
-    print(f"\nceilings: {ceilings}\n")
-    for kind in ("grouped_contiguous", "grouped_masked"):
-        print(f"\n## {kind}\n")
-        print(ratio_table([r for r in rows if r["kind"] == kind], "moe_fp8", ["torch_blockwise_loop"]))
-    print("\n" + "\n".join(notes))
-    print(f"\nwrote {path}")
-    return 0
+    for shape in shapes:
+        if len(shape) == 4:
+            g, m, n, k = shape
+            rows += bench_contiguous(g, m, n, k, seed=g + n)
+            dg = CONTIGUOUS_SHAPES.get(shape)
+            notes.append(f"contiguous {g}x{m} {n}x{k}: ours {rows[-2]['tflops']} TF"
+                         + (f", DeepGEMM {dg} TF" if dg else ""))
+            label = f"contiguous {g}x{m} {n}x{k}"
+        else:
+            rows += bench_masked(*shape, seed=sum(shape))
+            decode = shape in MASKED_DECODE_GBPS
+            unit = "GB/s" if decode else "TF"
+            mine = rows[-2]["gbps"] if decode else rows[-2]["tflops"]
+            dg = MASKED_DECODE_GBPS.get(shape) if decode else MASKED_SHAPES.get(shape)
+            notes.append(f"masked {shape}: ours {mine} {unit}" + (f", DeepGEMM {dg} {unit}" if dg else ""))
+            label = f"masked {'x'.join(map(str, shape))}"
+        if step is not None:
+            step(label)
+    return rows, notes
+
+
+KIND = BenchKind(
+    name="grouped",
+    help="grouped contiguous (prefill) and masked (decode) GEMMs vs a per-group _scaled_mm loop",
+    tables={"grouped_contiguous": ("torch_blockwise_loop",), "grouped_masked": ("torch_blockwise_loop",)},
+    default_shapes=default_shapes,
+    parse_shape=parse_shape,
+    shape_help="G,M,N,K or G,MAX_M,M,N,K",
+    run=run,
+    op="fp8_grouped_gemm_masked",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_fp8.benchmarks.grouped ARGS`` = ``moe-fp8 bench grouped ARGS``."""
+    from moe_fp8.cli import main as cli_main
+
+    return cli_main(["bench", "grouped", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

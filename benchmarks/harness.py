@@ -97,14 +97,19 @@ def row(kind: str, shape: dict[str, int], impl: str, us: float, flops: float, nb
             "tflops": round(flops / us / 1e6, 1) if flops else None, "gbps": round(nbytes / us / 1e3, 1)}
 
 
+def make_record(rows: list[dict[str, Any]], ceilings: dict[str, float],
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DESIGN §7 record of ``rows`` measured now on the current device."""
+    return {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+            "date": datetime.date.today().isoformat(), "ceilings": ceilings, "rows": rows, **(extra or {})}
+
+
 def write_record(kind: str, rows: list[dict[str, Any]], ceilings: dict[str, float], out_dir: Path,
                  extra: dict[str, Any] | None = None) -> Path:
     """Write ``<out_dir>/<device>-<kind>.json`` in the DESIGN §7 format."""
-    name = torch.cuda.get_device_name()
-    record = {"device": name, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "ceilings": ceilings, "rows": rows, **(extra or {})}
+    record = make_record(rows, ceilings, extra)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{device_slug(name)}-{kind}.json"
+    path = out_dir / f"{device_slug(record['device'])}-{kind}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 

@@ -3,25 +3,40 @@
 Subcommands live in ``COMMANDS`` (name → ``Command``); adding one is one function to fill its
 argparse sub-parser, one function to run it, and one entry in the dict.
 
-``moe-fp8 info`` reports the environment the kernels would run in. It never raises on a machine
-without a GPU, driver, compiler or half-written package: every probe is wrapped and a failure is
-shown as ``unavailable: <error>`` in its own section.
+- ``info``: the environment the kernels would run in — one paste is a complete bug report. It never
+  raises on a machine without a GPU, driver, compiler or half-written package: every probe is
+  wrapped and a failure is shown as ``unavailable: <error>`` in its own section.
+- ``bench {gemm,grouped,all,plot}``: time our kernels against torch baselines (kinds registered in
+  ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
+- ``warmup --model DIR``: precompile every kernel variant a model needs (``moe_fp8.warmup``).
+- ``quantize SRC DST``: bf16 checkpoint → DeepSeek-style block FP8 (``moe_fp8.convert``).
+
+Errors a user can cause or fix (no GPU, not Hopper, no compiler, a failed compile, an unsupported
+shape, an unwritable cache, a bad checkpoint) end the command with one ``moe-fp8 <cmd>: error: ...``
+message that says what to do, and exit status 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
+import importlib.util
 import json
+import logging
 import os
 import platform
+import re
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-# Environment variables moe_fp8 reads (meanings: README "Environment variables").
+# Environment variables worth seeing in a bug report: moe_fp8's own (README "Environment
+# variables") and the CUDA ones that change what it finds.
 ENV_VARS = (
     "MOE_FP8_BACKEND",
     "MOE_FP8_STRICT",
@@ -29,8 +44,18 @@ ENV_VARS = (
     "MOE_FP8_JIT_COMPILER",
     "MOE_FP8_JIT_DEBUG",
     "MOE_FP8_NUM_SMS",
+    "MOE_FP8_COMMIT",
     "CUDA_HOME",
+    "CUDA_PATH",
+    "CUDA_VISIBLE_DEVICES",
 )
+# Other distributions whose versions matter for a report (installed or not).
+PACKAGES = ("numpy", "safetensors", "filelock", "nvidia-cuda-nvrtc", "matplotlib", "transformers", "vllm",
+            "sglang")
+
+
+class CliError(Exception):
+    """A failure the user can fix: printed as one message (no traceback), exit status 1."""
 
 
 def _error(exc: BaseException) -> str:
@@ -49,16 +74,37 @@ def _dist_version(name: str) -> str | None:
 # info: probes (each returns a JSON-able dict and never raises)
 # --------------------------------------------------------------------------------------------
 
+def _git_commit(path: str) -> str | None:
+    """The source checkout's commit (``-dirty`` with local changes), or None for an installed wheel."""
+    root = Path(path).parent
+    if not (root / ".git").exists():
+        return None
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("-dirty" if dirty else "") if sha else None
+
+
 def _probe_moe_fp8() -> dict[str, Any]:
     import moe_fp8
 
     version = getattr(moe_fp8, "__version__", None) or _dist_version("moe-fp8")
     # moe_fp8.__path__ also works while the package has no __init__.py (a namespace package).
-    return {"version": version, "path": os.path.abspath(next(iter(moe_fp8.__path__)))}
+    path = os.path.abspath(next(iter(moe_fp8.__path__)))
+    return {"version": version, "path": path, "commit": _git_commit(path)}
 
 
 def _probe_python() -> dict[str, Any]:
     return {"version": platform.python_version(), "executable": sys.executable}
+
+
+def _probe_system() -> dict[str, Any]:
+    libc = " ".join(v for v in platform.libc_ver() if v) or None
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(), "libc": libc}
 
 
 def _probe_torch() -> dict[str, Any]:
@@ -66,7 +112,12 @@ def _probe_torch() -> dict[str, Any]:
         import torch
     except Exception as exc:
         return {"version": None, "cuda": None, "error": _error(exc)}
-    return {"version": torch.__version__, "cuda": torch.version.cuda}
+    out: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                           "git_version": getattr(torch.version, "git_version", None)}
+    if torch.version.cuda is not None:
+        with contextlib.suppress(Exception):  # a CUDA build without a driver may refuse this
+            out["arch_list"] = torch.cuda.get_arch_list()
+    return out
 
 
 def _probe_triton() -> dict[str, Any]:
@@ -75,6 +126,10 @@ def _probe_triton() -> dict[str, Any]:
     except Exception as exc:
         return {"version": None, "error": _error(exc)}
     return {"version": getattr(triton, "__version__", None) or _dist_version("triton")}
+
+
+def _probe_packages() -> dict[str, Any]:
+    return {name: _dist_version(name) for name in PACKAGES}
 
 
 def _driver_query() -> dict[str, Any]:
@@ -157,15 +212,22 @@ def _probe_gpus(driver: dict[str, Any]) -> dict[str, Any]:
 
 def _probe_compilers() -> dict[str, Any]:
     try:
-        from moe_fp8.kernels.jit.compiler import find_compilers
-
-        return {"compilers": [
+        jit_compiler = importlib.import_module("moe_fp8.kernels.jit.compiler")
+        out: dict[str, Any] = {"compilers": [
             {"name": getattr(c, "name", str(c)), "version": getattr(c, "version", None),
              "available": bool(getattr(c, "available", False)), "reason": getattr(c, "reason", None)}
-            for c in find_compilers()
+            for c in jit_compiler.find_compilers()
         ]}
     except Exception as exc:
         return {"error": _error(exc)}
+    # The one a kernel build would use now (honours MOE_FP8_JIT_COMPILER), or why there is none.
+    try:
+        chosen = jit_compiler.get_compiler()
+        out["selected"] = f"{chosen.name} {chosen.version}"
+    except Exception as exc:
+        out["selected"] = None
+        out["selected_error"] = _error(exc)
+    return out
 
 
 def _probe_cache() -> dict[str, Any]:
@@ -173,7 +235,15 @@ def _probe_cache() -> dict[str, Any]:
         from moe_fp8.kernels.jit.cache import cache_info
 
         info = dict(cache_info())
-        return {"dir": str(info["dir"]), "entries": int(info["entries"]), "bytes": int(info["bytes"])}
+        root = Path(info["dir"])
+        failed = root / "failed"
+        # the nearest existing ancestor decides whether the directory can be created and written
+        probe = root
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        return {"dir": str(info["dir"]), "entries": int(info["entries"]), "bytes": int(info["bytes"]),
+                "failed": sum(1 for _ in failed.iterdir()) if failed.is_dir() else 0,
+                "writable": probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)}
     except Exception as exc:
         return {"error": _error(exc)}
 
@@ -188,19 +258,52 @@ def _probe_backends() -> dict[str, Any]:
         return {"error": _error(exc)}
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    old = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = old
+
+
+def _probe_ops() -> dict[str, Any]:
+    """The backend every registered op would run on now (default device), or the error a call would raise."""
+    try:
+        from moe_fp8 import backends
+
+        device = backends._normalize_device(None)
+        ops: dict[str, Any] = {}
+        # selection logs a fallback once per process; the report states it here instead
+        with _quiet_logger("moe_fp8"):
+            for op in backends.known_ops():
+                try:
+                    ops[op] = {"backend": backends.select(op, device)[0], "error": None}
+                except Exception as exc:
+                    ops[op] = {"backend": None, "error": _error(exc)}
+        return {"device": str(device), "ops": ops}
+    except Exception as exc:
+        return {"error": _error(exc)}
+
+
 def collect_info() -> dict[str, Any]:
     """Everything ``moe-fp8 info`` reports, as a JSON-able dict (keys are the JSON output's keys)."""
     driver = _driver_query()
     probes: dict[str, Callable[[], dict[str, Any]]] = {
         "moe_fp8": _probe_moe_fp8,
         "python": _probe_python,
+        "system": _probe_system,
         "torch": _probe_torch,
         "triton": _probe_triton,
         "cuda_bindings": lambda: {k: driver[k] for k in ("version", "driver_version", "error")},
+        "packages": _probe_packages,
         "gpus": lambda: _probe_gpus(driver),
         "jit_compilers": _probe_compilers,
         "cache": _probe_cache,
         "backends": _probe_backends,
+        "ops": _probe_ops,
         "env": lambda: {name: os.environ.get(name) for name in ENV_VARS},
     }
     info: dict[str, Any] = {}
@@ -232,16 +335,32 @@ def format_info(info: dict[str, Any]) -> str:
     add = lines.append
 
     pkg, py, tch, tri, cb = (info[k] for k in ("moe_fp8", "python", "torch", "triton", "cuda_bindings"))
+    commit = f", commit {pkg['commit']}" if pkg.get("commit") else ""
     versions = {
-        "moe_fp8": _or_error(pkg, "{} ({})".format(pkg.get("version") or "unknown version", pkg.get("path"))),
+        "moe_fp8": _or_error(pkg, "{} ({}{})".format(pkg.get("version") or "unknown version", pkg.get("path"), commit)),
         "python": _or_error(py, "{} ({})".format(py.get("version"), py.get("executable"))),
         "torch": _or_error(tch, "{} ({})".format(tch.get("version"), f"built with CUDA {tch['cuda']}" if tch.get("cuda") else "CPU-only build")),
         "triton": _or_error(tri, str(tri.get("version"))),
         "cuda-bindings": cb.get("version") or "not installed",
     }
+    packages = info.get("packages") or {}
+    if packages.get("error"):
+        versions["packages"] = f"unavailable: {packages['error']}"
+    else:
+        versions.update({name: v or "not installed" for name, v in packages.items()})
     add("Versions")
     for name, text in versions.items():
-        add(f"  {name:<14} {text}")
+        add(f"  {name:<18} {text}")
+
+    system = info.get("system") or {}
+    add("")
+    add("System")
+    if system.get("error"):
+        add(f"  unavailable: {system['error']}")
+    else:
+        add(f"  os                 {system.get('platform')}")
+        add(f"  cpu                {system.get('machine')}, {system.get('cpus')} cores"
+            + (f", {system['libc']}" if system.get("libc") else ""))
 
     gpus = info["gpus"]
     add("")
@@ -255,6 +374,8 @@ def format_info(info: dict[str, Any]) -> str:
         for d in gpus.get("devices", []):
             add(f"  [{d['index']}] {d['name']}  sm_{d['capability'].replace('.', '')}  "
                 f"{d['sm_count']} SMs  {_fmt_bytes(d['memory_bytes'])}")
+        if tch.get("arch_list"):
+            add(f"  torch archs    {' '.join(tch['arch_list'])}")
 
     comp = info["jit_compilers"]
     add("")
@@ -268,6 +389,8 @@ def format_info(info: dict[str, Any]) -> str:
         for c in comp["compilers"]:
             state = "available" if c["available"] else f"not available: {c['reason']}"
             add(f"  {c['name']:<10} {c['version'] or '-':<{width}}  {state}")
+        if "selected" in comp:
+            add(f"  selected   {comp['selected'] or 'none: ' + str(comp.get('selected_error'))}")
 
     cache = info["cache"]
     add("")
@@ -275,8 +398,10 @@ def format_info(info: dict[str, Any]) -> str:
     if cache.get("error"):
         add(f"  unavailable: {cache['error']}")
     else:
-        add(f"  dir            {cache['dir']}")
+        add(f"  dir            {cache['dir']}" + ("" if cache.get("writable", True) else "  (NOT WRITABLE)"))
         add(f"  entries        {cache['entries']} ({_fmt_bytes(cache['bytes'])})")
+        if cache.get("failed"):
+            add(f"  failed         {cache['failed']} (sources and logs in {Path(cache['dir']) / 'failed'})")
 
     be = info["backends"]
     add("")
@@ -287,6 +412,15 @@ def format_info(info: dict[str, Any]) -> str:
         for name, b in be["backends"].items():
             state = "available" if b["available"] else "not available"
             add(f"  {name:<10} {state}" + (f": {b['reason']}" if b["reason"] else ""))
+
+    ops = info.get("ops") or {}
+    add("")
+    add(f"Ops (device {ops.get('device', '?')})")
+    if ops.get("error"):
+        add(f"  unavailable: {ops['error']}")
+    else:
+        for op, o in ops.get("ops", {}).items():
+            add(f"  {op:<32} {o['backend'] or 'error: ' + str(o['error'])}")
 
     add("")
     add("Environment")
@@ -305,29 +439,390 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_KINDS = {"gemm": "moe_fp8.benchmarks.gemm", "grouped": "moe_fp8.benchmarks.grouped"}
+# --------------------------------------------------------------------------------------------
+# bench
+# --------------------------------------------------------------------------------------------
+
+def _default_bench_dir() -> Path | None:
+    """``docs/benchmarks`` of a source checkout (where records are committed); None when installed."""
+    here = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+    return here if here.is_dir() else None
+
+
+def _shape_type(parse: Callable[[str], tuple[int, ...]]) -> Callable[[str], tuple[int, ...]]:
+    # argparse hides a type function's ValueError text ("invalid value"); say what is wrong instead
+    def convert(text: str) -> tuple[int, ...]:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"unsupported shape: {e}") from None
+    convert.__name__ = "shape"
+    return convert
+
+
+def _add_bench_outputs(p: argparse.ArgumentParser, shape_help: str | None = None,
+                       parse_shape: Callable[[str], tuple[int, ...]] | None = None) -> None:
+    if shape_help is not None and parse_shape is not None:
+        p.add_argument("--shapes", nargs="+", type=_shape_type(parse_shape), metavar=shape_help.split(" ")[0],
+                       help=f"custom shapes, each {shape_help} (default: the DeepSeek-V3 table)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the DESIGN §7 record (all kinds) here")
+    p.add_argument("--csv", type=Path, metavar="PATH", help="write one CSV line per row, with our speed-up")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="plot throughput per shape vs the ceilings "
+                   "(needs matplotlib: pip install 'moe-fp8[plots]')")
+    default = _default_bench_dir()
+    p.add_argument("--out-dir", type=Path, default=default, metavar="DIR",
+                   help="write <device>-<kind>.json records here (default: "
+                        f"{'docs/benchmarks of this checkout' if default else 'none: installed package'})")
+    p.add_argument("--no-record", action="store_true", help="do not write the per-kind records")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=sorted(BENCH_KINDS), help="what to benchmark")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER,
-                   help="passed to the driver (e.g. --shapes M,N,K ..., --sweep 128x128s4, --out-dir DIR)")
+    try:
+        from moe_fp8.benchmarks import KINDS, load_kind
+    except Exception as exc:  # e.g. installed without the benchmarks folder: `info` must still work
+        p.set_defaults(bench_broken=_error(exc), bench_kind="")
+        return
+    sub = p.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    for name in KINDS:
+        try:
+            kind = load_kind(name)
+        except Exception as exc:  # a broken driver must not break the other commands' parser
+            sp = sub.add_parser(name, help=f"(unavailable: {_error(exc)})")
+            sp.set_defaults(bench_broken=_error(exc))
+            continue
+        sp = sub.add_parser(name, help=kind.help, description=kind.help)
+        _add_bench_outputs(sp, kind.shape_help, kind.parse_shape)
+        if kind.add_args is not None:
+            kind.add_args(sp)
+    sp = sub.add_parser("all", help=f"every kind ({', '.join(KINDS)}), default shapes, one record",
+                        description="run every registered kind with its default shapes")
+    _add_bench_outputs(sp)
+    sp = sub.add_parser("plot", help="plot committed records (DESIGN §7 JSON) as a PNG",
+                        description="plot one or more benchmark records (rows concatenated) without a GPU")
+    sp.add_argument("records", nargs="+", type=Path, metavar="RECORD.json")
+    sp.add_argument("--out", type=Path, required=True, metavar="PNG")
+    sp.add_argument("--title", help="figure title (default: device · commit · date of the first record)")
+
+
+def _need_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("plotting needs matplotlib: pip install 'moe-fp8[plots]' (or pip install matplotlib)")
+
+
+def _check_bench_device(op: str) -> str:
+    """The backend that will run ``op``; ``CliError`` when there is no GPU or only the reference would."""
+    import torch
+
+    from moe_fp8 import backends
+
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+               else "torch.cuda.is_available() is False")
+        raise CliError(f"needs a CUDA GPU and none is visible ({why}); `moe-fp8 info` shows what torch and "
+                       f"the driver see")
+    device = backends._normalize_device(None)
+    with _quiet_logger("moe_fp8"):
+        name = backends.select(op, device)[0]  # BackendError when MOE_FP8_BACKEND forces one that cannot
+    if name == "reference":
+        gpu = torch.cuda.get_device_name(device)
+        why = "; ".join(f"{b}: {r}" for b, ok, r in backends.explain(op, device) if b != "reference")
+        raise CliError(f"moe_fp8's kernels cannot run {op} on {gpu} ({why}); the numbers would time the "
+                       f"PyTorch reference. The hopper backend needs an sm_90 GPU (H100 / H200 / H20).")
+    return name
+
+
+def _bench_plot(args: argparse.Namespace) -> int:
+    from moe_fp8.benchmarks.plot import plot_record
+    from moe_fp8.benchmarks.report import load_record, merge_records
+
+    _need_matplotlib()
+    try:
+        record = merge_records([load_record(p) for p in args.records])
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"wrote {plot_record(record, args.out, title=args.title)}")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
+    if getattr(args, "bench_broken", None):
+        what = " ".join(filter(None, ("bench", args.bench_kind)))
+        raise CliError(f"{what} is unavailable: {args.bench_broken}")
+    if args.bench_kind == "plot":
+        return _bench_plot(args)
+
+    from moe_fp8.benchmarks import KINDS, load_kind
+    from moe_fp8.progress import Progress
+
+    if args.plot is not None:
+        _need_matplotlib()  # before the minutes of measuring, not after
+    kinds = [load_kind(n) for n in (KINDS if args.bench_kind == "all" else [args.bench_kind])]
+    backend = {k.name: _check_bench_device(k.op) for k in kinds}
+
+    from moe_fp8.benchmarks.harness import make_record, measure_ceilings, ratio_table, write_record
+    from moe_fp8.benchmarks.report import write_csv
+
+    plan = [(k, list(getattr(args, "shapes", None) or k.default_shapes())) for k in kinds]
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    written: list[Path] = []
+    with Progress(1 + sum(len(s) for _, s in plan), "bench", enabled=not args.no_progress) as progress:
+        ceilings = measure_ceilings()
+        progress.update(1, "ceilings (copy, FP8 and bf16 matmul)")
+        for kind, shapes in plan:
+            kind_rows, kind_notes = kind.run(shapes, args,
+                                             lambda label, kind=kind: progress.update(1, f"{kind.name} {label}"))
+            rows += kind_rows
+            notes += kind_notes
+            if args.out_dir is not None and not args.no_record:
+                written.append(write_record(kind.name, kind_rows, ceilings, args.out_dir,
+                                            extra={"backend": backend[kind.name]}))
+
+    print(f"ceilings: {', '.join(f'{k} {v:g}' for k, v in ceilings.items())}")
+    for kind in kinds:
+        for row_kind, baselines in kind.tables.items():
+            kind_rows = [r for r in rows if r["kind"] == row_kind]
+            if kind_rows:
+                print(f"\n## {row_kind} ({backend[kind.name]} backend; x B = B's time / ours)\n")
+                print(ratio_table(kind_rows, "moe_fp8", baselines, metric=kind.metric))
+    if notes:
+        print("\n" + "\n".join(notes))
+    record = make_record(rows, ceilings, extra={"backend": backend if len(backend) > 1 else backend[kinds[0].name]})
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        written.append(args.json)
+    if args.csv is not None:
+        written.append(write_csv(rows, args.csv))
+    if args.plot is not None:
+        from moe_fp8.benchmarks.plot import plot_record
+
+        written.append(plot_record(record, args.plot))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# warmup
+# --------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_warmup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+                   help="Hugging Face model directory (its config.json; index for an FP8 lm_head)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks (default 1)")
+    p.add_argument("--ep", type=_positive_int, default=1, metavar="N", help="expert-parallel ranks (default 1)")
+    p.add_argument("--max-tokens", type=_positive_int, default=8192, metavar="T",
+                   help="largest batch in tokens the engine sends (default 8192)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+                   help="compile processes (default: CPU count)")
+    p.add_argument("--num-sms", type=_positive_int, default=None, metavar="N",
+                   help="SMs the kernels will use (default: the visible GPU's, else $MOE_FP8_NUM_SMS, else 132)")
+    p.add_argument("--compiler", choices=("nvcc", "nvrtc"), default=None,
+                   help="JIT compiler (default: $MOE_FP8_JIT_COMPILER, else nvcc if found, else NVRTC); "
+                        "must be the one the serving process uses, as it is part of the cache key")
+    p.add_argument("--dry-run", action="store_true", help="list the variants (and which are cached); compile nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from moe_fp8 import warmup as W
+    from moe_fp8.kernels.jit import cache_info, get_compiler, is_cached
+    from moe_fp8.progress import Progress, format_seconds
+    from moe_fp8.utils import get_num_sms
+
+    cfg = W.load_model_config(args.model)
+    gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W.fp8_lm_head_in_checkpoint(args.model))
+    num_sms = args.num_sms or get_num_sms()
+    variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
+    comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys
+    print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
+          f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
+    print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants")
+    if args.dry_run:
+        for g in gemms:
+            groups = f", {g.num_groups} experts" if g.num_groups > 1 else ""
+            print(f"  {g.name:<34} {g.n}×{g.k}  {'/'.join(g.layouts)}{groups}")
+        for v in variants:
+            c = v.config
+            state = "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
+            print(f"  {v.name:<48} {c.block_m}x{c.block_n} s{c.num_stages}  {W.describe_rows(v):<22} "
+                  f"{state:<10}  {', '.join(v.users)}")
+        return 0
+
+    with Progress(len(variants), "warmup", enabled=not args.no_progress) as progress:
+        def cached(n: int) -> None:
+            if n:
+                progress.update(n, f"{n} already cached")
+
+        def done(name: str, error: str | None) -> None:
+            progress.update(1, name if error is None else f"{name} FAILED")
+
+        result = W.compile_variants(variants, args.jobs, comp.name, on_done=done, on_cached=cached)
+    print(f"compiled  {result.compiled} in {format_seconds(result.wall_seconds)} wall "
+          f"({result.jobs} jobs, {format_seconds(result.compile_seconds)} compile time); "
+          f"{result.cached} already cached; {len(result.failed)} failed")
+    info = cache_info()
+    print(f"cache     {info['dir']}: {info['entries']} entries, {_fmt_bytes(info['bytes'])}")
+    if result.failed:
+        for name, message in result.failed:
+            print(f"  {name}: {message.splitlines()[0]}", file=sys.stderr)
+        raise CliError(f"{len(result.failed)} of {len(variants)} variants failed to compile (sources and logs "
+                       f"are kept in the cache's failed/ folder named above); please report it with `moe-fp8 info`")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# quantize
+# --------------------------------------------------------------------------------------------
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"quantize runs on cpu or cuda, not {device.type}")
+    return text
+
+
+def _add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", type=Path, metavar="SRC", help="bf16 Hugging Face checkpoint directory (safetensors)")
+    p.add_argument("dst", type=Path, metavar="DST", help="output directory (created; must be empty)")
+    p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="PATTERN",
+                   help="keep tensors whose name matches this regular expression as they are (repeatable)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="where to quantize: cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty DST")
+    p.add_argument("--report", type=Path, metavar="CSV", help="write the per-tensor table (all tensors) as CSV")
+    p.add_argument("--top", type=int, default=30, metavar="N",
+                   help="with more than 2N tensors, show the N largest errors and a count per kept reason "
+                        "(default 30)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _format_quantize(result: Any, top: int) -> str:
+    from moe_fp8.convert import TensorReport
+
+    def line(t: TensorReport) -> str:
+        shape = "×".join(map(str, t.shape)) or "scalar"
+        state = f"fp8   {t.diff:.2e}" if t.quantized else f"kept  {t.dtype} ({t.reason})"
+        return f"  {t.name:<60} {shape:>14}  {state}"
+
+    lines = [f"  {'tensor':<60} {'shape':>14}  action / diff (calc_diff of dequantized vs original)"]
+    fp8 = result.quantized
+    if len(result.tensors) <= 2 * top:
+        lines += [line(t) for t in result.tensors]
+    else:
+        worst = sorted(fp8, key=lambda t: -(t.diff or 0))[:top]
+        lines += [line(t) for t in worst]
+        lines.append(f"  ... {len(fp8) - len(worst)} more FP8 tensors (--report CSV lists every tensor)")
+        reasons: dict[str, int] = {}
+        for t in result.kept:
+            reasons[t.reason] = reasons.get(t.reason, 0) + 1
+        lines += [f"  kept: {n} × {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    diffs = [t.diff for t in fp8 if t.diff is not None]
+    bytes_in = sum(t.bytes_in for t in result.tensors)
+    bytes_out = sum(t.bytes_out for t in result.tensors)
+    weighted = (sum(t.diff * t.bytes_in for t in fp8) / sum(t.bytes_in for t in fp8)) if fp8 else 0.0
+    lines.append("")
+    lines.append(f"FP8       {len(fp8)} tensors; diff max {max(diffs, default=0):.2e}, "
+                 f"mean {sum(diffs) / len(diffs) if diffs else 0:.2e}, size-weighted {weighted:.2e}")
+    lines.append(f"kept      {len(result.kept)} tensors as they were")
+    lines.append(f"size      {_fmt_bytes(bytes_in)} → {_fmt_bytes(bytes_out)} in {len(result.shards)} shard(s), "
+                 f"{result.seconds:.1f} s")
+    if result.ignored_layers:
+        lines.append(f"bf16 linears listed in quantization_config.ignored_layers: {len(result.ignored_layers)}")
+    lines.append(f"copied    {len(result.copied)} other file(s)"
+                 + (f"; not copied (other weight formats): {', '.join(result.not_copied)}" if result.not_copied else ""))
+    return "\n".join(lines)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import csv
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("moe-fp8 bench: needs a CUDA GPU (none visible); `moe-fp8 info` says why", file=sys.stderr)
-        return 2
-    return importlib.import_module(BENCH_KINDS[args.kind]).main(args.bench_args)
+    from moe_fp8.convert import quantize_checkpoint
+    from moe_fp8.progress import Progress
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: no CUDA GPU is visible; use --device cpu (slower, same result)")
+    progress = Progress(0, "quantize", enabled=not args.no_progress)
+
+    def total(n: int) -> None:
+        progress.total = n
+
+    with progress:
+        result = quantize_checkpoint(args.src, args.dst, args.skip, device=device, overwrite=args.overwrite,
+                                     on_total=total, on_tensor=lambda t: progress.update(1, t.name))
+    print(_format_quantize(result, args.top))
+    if args.report is not None:
+        with args.report.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["name", "shard", "shape", "dtype", "action", "diff", "reason", "bytes_in", "bytes_out"])
+            for t in result.tensors:
+                w.writerow([t.name, t.shard, "x".join(map(str, t.shape)), t.dtype, "fp8" if t.quantized else "kept",
+                            "" if t.diff is None else f"{t.diff:.3e}", t.reason, t.bytes_in, t.bytes_out])
+        print(f"wrote {args.report}")
+    print(f"wrote {args.dst}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
-# command table and entry point
+# errors → one message with the fix
 # --------------------------------------------------------------------------------------------
+
+def explain_error(exc: BaseException) -> str | None:
+    """The message for an error the user can act on, or None for a bug (which keeps its traceback)."""
+    if isinstance(exc, CliError):
+        return str(exc)
+    try:
+        from moe_fp8.backends import BackendError
+        from moe_fp8.convert import CheckpointError
+        from moe_fp8.kernels.jit import (
+            CompilerNotFoundError,
+            CudaError,
+            CudaUnavailableError,
+            JitCacheError,
+            JitCompileError,
+        )
+        from moe_fp8.warmup import ModelConfigError
+    except Exception:  # a half-written package: nothing more specific to say
+        return None
+    if isinstance(exc, JitCompileError):
+        first = str(exc).splitlines()[0]
+        # compiler diagnostics ("kernel.cu(3): error: ...", "ptxas error   : ..."), not the summary lines
+        errors = [ln.strip() for ln in (exc.log or "").splitlines()
+                  if re.search(r"\b(error|fatal)\s*:", ln, re.IGNORECASE)][:5]
+        detail = "".join(f"\n  {ln}" for ln in errors)
+        where = f"\n  source and full log: {exc.path}" if exc.path else ""
+        return f"{first}{detail}{where}\n  please report it with the output of `moe-fp8 info`"
+    if isinstance(exc, CompilerNotFoundError):
+        return (f"{exc}\n  fix: pip install nvidia-cuda-nvrtc (no CUDA toolkit needed), or install the CUDA "
+                f"toolkit and set CUDA_HOME; `moe-fp8 info` lists what was found")
+    if isinstance(exc, CudaUnavailableError):
+        return f"{exc}: this needs an NVIDIA GPU and driver; `moe-fp8 info` shows what is visible"
+    if isinstance(exc, BackendError):
+        return f"{exc}\n  fix: unset MOE_FP8_BACKEND / MOE_FP8_STRICT, or see `moe-fp8 info` for why a backend is missing"
+    if isinstance(exc, (JitCacheError, CheckpointError, ModelConfigError, CudaError)):
+        return str(exc)
+    return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Command:
@@ -337,9 +832,14 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "info": Command("versions, GPUs, JIT compilers, cache and backends", _add_info_args, cmd_info),
-    "bench": Command("time our kernels against torch baselines; writes docs/benchmarks JSON",
+    "info": Command("versions, GPUs, JIT compilers, cache and backends (paste into bug reports)",
+                    _add_info_args, cmd_info),
+    "bench": Command("time our kernels against torch baselines; tables, JSON / CSV records, plots",
                      _add_bench_args, cmd_bench),
+    "warmup": Command("precompile every kernel variant a model needs into the JIT cache (no GPU needed)",
+                      _add_warmup_args, cmd_warmup),
+    "quantize": Command("convert a bf16 Hugging Face checkpoint to DeepSeek-style block FP8",
+                        _add_quantize_args, cmd_quantize),
 }
 
 
@@ -353,7 +853,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args)
+    try:
+        return COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        print(f"moe-fp8 {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `moe-fp8 warmup --dry-run | head`: the reader is gone; without this, Python reports the
+        # pipe again while flushing stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:
+        message = explain_error(exc)
+        if message is None:
+            raise
+        print(f"moe-fp8 {args.command}: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -277,3 +277,21 @@ def test_register_and_select_errors():
         backends.register("fp8_gemm", "hopper", "no_colon")
     with pytest.raises(ValueError, match=r"unknown op 'fp9_gemm'; known ops: combine, "):
         moe_fp8.backend("fp9_gemm", "cpu")
+
+
+def test_missing_compiler_falls_back_once_unless_forced(monkeypatch, caplog):
+    """Unset MOE_FP8_BACKEND: no JIT compiler on a Hopper GPU → reference, one warning naming the cause.
+    MOE_FP8_BACKEND=hopper: the same machine is an error, never a silent fallback."""
+    fake_cuda(monkeypatch, compilers=[FakeCompiler("nvcc", "", False, "not on PATH"),
+                                      FakeCompiler("nvrtc", "", False, "libnvrtc not found")])
+    backends.register("fp8_gemm", "hopper", spy([], "hopper"))
+    with caplog.at_level(logging.WARNING, logger="moe_fp8"):
+        for _ in range(3):
+            assert backends.select("fp8_gemm", CUDA0)[0] == "reference"
+    (rec,) = [r for r in caplog.records if r.name == "moe_fp8"]
+    assert "falls back to backend 'reference'" in rec.getMessage()
+    assert "hopper: no JIT compiler found (nvcc: not on PATH; nvrtc: libnvrtc not found)" in rec.getMessage()
+    monkeypatch.setenv(ENV_BACKEND, "hopper")
+    with pytest.raises(BackendError, match=r"MOE_FP8_BACKEND=hopper but backend 'hopper' cannot run fp8_gemm "
+                                           r"on cuda:0: no JIT compiler found"):
+        backends.select("fp8_gemm", CUDA0)

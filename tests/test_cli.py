@@ -17,11 +17,12 @@ import torch
 import moe_fp8
 from moe_fp8 import cli
 
-SECTIONS = ("Versions", "GPUs", "JIT compilers", "JIT cache", "Backends", "Environment")
-JSON_KEYS = {"moe_fp8", "python", "torch", "triton", "cuda_bindings", "gpus", "jit_compilers",
-             "cache", "backends", "env"}
+SECTIONS = ("Versions", "System", "GPUs", "JIT compilers", "JIT cache", "Backends", "Environment")
+JSON_KEYS = {"moe_fp8", "python", "system", "torch", "triton", "cuda_bindings", "packages", "gpus",
+             "jit_compilers", "cache", "backends", "ops", "env"}
 ENV_VARS = {"MOE_FP8_BACKEND", "MOE_FP8_STRICT", "MOE_FP8_CACHE_DIR", "MOE_FP8_JIT_COMPILER",
-            "MOE_FP8_JIT_DEBUG", "MOE_FP8_NUM_SMS", "CUDA_HOME"}
+            "MOE_FP8_JIT_DEBUG", "MOE_FP8_NUM_SMS", "MOE_FP8_COMMIT", "CUDA_HOME", "CUDA_PATH",
+            "CUDA_VISIBLE_DEVICES"}
 PACKAGE_DIR = os.path.abspath(next(iter(moe_fp8.__path__)))
 
 
@@ -51,9 +52,13 @@ def _check_json(info: dict) -> None:
         for c in info["jit_compilers"]["compilers"]:
             assert set(c) == {"name", "version", "available", "reason"}
     if "error" not in info["cache"]:
-        assert set(info["cache"]) == {"dir", "entries", "bytes"}
+        assert set(info["cache"]) == {"dir", "entries", "bytes", "failed", "writable"}
     if "error" not in info["backends"]:
         assert "reference" in info["backends"]["backends"]
+    assert {"platform", "machine", "cpus", "libc"} <= set(info["system"])
+    assert "safetensors" in info["packages"] and "nvidia-cuda-nvrtc" in info["packages"]
+    if "error" not in info["ops"]:
+        assert info["ops"]["ops"]["fp8_gemm"]["backend"] in ("hopper", "portable", "reference")
 
 
 def test_info_text(capsys, monkeypatch):
@@ -117,7 +122,8 @@ def test_info_reports_probe_results(capsys, monkeypatch):
     _check_json(info)
     assert info["jit_compilers"]["compilers"][1] == {
         "name": "nvcc", "version": None, "available": False, "reason": "nvcc not found on PATH"}
-    assert info["cache"] == {"dir": "/tmp/fake-cache", "entries": 3, "bytes": 3 * 2**20}
+    assert {k: info["cache"][k] for k in ("dir", "entries", "bytes")} == {
+        "dir": "/tmp/fake-cache", "entries": 3, "bytes": 3 * 2**20}
     assert info["backends"]["backends"]["portable"] == {"available": False, "reason": "triton not installed"}
 
 
@@ -196,8 +202,9 @@ def test_bench_refuses_without_gpu(capsys, monkeypatch) -> None:
     from moe_fp8 import cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["bench", "gemm"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert cli.main(["bench", "gemm"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moe-fp8 bench: error: needs a CUDA GPU") and "Traceback" not in err
 
 
 def test_bench_rejects_unknown_kind() -> None:

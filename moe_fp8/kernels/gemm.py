@@ -50,13 +50,30 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
 ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
 
 
+def _source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
+    defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
+    return defines + generate_source(layout, n, k, cfg)
+
+
+def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
+    """Cache-entry name of one variant (readable; the cache key hashes the full source anyway)."""
+    mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
+
+
+def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:
+    """``(name, source)`` that a call described by ``desc`` compiles: pure host code, no GPU.
+
+    ``moe-fp8 warmup`` enumerates a model's descriptors through this, so it precompiles exactly what
+    ``launch_fp8_gemm`` will ask ``build`` for (same heuristic, same name, same generated source)."""
+    cfg = get_config(desc) if config is None else config
+    return variant_name(desc.layout, desc.n, desc.k, cfg), _source(desc.layout, desc.n, desc.k, cfg)
+
+
 @functools.cache
 def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig):
     """Compile (or fetch from the disk cache) and return the variant for (layout, N, K, config)."""
-    mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
-    name = f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
-    defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
-    return build(name, defines + generate_source(layout, n, k, cfg))
+    return build(variant_name(layout, n, k, cfg), _source(layout, n, k, cfg))
 
 
 def _tma_scale(x_scale: torch.Tensor, rows: int, kb_rows: int, block_m: int):

@@ -176,6 +176,24 @@ def make_config(block_m: int, block_n: int, num_sms: int, num_stages: int | None
                       multicast_on_a=multicast_on_a and multicast > 1)
 
 
+def representative_rows(max_rows: int) -> list[int]:
+    """Row counts whose configurations are those of every count in ``1..max_rows``.
+
+    ``get_config`` sees the rows (per group) only through ``ceil_div(rows, block_m)`` for each
+    ``block_m`` in ``BLOCK_MS`` (tile counts, the DRAM band, and the ``rows <= 64`` filter, which is
+    ``ceil_div(rows, 64) == 1``), so counts with equal quotients share a config and the largest count
+    of each such interval stands for it. ``moe-fp8 warmup`` enumerates a model's variants over these
+    (a few hundred calls instead of one per token count); tests/test_cli_warmup.py checks the claim
+    against an exhaustive scan, so a heuristic that starts to depend on rows otherwise fails there.
+    """
+    if max_rows < 1:
+        return []
+    reps = {max_rows}
+    for bm in BLOCK_MS:
+        reps.update(range(bm, max_rows + 1, bm))
+    return sorted(reps)
+
+
 @functools.cache
 def get_config(desc: GemmDesc) -> GemmConfig:
     """Pick the cheapest candidate under the cost model; then as many pipeline stages as fit."""

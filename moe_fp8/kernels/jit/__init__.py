@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .cache import (
+    JitCacheError,
     build,
     cache_dir,
     cache_info,
@@ -24,10 +25,12 @@ from .cache import (
     clear_memory_cache,
     include_dir,
     include_tree_hash,
+    is_cached,
 )
 from .compiler import (
     Compiler,
     CompilerInfo,
+    CompilerNotFoundError,
     JitCompileError,
     find_compilers,
     get_compiler,
@@ -60,8 +63,10 @@ __all__ = [
     "Arg",
     "Compiler",
     "CompilerInfo",
+    "CompilerNotFoundError",
     "CudaError",
     "CudaUnavailableError",
+    "JitCacheError",
     "JitCompileError",
     "JitKernel",
     "TmaDesc",
@@ -77,6 +82,7 @@ __all__ = [
     "get_compiler",
     "include_dir",
     "include_tree_hash",
+    "is_cached",
     "make_tma",
     "make_tma_2d",
     "make_tma_3d",

@@ -56,6 +56,10 @@ ENTRY_FORMAT = 1
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
 
 
+class JitCacheError(OSError):
+    """The cache directory cannot be created or written; the message names it and the fix."""
+
+
 def cache_dir() -> Path:
     """The cache root: ``$MOE_FP8_CACHE_DIR`` or ``~/.cache/moe_fp8`` (read on every call)."""
     return Path(os.environ.get(ENV_CACHE_DIR) or "~/.cache/moe_fp8").expanduser()
@@ -214,10 +218,36 @@ def build(name: str, source: str, *, kernel_name: str | None = None, compiler: s
     return k
 
 
+def is_cached(name: str, source: str, *, compiler: str | Compiler | None = None, flags: Sequence[str] = ()) -> bool:
+    """True when ``build(name, source, ...)`` would load a complete entry without compiling.
+
+    Hashes the source and the header tree and checks the entry (no lock, no compiler run), so
+    ``moe-fp8 warmup`` can tell hits from misses before it starts any compile process."""
+    _check_name(name)
+    comp = compiler if isinstance(compiler, Compiler) else get_compiler(compiler)
+    key = _key(name, source, comp, tuple(flags), include_tree_hash(include_dir()))
+    return not isinstance(_load_entry(_entry_dir(cache_dir(), name, key), key), str)
+
+
+def _lock_dir(root: Path) -> Path:
+    """``root/locks``, created; an unusable cache root raises ``JitCacheError`` with the fix."""
+    locks = root / "locks"
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+        if not os.access(locks, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {locks}")
+    except OSError as e:
+        # NOTE: this is the first write of a build; without this message a read-only home directory
+        # shows up as a bare PermissionError traceback from deep inside a kernel call.
+        raise JitCacheError(f"JIT cache directory {root} is not writable ({type(e).__name__}: {e}); set "
+                            f"{ENV_CACHE_DIR} to a writable directory (compiled kernels are stored there)") from e
+    return locks
+
+
 def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, comp: Compiler, inc: Path,
                   tree_hash: str, flags: tuple[str, ...], why: str) -> tuple[bytes, dict]:
-    (root / "locks").mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / "locks" / f"{entry.name}.lock")):
+    locks = _lock_dir(root)
+    with FileLock(str(locks / f"{entry.name}.lock")):
         got = _load_entry(entry, key)  # another process may have built it while we waited
         if not isinstance(got, str):
             debug_print(f"cache hit after waiting for the lock: {entry}")
@@ -288,6 +318,7 @@ def cache_info() -> dict:
 __all__ = [
     "LOG_FILE",
     "SOURCE_FILE",
+    "JitCacheError",
     "build",
     "cache_dir",
     "cache_info",
@@ -295,4 +326,5 @@ __all__ = [
     "clear_memory_cache",
     "include_dir",
     "include_tree_hash",
+    "is_cached",
 ]

@@ -131,6 +131,13 @@ class JitCompileError(RuntimeError):
         self.path = path
 
 
+class CompilerNotFoundError(RuntimeError):
+    """No usable CUDA compiler (or the one asked for by name / ``MOE_FP8_JIT_COMPILER`` is not usable).
+
+    A ``RuntimeError`` subclass so existing handlers keep working; its own type lets the command line
+    print the fix instead of a traceback."""
+
+
 # ---------------------------------------------------------------- debug output
 
 def debug_level() -> int:
@@ -361,7 +368,7 @@ class Compiler(ABC):
 
     def __init__(self, info: CompilerInfo) -> None:
         if not info.available:
-            raise RuntimeError(f"{info.name} is not usable: {info.reason}")
+            raise CompilerNotFoundError(f"{info.name} is not usable: {info.reason}")
         self.info = info
 
     @property
@@ -509,8 +516,8 @@ _instances: dict[str, Compiler] = {}
 def get_compiler(name: str | None = None) -> Compiler:
     """The compiler to use: ``name``, else ``$MOE_FP8_JIT_COMPILER``, else nvcc if found, else NVRTC.
 
-    A compiler asked for by name or environment that is not usable raises ``RuntimeError`` with the
-    reason (no silent fallback).  Instances are reused within the process.
+    A compiler asked for by name or environment that is not usable raises ``CompilerNotFoundError`` (a
+    ``RuntimeError``) with the reason (no silent fallback); so does finding none at all.  Instances are reused within the process.
     """
     requested = name or os.environ.get(ENV_COMPILER, "").strip().lower() or None
     if requested is not None and requested not in _COMPILERS:
@@ -523,7 +530,7 @@ def get_compiler(name: str | None = None) -> Compiler:
     if requested is not None:
         info = _nvcc_info() if requested == "nvcc" else _nvrtc_info()
         if not info.available:
-            raise RuntimeError(f"JIT compiler {requested!r} requested but not usable: {info.reason}")
+            raise CompilerNotFoundError(f"JIT compiler {requested!r} requested but not usable: {info.reason}")
         inst = _COMPILERS[requested](info)
     else:
         nvcc = _nvcc_info()
@@ -532,7 +539,7 @@ def get_compiler(name: str | None = None) -> Compiler:
         else:
             nvrtc = _nvrtc_info()
             if not nvrtc.available:
-                raise RuntimeError(f"no CUDA compiler usable: {nvcc.reason}; {nvrtc.reason}")
+                raise CompilerNotFoundError(f"no CUDA compiler usable: {nvcc.reason}; {nvrtc.reason}")
             debug_print(f"nvcc not usable ({nvcc.reason}); using NVRTC {nvrtc.version}")
             inst = NvrtcCompiler(nvrtc)
     debug_print(f"JIT compiler: {inst.name} {inst.version} ({inst.info.path})")

@@ -1,0 +1,214 @@
+"""`moe-fp8 warmup`: model config → weight shapes → the exact kernel variants → compiled into the cache.
+
+Everything runs on the CPU: the heuristics are host code and NVRTC / nvcc compile sm_90a without a
+GPU. The compile test uses a tiny dense model (3 variants) and the faster compiler that is present.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_fp8 import cli
+from moe_fp8 import warmup as W
+from moe_fp8.kernels.gemm import kernel_variant
+from moe_fp8.kernels.heuristics import GemmDesc, get_config, representative_rows
+from moe_fp8.kernels.jit import compiler as compiler_mod
+from moe_fp8.kernels.jit import find_compilers
+
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "num_attention_heads": 128, "vocab_size": 129280, "first_k_dense_replace": 3, "num_hidden_layers": 61,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+# Dense, standard attention: qkv 384×128, o_proj = gate_up 128×128, down 128×64 → 3 variants at M ≤ 8.
+TINY_DENSE = {"model_type": "tiny", "hidden_size": 128, "intermediate_size": 64, "num_attention_heads": 1,
+              "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 256}
+COMPILERS = [c.name for c in find_compilers() if c.available]
+
+
+def _model(tmp_path: Path, cfg: dict, name: str = "model") -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _shapes(gemms: list[W.GemmShape]) -> dict[str, tuple]:
+    return {g.name: (g.n, g.k, g.layouts, g.num_groups) for g in gemms}
+
+
+def test_deepseek_v3_shapes_per_rank():
+    tp1 = _shapes(W.model_gemms(DEEPSEEK_V3))
+    # the DeepSeek-V3 rows of the goal table (DESIGN §7 / shapes.GEMM_NK) are all there
+    assert tp1["q_a_proj+kv_a_proj_with_mqa"][:2] == (2112, 7168)
+    assert tp1["q_b_proj"][:2] == (24576, 1536)
+    assert tp1["kv_b_proj"][:2] == (32768, 512)
+    assert tp1["o_proj"][:2] == (7168, 16384)
+    assert tp1["shared_experts.gate_up_proj"][:2] == (4096, 7168)
+    assert tp1["shared_experts.down_proj"][:2] == (7168, 2048)
+    assert tp1["experts.w13"] == (4096, 7168, ("contiguous", "masked"), 256)
+    assert tp1["experts.w2"] == (7168, 2048, ("contiguous", "masked"), 256)
+    assert tp1["mlp.gate_up_proj"][:2] == (36864, 7168) and tp1["mlp.down_proj"][:2] == (7168, 18432)
+    assert "lm_head" not in tp1  # bf16 in DeepSeek's checkpoints
+
+    tp8 = _shapes(W.model_gemms(DEEPSEEK_V3, tp=8, ep=1))
+    assert tp8["q_a_proj+kv_a_proj_with_mqa"][:2] == (2112, 7168)  # replicated
+    assert tp8["q_b_proj"][:2] == (3072, 1536)
+    assert tp8["o_proj"][:2] == (7168, 2048)
+    assert tp8["experts.w13"] == (512, 7168, ("contiguous", "masked"), 256)
+    assert tp8["experts.w2"] == (7168, 256, ("contiguous", "masked"), 256)
+    ep8 = _shapes(W.model_gemms(DEEPSEEK_V3, tp=1, ep=8))
+    assert ep8["experts.w13"] == (4096, 7168, ("contiguous", "masked"), 32)
+    with_head = _shapes(W.model_gemms(DEEPSEEK_V3, fp8_lm_head=True))
+    assert with_head["lm_head"][:2] == (129280, 7168)
+
+
+@pytest.mark.parametrize("cfg,tp,ep,match", [
+    (DEEPSEEK_V3, 3, 1, r"num_attention_heads = 128 does not split over --tp 3"),
+    (DEEPSEEK_V3, 32, 1, r"moe_intermediate_size/tp = 2048/32 = 64 is not a multiple of 128"),
+    (DEEPSEEK_V3, 1, 3, r"routed expert count = 256 does not split over --ep 3"),
+    ({**DEEPSEEK_V3, "quantization_config": {"weight_block_size": [1, 128]}}, 1, 1, r"\[128, 128\] blocks only"),
+    ({k: v for k, v in DEEPSEEK_V3.items() if k != "hidden_size"}, 1, 1, r"config.json has no hidden_size"),
+    ({**TINY_DENSE, "intermediate_size": 100}, 1, 1, r"mlp.down_proj: shard 128×100 .* not supported"),
+])
+def test_unsupported_configs_are_clear_errors(cfg, tp, ep, match):
+    with pytest.raises(W.ModelConfigError, match=match):
+        W.model_gemms(cfg, tp, ep)
+
+
+@pytest.mark.parametrize("layout,n,k,groups", [
+    ("normal", 2112, 7168, 1), ("normal", 7168, 2048, 1), ("normal", 512, 7168, 1),
+    ("masked", 4096, 7168, 32), ("masked", 7168, 256, 256),
+])
+def test_representative_rows_cover_every_row_count(layout, n, k, groups):
+    """The claim warmup relies on: rows in one interval of representative_rows share a config."""
+    reps = representative_rows(1100)
+    assert reps[-1] == 1100 and reps[:3] == [64, 128, 192]
+
+    def cfg(m: int):
+        if layout == "masked":
+            return get_config(GemmDesc(1100, n, k, groups, "masked", 132, expected_m=m))
+        return get_config(GemmDesc(m, n, k, num_sms=132))
+
+    lo = 1
+    for hi in reps:
+        want = cfg(hi)
+        for m in range(lo, hi + 1):
+            assert cfg(m) == want, (layout, n, k, m, hi)
+        lo = hi + 1
+
+
+def test_enumerated_variants_are_what_calls_compile():
+    gemms = W.model_gemms(DEEPSEEK_V3, tp=8)
+    variants = W.enumerate_variants(gemms, max_tokens=4096, num_sms=132, top_k=8)
+    names = {v.name for v in variants}
+    assert len(names) == len(variants)
+    # spot checks: the call a rank makes at some token count maps onto an enumerated variant
+    for desc in (GemmDesc(1, 3072, 1536), GemmDesc(4096, 7168, 2048), GemmDesc(333, 2112, 7168),
+                 GemmDesc(4096, 512, 7168, 256, "masked", 132, expected_m=17),
+                 GemmDesc(128 * 37, 7168, 256, 256, "contiguous", 132)):
+        name, source = kernel_variant(desc)
+        assert name in names, desc
+        assert next(v for v in variants if v.name == name).source == source
+    by_name = {v.name: v for v in variants}
+    masked = [v for v in variants if v.layout == "masked"]
+    assert masked and all(v.users[0].startswith("experts.") for v in masked)
+    assert all(v.rows[0] <= v.rows[1] for v in by_name.values())
+
+
+def test_dry_run_lists_variants(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(tmp_path, DEEPSEEK_V3)
+    assert cli.main(["warmup", "--model", str(model), "--tp", "8", "--max-tokens", "256", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 8, ep 1, up to 256 tokens, 132 SMs" in out
+    assert "experts.w13                        512×7168  contiguous/masked, 256 experts" in out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith("fp8_gemm_")]
+    assert lines and all("to compile" in ln for ln in lines)
+    assert not (tmp_path / "cache").exists()  # a dry run writes nothing
+
+
+@pytest.mark.skipif(not COMPILERS, reason="no JIT compiler")
+def test_warmup_compiles_once_then_hits(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(cache))
+    model = _model(tmp_path, TINY_DENSE)
+    compiler = "nvrtc" if "nvrtc" in COMPILERS else COMPILERS[0]  # NVRTC: ~0.4 s a variant here
+    argv = ["warmup", "--model", str(model), "--max-tokens", "8", "--jobs", "2", "--compiler", compiler]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr()
+    assert "3 GEMM shapes per rank → 3 kernel variants" in first.out
+    assert "compiled  3 in" in first.out and "0 already cached; 0 failed" in first.out
+    assert "cache     " + str(cache) + ": 3 entries" in first.out
+    assert "[3/3] warmup: fp8_gemm_normal_n" in first.err  # plain progress lines: stderr is not a TTY
+    assert cli.main(argv) == 0
+    second = capsys.readouterr()
+    assert "compiled  0 in" in second.out and "3 already cached; 0 failed" in second.out
+    assert "[3/3] warmup: 3 already cached" in second.err
+    journal = (cache / "compile-journal.log").read_text().splitlines()
+    assert len(journal) == 3  # the second run compiled nothing
+
+
+def test_compile_failure_names_the_log(tmp_path, capsys, monkeypatch):
+    if not COMPILERS:
+        pytest.skip("no JIT compiler")
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MOE_FP8_JIT_COMPILER", "nvrtc" if "nvrtc" in COMPILERS else COMPILERS[0])
+    model = _model(tmp_path, TINY_DENSE)
+    real = W.enumerate_variants
+
+    def broken(*args, **kwargs):
+        v = real(*args, **kwargs)[0]
+        v.source = v.source.replace("moe_fp8::fp8_gemm_kernel<", "moe_fp8::no_such_kernel<")
+        return [v]
+    monkeypatch.setattr(W, "enumerate_variants", broken)
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--jobs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "moe-fp8 warmup: error: 1 of 1 variants failed to compile" in err
+    assert "JitCompileError:" in err and str(tmp_path / "cache" / "failed") in err
+
+
+def test_missing_model_and_compiler_and_cache_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    assert cli.main(["warmup", "--model", str(tmp_path / "nope")]) == 1
+    assert "moe-fp8 warmup: error: " in capsys.readouterr().err
+
+    model = _model(tmp_path, TINY_DENSE)
+    monkeypatch.setattr(compiler_mod, "_instances", {})
+    monkeypatch.setattr(compiler_mod, "_find_nvcc", lambda: (None, "nvcc not found (test)"))
+    monkeypatch.setattr(compiler_mod, "_nvrtc_info", lambda: compiler_mod.CompilerInfo(
+        "nvrtc", "", "", False, "libnvrtc not loadable (test)"))
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "no CUDA compiler usable: nvcc not found (test); libnvrtc not loadable (test)" in err
+    assert "fix: pip install nvidia-cuda-nvrtc" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not COMPILERS, reason="no JIT compiler")
+def test_unwritable_cache_is_one_line_error(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    # a path under a regular file cannot be created, even by root (chmod would not stop root)
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(blocker / "cache"))
+    model = _model(tmp_path, TINY_DENSE)
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8"]) == 1
+    err = capsys.readouterr().err
+    assert f"JIT cache directory {blocker / 'cache'} is not writable" in err
+    assert "set MOE_FP8_CACHE_DIR to a writable directory" in err and "Traceback" not in err
+
+
+def test_fp8_lm_head_is_detected_from_the_index(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(tmp_path, TINY_DENSE)
+    assert not W.fp8_lm_head_in_checkpoint(model)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "lm_head.weight": "model.safetensors", "lm_head.weight_scale_inv": "model.safetensors"}}))
+    assert W.fp8_lm_head_in_checkpoint(model)
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--dry-run"]) == 0
+    assert "  lm_head                            256×128  normal" in capsys.readouterr().out
