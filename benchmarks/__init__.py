@@ -39,6 +39,7 @@ Rows = list[dict[str, Any]]
 KINDS: dict[str, str] = {
     "gemm": "moe_fp8.benchmarks.gemm:KIND",
     "grouped": "moe_fp8.benchmarks.grouped:KIND",
+    "moe": "moe_fp8.benchmarks.moe:KIND",
 }
 
 

@@ -14,12 +14,12 @@ SiLU·mul + quant, GEMM2, combine), both paths, and the masked-vs-contiguous cro
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .harness import REPO, bench_us, measure_ceilings, row, write_record
+from . import BenchKind, Step, parse_ints
+from .harness import bench_us, measure_ceilings, row
 
 NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
 N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
@@ -208,46 +208,49 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
     return rows, notes
 
 
-def run(prefill: tuple[int, ...] = PREFILL_TOKENS, decode: tuple[int, ...] = DECODE_TOKENS,
-        progress: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+def default_shapes() -> list[tuple[int, ...]]:
+    return [(t,) for t in sorted(set(PREFILL_TOKENS) | set(DECODE_TOKENS))]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return parse_ints(text, 1, "T")
+
+
+def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
+        step: Step | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every token count: the layer, its baselines, its step split; counts <= 256 also as decode."""
     layer, bf16 = build_layer()
     copy_gbps = measure_ceilings()["copy_gbps"]
     rows, notes = [], []
-    for i, t in enumerate(sorted(set(prefill) | set(decode))):
-        r, n = _bench_tokens(layer, bf16, t, t in decode, copy_gbps)
+    for (t,) in shapes:
+        r, n = _bench_tokens(layer, bf16, t, t <= max(DECODE_TOKENS), copy_gbps)
         rows += r
         notes += n
-        if progress:
-            print(f"[{i + 1}] tokens {t} done", flush=True)
+        if step is not None:
+            step(f"{t} tokens")
     return rows, notes
 
 
+KIND = BenchKind(
+    name="moe",
+    help="one DeepSeek-V3 MoE layer (EP rank of 8) vs torch blockwise and bf16 expert loops",
+    tables={"moe_layer": ("torch_blockwise_loop", "torch_bf16")},
+    default_shapes=default_shapes,
+    parse_shape=parse_shape,
+    shape_help="T (tokens)",
+    run=run,
+    op="fp8_grouped_gemm_contiguous",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moe-fp8 bench moe")
-    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
-    p.add_argument("--prefill", type=int, nargs="*", default=list(PREFILL_TOKENS))
-    p.add_argument("--decode", type=int, nargs="*", default=list(DECODE_TOKENS))
-    args = p.parse_args(argv)
-    ceilings = measure_ceilings()
-    rows, notes = run(tuple(args.prefill), tuple(args.decode))
-    print()
-    print("| tokens | moe_fp8 us | graph us | torch_blockwise_loop us | x | torch_bf16 us | x |")
-    print("|---|---|---|---|---|---|---|")
-    by = {}
-    for r in rows:
-        if r["kind"] == "moe_layer":
-            by.setdefault(r["shape"]["tokens"], {})[r["impl"]] = r["us"]
-    for t, v in sorted(by.items()):
-        ours = v["moe_fp8"]
-        graph = f"{v['moe_fp8_graph']:.1f}" if "moe_fp8_graph" in v else "-"
-        print(f"| {t} | {ours:.1f} | {graph} | {v['torch_blockwise_loop']:.1f} | {v['torch_blockwise_loop'] / ours:.2f} "
-              f"| {v['torch_bf16']:.1f} | {v['torch_bf16'] / ours:.2f} |")
-    print()
-    print("\n".join(notes))
-    path = write_record("moe", rows, ceilings, args.out_dir)
-    print(f"\nwrote {path}")
-    return 0
+    """``python -m moe_fp8.benchmarks.moe ARGS`` = ``moe-fp8 bench moe ARGS``."""
+    from moe_fp8.cli import main as cli_main
+
+    return cli_main(["bench", "moe", *(argv or [])])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
