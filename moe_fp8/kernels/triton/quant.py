@@ -85,7 +85,7 @@ def _silu_mul_f64_at(gate_ptrs, N, mask):
 @triton.jit
 def _act_quant_kernel(
     in_ptr, q_ptr, s_ptr, masked_m_ptr, stats_ptr,
-    M, N, in_row_stride, KG, m_pad, s_group_stride, eps, dq,
+    M, N, in_row_stride, KG, m_pad, s_group_stride, row_programs, eps, dq,
     GROUP_SIZE: tl.constexpr, GS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     SILU: tl.constexpr, HAS_MASK: tl.constexpr, FAST: tl.constexpr, UE8M0: tl.constexpr,
     NATIVE_FP8: tl.constexpr, COUNT_STATS: tl.constexpr, F64_CHUNK: tl.constexpr,
@@ -105,7 +105,7 @@ def _act_quant_kernel(
     col = kg[:, None] * GROUP_SIZE + c[None, :]
     col_ok = (kg[:, None] < KG) & (c[None, :] < GROUP_SIZE) & (col < N)
 
-    for rb in range(pid_r, num_row_blocks, tl.num_programs(0)):
+    for rb in range(pid_r, num_row_blocks, row_programs):  # row_programs == tl.num_programs(0)
         r = rb * BLOCK_R + seg // BLOCK_G
         seg_ok = (r < n_rows) & (kg < KG)
         mask = col_ok & (r < n_rows)[:, None]
@@ -253,7 +253,7 @@ def _launch(inp: torch.Tensor, n_out: int, group_size: int, ue8m0: bool, eps: fl
     _act_quant_kernel[(cfg.row_programs, col_blocks, groups)](
         inp, out.view(torch.uint8), out_scale, masked_m if masked_m is not None else out_scale,
         stats if stats is not None else out_scale,
-        rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, float(eps), float(dq),
+        rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, cfg.row_programs, float(eps), float(dq),
         GROUP_SIZE=group_size, GS_P2=cfg.gs_p2, BLOCK_R=cfg.block_r, BLOCK_G=cfg.block_g,
         SILU=silu, HAS_MASK=masked_m is not None, FAST=fast, UE8M0=bool(ue8m0),
         NATIVE_FP8=native_fp8(device), COUNT_STATS=stats is not None,

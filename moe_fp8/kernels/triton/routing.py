@@ -69,8 +69,8 @@ def _select_experts_kernel(
     if GROUPED:
         member = (sort_key(choice).to(tl.int64) << 32) | (PG_P2 - 1 - pj[None, None, :])
         member = tl.where(valid, member, _INT64_MIN)
-        best = tl.max(member, axis=2)
-        first = member == best[:, :, None]
+        member_max = tl.max(member, axis=2)
+        first = member == member_max[:, :, None]
         group_score = tl.sum(tl.where(first, choice, 0.0), axis=2)  # one term: exact
         if SIGMOID and PG_P2 >= 2:  # top-2 sum (the reference's min(2, E/n_group) values)
             member = tl.where(first, _INT64_MIN, member)
@@ -81,9 +81,9 @@ def _select_experts_kernel(
         gkey = tl.where(group_ok, gkey, _INT64_MIN)
         kept = (tok[:, None] < 0) & (gi[None, :] < 0)  # [BLOCK_T, NG_P2], all False
         for _ in range(topk_group):
-            pick = gkey == tl.max(gkey, axis=1)[:, None]
-            kept = kept | pick
-            gkey = tl.where(pick, _INT64_MIN, gkey)
+            gpick = gkey == tl.max(gkey, axis=1)[:, None]
+            kept = kept | gpick
+            gkey = tl.where(gpick, _INT64_MIN, gkey)
         choice = tl.where(kept[:, :, None], choice, float("-inf"))
 
     # ---- top-k experts, largest choice first, ties to the lower id ----
