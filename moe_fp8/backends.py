@@ -5,7 +5,8 @@ Backends, in order of preference (DESIGN §3):
 - ``hopper``    — JIT-compiled CUDA kernels for sm_90a. Usable when the tensor is on a CUDA device of
                   compute capability (9, 0), a JIT compiler is found
                   (``moe_fp8.kernels.jit.compiler.find_compilers``) and the op has a Hopper kernel.
-- ``portable``  — Triton kernels for any recent CUDA GPU. Not implemented yet.
+- ``portable``  — Triton kernels for any recent CUDA GPU (``moe_fp8.kernels.triton``: the MoE data-path ops;
+                  the GEMMs have none yet). Usable when the tensor is on a CUDA device and Triton imports.
 - ``reference`` — ``moe_fp8.reference`` (pure PyTorch): always usable, on CPU too.
 
 ``select(op, device)`` returns ``(backend_name, fn)``:

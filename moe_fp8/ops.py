@@ -156,9 +156,23 @@ _HOPPER_IMPLS = {
     "fp8_grouped_gemm_contiguous": "moe_fp8.kernels.gemm:fp8_grouped_gemm_contiguous_hopper",
     "fp8_grouped_gemm_masked": "moe_fp8.kernels.gemm:fp8_grouped_gemm_masked_hopper",
 }
+# Triton kernels of the MoE data path (moe_fp8.kernels.triton): the portable backend's implementation
+# and, on Hopper, the hopper backend's too (there is no CUDA-C kernel for these memory-bound ops, and
+# the Triton ones reach the same bandwidth). Lazy, so a CPU-only machine never imports Triton.
+_TRITON_IMPLS = {
+    "per_token_group_quant": "moe_fp8.kernels.triton.quant:per_token_group_quant",
+    "silu_mul_per_token_group_quant": "moe_fp8.kernels.triton.quant:silu_mul_per_token_group_quant",
+    "select_experts": "moe_fp8.kernels.triton.routing:select_experts",
+    "dispatch_contiguous": "moe_fp8.kernels.triton.dispatch:dispatch_contiguous",
+    "dispatch_masked": "moe_fp8.kernels.triton.dispatch:dispatch_masked",
+    "combine": "moe_fp8.kernels.triton.dispatch:combine",
+}
 for _op, _fn in _REFERENCE_IMPLS.items():
     backends.register(_op, "reference", _fn)
 for _op, _fn in _HOPPER_IMPLS.items():
+    backends.register(_op, "hopper", _fn)
+for _op, _fn in _TRITON_IMPLS.items():
+    backends.register(_op, "portable", _fn)
     backends.register(_op, "hopper", _fn)
 del _op, _fn
 

@@ -1,13 +1,22 @@
 """Shared pytest fixtures and skip rules.
 
 GPU tests are marked ``gpu`` (any CUDA device) or ``hopper`` (sm_90) and skipped, with the reason,
-where no such device is visible; on the GPU machine they run by default.
+where no such device is visible; on the GPU machine they run by default. Without a GPU, Triton's
+interpreter is switched on (see below) so the data-path kernel tests run on CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The Triton data-path kernels (moe_fp8.kernels.triton) run on CPU tensors in Triton's interpreter,
+# which must be switched on before those modules are imported (Triton decides at decoration time).
+# Only where no GPU is visible: on a GPU machine the same tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def has_hopper() -> bool:

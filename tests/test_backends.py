@@ -45,10 +45,6 @@ def clean_backends(monkeypatch):
     backends._resolve_errors.clear()
 
 
-def no_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def fake_cuda(monkeypatch, capability=(9, 0), compilers=None):
     """Pretend cuda:0 exists with ``capability`` and the JIT probe finds ``compilers``."""
     if compilers is None:
@@ -95,7 +91,7 @@ def test_available_backends_on_cpu():
     av = backends.available_backends("cpu")
     assert list(av) == ["hopper", "portable", "reference"]
     assert av["reference"][0] is True
-    assert av["portable"] == (False, "not implemented yet")
+    assert av["portable"] == (False, "needs a CUDA device, got cpu")
     assert av["hopper"][0] is False and "CUDA" in av["hopper"][1]
 
 
@@ -144,14 +140,14 @@ def test_force_hopper_on_cpu_raises(monkeypatch):
 def test_force_hopper_without_kernel_raises(monkeypatch):
     fake_cuda(monkeypatch)
     monkeypatch.setenv(ENV_BACKEND, "hopper")
-    with pytest.raises(BackendError, match=r"cannot run per_token_group_quant on cuda:0: "
-                                           r"no hopper implementation of per_token_group_quant"):
-        moe_fp8.backend("per_token_group_quant", CUDA0)
+    with pytest.raises(BackendError, match=r"cannot run per_block_quant on cuda:0: "
+                                           r"no hopper implementation of per_block_quant"):
+        moe_fp8.backend("per_block_quant", CUDA0)
 
 
 def test_force_portable_raises(monkeypatch):
     monkeypatch.setenv(ENV_BACKEND, "portable")
-    with pytest.raises(BackendError, match=r"backend 'portable' cannot run combine on cpu: not implemented yet"):
+    with pytest.raises(BackendError, match=r"backend 'portable' cannot run combine on cpu: needs a CUDA device, got cpu"):
         moe_fp8.backend("combine", "cpu")
 
 
@@ -167,7 +163,7 @@ def test_force_unknown_backend_raises(monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 def test_fallback_logged_once(monkeypatch, caplog):
-    no_cuda(monkeypatch)  # a CUDA tensor's device without a usable GPU: portable applies, is missing
+    fake_cuda(monkeypatch, capability=(8, 9))  # an Ada GPU: portable applies but has no GEMM kernel
     with caplog.at_level(logging.WARNING, logger="moe_fp8"):
         assert backends.select("fp8_gemm", CUDA0)[0] == "reference"
         monkeypatch.setenv(ENV_STRICT, "0")  # new cache key: selection runs again, but logs no more
@@ -177,14 +173,14 @@ def test_fallback_logged_once(monkeypatch, caplog):
     assert len(records) == 1
     msg = records[0].getMessage()
     assert "fp8_gemm on cuda:0 falls back to backend 'reference'" in msg
-    assert "portable: not implemented yet" in msg
+    assert "portable: no portable implementation of fp8_gemm" in msg
 
 
 def test_strict_turns_fallback_into_error(monkeypatch):
-    no_cuda(monkeypatch)
+    fake_cuda(monkeypatch, capability=(8, 9))
     monkeypatch.setenv(ENV_STRICT, "1")
     with pytest.raises(BackendError, match=r"MOE_FP8_STRICT=1: fp8_gemm on cuda:0 would fall back to backend "
-                                           r"'reference' \(portable: not implemented yet\)"):
+                                           r"'reference' \(portable: no portable implementation of fp8_gemm\)"):
         backends.select("fp8_gemm", CUDA0)
     # CPU has no fallback: reference is the backend for CPU tensors.
     assert moe_fp8.backend("fp8_gemm", "cpu") == "reference"
@@ -204,12 +200,12 @@ def test_hopper_selected_on_sm90(monkeypatch, caplog):
     assert backends.available_backends(0)["hopper"] == (True, "sm_90a via nvrtc 12.8")
     # An op without a Hopper kernel falls back, with both reasons, once; strict refuses.
     with caplog.at_level(logging.WARNING, logger="moe_fp8"):
-        assert moe_fp8.backend("silu_mul_per_token_group_quant", CUDA0) == "reference"
+        assert moe_fp8.backend("per_block_quant", CUDA0) == "reference"
     (rec,) = caplog.records
-    assert "hopper: no hopper implementation of silu_mul_per_token_group_quant" in rec.getMessage()
+    assert "hopper: no hopper implementation of per_block_quant" in rec.getMessage()
     monkeypatch.setenv(ENV_STRICT, "1")
     with pytest.raises(BackendError, match="would fall back"):
-        moe_fp8.backend("silu_mul_per_token_group_quant", CUDA0)
+        moe_fp8.backend("per_block_quant", CUDA0)
     assert moe_fp8.backend("fp8_gemm", CUDA0) == "hopper"
 
 
@@ -221,7 +217,7 @@ def test_non_hopper_gpu_is_not_a_hopper_fallback(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="moe_fp8"):
         assert moe_fp8.backend("fp8_gemm", CUDA0) == "reference"
     (rec,) = caplog.records  # only the missing portable backend is a fallback on an Ada GPU
-    assert "hopper" not in rec.getMessage() and "portable: not implemented yet" in rec.getMessage()
+    assert "hopper" not in rec.getMessage() and "portable: no portable implementation of fp8_gemm" in rec.getMessage()
 
 
 def test_no_compiler_is_a_fallback(monkeypatch):

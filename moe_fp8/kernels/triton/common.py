@@ -1,0 +1,158 @@
+"""Helpers shared by the Triton data-path kernels: bit-exact FP8 encoding and scales, sort keys, launch checks.
+
+Bit-exactness with ``moe_fp8.reference`` rests on three rules used by every kernel here:
+
+1. Divisions that the reference performs as tensor / tensor are ``tl.div_rn`` (IEEE, correctly
+   rounded); Triton's ``/`` on float32 is an approximate division on NVIDIA GPUs.
+2. FP32 → FP8 e4m3fn is round-to-nearest-even of a value already clamped to ±448. On sm_89+ the
+   hardware ``cvt.rn.satfinite.e4m3x2.f32`` does exactly that; elsewhere (and in Triton's
+   interpreter, whose cast truncates) ``fp8_e4m3_code`` does it with integer arithmetic.
+3. Non-finite groups are handled explicitly (NaN never relies on how a max reduction treats it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+_TRUE = ("1", "true", "yes", "on")
+
+
+# ============================================================================================
+# Host side
+# ============================================================================================
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Use the hardware FP32→e4m3 conversion (sm_89+, compiled kernels only)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+def native_cvt(device: torch.device) -> bool:
+    """Use hardware float conversions (compiled kernels; Triton's interpreter rounds float casts wrongly)."""
+    return device.type == "cuda" and not interpreting()
+
+
+def check_launch_device(*tensors: torch.Tensor | None) -> torch.device:
+    """The device the kernels run on; refuses CPU tensors unless the interpreter is on.
+
+    ``moe_fp8.backends`` never routes CPU tensors here (CPU uses ``reference``); this guards direct
+    calls, where a compiled kernel given host pointers would fault instead of raising.
+    """
+    device = next(t.device for t in tensors if t is not None)
+    for t in tensors:
+        if t is not None and t.device != device:
+            raise ValueError(f"all tensors must be on {device}, got one on {t.device}")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    return device
+
+
+# ============================================================================================
+# Device side
+# ============================================================================================
+
+@triton.jit
+def fp8_e4m3_code(q, NATIVE: tl.constexpr):
+    """uint8 e4m3fn code of float32 ``q`` (finite, ``|q| <= 448``), rounded to nearest even.
+
+    Software path: a normal result (``|q| >= 2**-6``) rounds the FP32 mantissa to 3 bits with the
+    usual add-half-minus-one-plus-odd trick (a carry moves into the exponent on its own); a
+    subnormal result is ``|q| * 2**9`` rounded to an integer by adding ``2**23`` (where FP32's ulp is
+    exactly 1). Signed zeros and tiny negatives keep their sign bit, as torch's cast does.
+    """
+    if NATIVE:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = q.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        odd = (mag >> 20) & 1
+        normal = ((mag + 0x7FFFF + odd) >> 20) - (120 << 3)  # rebias exponent 127 -> 7
+        abs_q = mag.to(tl.float32, bitcast=True)
+        sub = (abs_q * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+        code = (tl.where(mag >= (121 << 23), normal, sub) | sign).to(tl.uint8)
+    return code
+
+
+@triton.jit
+def to_bf16(x, NATIVE: tl.constexpr):
+    """float32 → bfloat16, round to nearest even (NaN stays NaN)."""
+    if NATIVE:
+        out = x.to(tl.bfloat16)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        out = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return out
+
+
+@triton.jit
+def round_up_pow2(s):
+    """Smallest power of two >= ``s`` for float32 ``s > 0`` (+Inf stays +Inf), exactly as the
+    reference's frexp/ldexp: an exact power of two is kept, anything above goes to the next one."""
+    # Subnormal scales (only with a tiny eps) are lifted by 2**64 first, so the bit trick below
+    # sees a normal number; scaling back by 2**-64 is exact for a power of two.
+    tiny = s < 1.1754943508222875e-38
+    t = tl.where(tiny, s * 18446744073709551616.0, s)
+    bits = t.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    bump = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    p = ((exponent + bump) << 23).to(tl.float32, bitcast=True)
+    return tl.where(tiny, p * 5.421010862427522e-20, p)
+
+
+@triton.jit
+def scale_from_amax(amax, has_nan, eps, UE8M0: tl.constexpr):
+    """``max(amax, eps) / 448`` correctly rounded (power of two with UE8M0); NaN where ``has_nan``."""
+    scale = tl.div_rn(tl.maximum(amax, eps), 448.0)
+    if UE8M0:
+        scale = round_up_pow2(scale)
+    return tl.where(has_nan, float("nan"), scale)
+
+
+@triton.jit
+def quantize_exact(y, scale, NATIVE: tl.constexpr):
+    """FP8 codes of float32 ``y`` with (broadcast) ``scale``: ``fp8(clamp(y / scale, ±448))``.
+
+    A non-finite scale (the group held NaN or ±Inf) makes every code NaN (0x7F), as the reference.
+    """
+    q = tl.div_rn(y, scale)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    finite = tl.abs(scale) < float("inf")
+    q = tl.where(finite, q, 0.0)  # keep the encoder's input finite; overwritten just below
+    return tl.where(finite, fp8_e4m3_code(q, NATIVE), 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def sort_key(v):
+    """int32 key whose signed order is the order ``torch.sort`` uses for float32 ``v``.
+
+    -0.0 and +0.0 are equal, every NaN is above +Inf (and all NaNs are equal).
+    """
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(v != v, 0x7FFFFFFF, key)

@@ -1,0 +1,377 @@
+"""Dispatch (contiguous and masked layouts) and combine.
+
+Both dispatches place the (token, slot) pairs of each local expert in (token, slot) row-major order,
+as ``moe_fp8.reference`` does, so ``row_map``, ``m_indices`` and the copied rows match it exactly.
+The order is made deterministic without atomics on positions:
+
+1. ``_count_kernel`` — one program per chunk of ``CHUNK`` pairs (flat index ``i = t·top_k + j``):
+   local expert of each pair (``expert_map`` applied; ids outside the map or mapped outside
+   ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the same expert (a
+   ``CHUNK × CHUNK`` comparison) and the chunk's histogram over experts (written in full, so no
+   buffer needs zeroing).
+2. ``_scan_kernel`` — per expert, an exclusive prefix sum of the histograms over chunks (the rank of
+   each chunk's first pair) and the expert's total count. The masked layout also writes
+   ``masked_m = min(count, max_m)`` here.
+3. Contiguous only: ``_segments_kernel`` (one program) turns counts into aligned segment starts and
+   ``M_total``; the host reads ``M_total`` (with the id range, for the reference's error messages)
+   in **one** sync, then allocates the outputs; ``_m_indices_kernel`` writes each segment's expert id
+   over its valid rows and -1 over its padding.
+4. ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes: reads each token
+   row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales into
+   the TMA layout), and writes ``row_map``.
+
+Padding rows (contiguous) and rows past ``masked_m`` (masked) are not written, which the layouts
+allow (DESIGN §2; the reference fills them with zeros and scale 1.0 for its own tests).
+
+``combine`` — one program per ``BLOCK_T`` tokens × ``BLOCK_H`` columns: gathers the ``top_k`` rows of
+each token, ``acc = acc + w·y`` in float32 in slot order (separate multiply and add, as torch: the
+kernel is compiled without FMA contraction so it rounds exactly as the reference), adds the shared
+output, rounds to bf16. A ``row_map`` entry past the end of ``y`` contributes NaN (an invalid map is a
+bug; the reference raises an indexing error there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_fp8.kernels.triton.common import check_launch_device, native_cvt, to_bf16
+from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, combine_config, dispatch_config
+from moe_fp8.utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_tma_aligned_m
+
+__all__ = ["combine", "dispatch_contiguous", "dispatch_masked"]
+
+
+# ============================================================================================
+# 1. Local ids, ranks within a chunk, chunk histograms
+# ============================================================================================
+
+@triton.jit
+def _count_kernel(
+    ids_ptr, map_ptr, local_ptr, rank_ptr, hist_ptr, stats_ptr,
+    num_pairs, num_experts, num_global,
+    CHUNK: tl.constexpr, E_P2: tl.constexpr, HIST_E: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    i = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_range = i < num_pairs
+    ids = tl.load(ids_ptr + i, mask=in_range, other=0).to(tl.int64)
+    if HAS_MAP:
+        id_ok = in_range & (ids >= 0) & (ids < num_global)
+        local = tl.load(map_ptr + ids, mask=id_ok, other=-1).to(tl.int64)
+    else:
+        id_ok = in_range & (ids >= 0) & (ids < num_experts)
+        local = tl.where(id_ok, ids, -1)
+    # Validation data for the contiguous dispatch (the reference raises on these): id range over the
+    # chunk, and the largest mapped id.
+    tl.store(stats_ptr + chunk * 3, tl.min(tl.where(in_range, ids, 2**62)))
+    tl.store(stats_ptr + chunk * 3 + 1, tl.max(tl.where(in_range, ids, -(2**62))))
+    tl.store(stats_ptr + chunk * 3 + 2, tl.max(tl.where(in_range, local, -1)))
+    is_local = (local >= 0) & (local < num_experts)
+    local = tl.where(is_local, local, -1).to(tl.int32)
+    tl.store(local_ptr + i, local, mask=in_range)
+
+    # rank_i = #{j < i in this chunk : local_j == local_i}
+    j = tl.arange(0, CHUNK)
+    same = (local[None, :] == local[:, None]) & (j[None, :] < j[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    tl.store(rank_ptr + i, rank, mask=in_range)
+
+    # histogram of the chunk over every expert (zeros included: nothing needs a memset)
+    for e0 in tl.static_range(0, E_P2, HIST_E):
+        e = e0 + tl.arange(0, HIST_E)
+        hist = tl.sum((local[:, None] == e[None, :]).to(tl.int32), axis=0)
+        tl.store(hist_ptr + chunk.to(tl.int64) * num_experts + e, hist, mask=e < num_experts)
+
+
+# ============================================================================================
+# 2. Prefix over chunks, per expert
+# ============================================================================================
+
+@triton.jit
+def _scan_kernel(
+    hist_ptr, base_ptr, count_ptr, masked_m_ptr,
+    num_chunks, num_experts, max_m,
+    SCAN_C: tl.constexpr, SCAN_E: tl.constexpr, WRITE_MASKED_M: tl.constexpr,
+):
+    e = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    e_ok = e < num_experts
+    carry = tl.zeros([SCAN_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, SCAN_C):
+        c = c0 + tl.arange(0, SCAN_C)
+        offs = c.to(tl.int64)[:, None] * num_experts + e[None, :]
+        m = (c[:, None] < num_chunks) & e_ok[None, :]
+        h = tl.load(hist_ptr + offs, mask=m, other=0)
+        tl.store(base_ptr + offs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=m)
+        carry = carry + tl.sum(h, axis=0)
+    tl.store(count_ptr + e, carry, mask=e_ok)
+    if WRITE_MASKED_M:
+        tl.store(masked_m_ptr + e, tl.minimum(carry, max_m), mask=e_ok)
+
+
+# ============================================================================================
+# 3. Contiguous layout: segments and m_indices
+# ============================================================================================
+
+@triton.jit
+def _segments_kernel(
+    count_ptr, seg_ptr, stats_ptr, status_ptr, num_experts, num_chunks, align_m,
+    E_P2: tl.constexpr, STAT_C: tl.constexpr,
+):
+    e = tl.arange(0, E_P2)
+    count = tl.load(count_ptr + e, mask=e < num_experts, other=0).to(tl.int64)
+    seg_len = (count + align_m - 1) // align_m * align_m
+    seg_start = tl.cumsum(seg_len, axis=0) - seg_len
+    tl.store(seg_ptr + e, seg_start, mask=e < num_experts)
+    lo = tl.full([STAT_C], 2**62, tl.int64)
+    hi = tl.full([STAT_C], -(2**62), tl.int64)
+    top = tl.full([STAT_C], -1, tl.int64)
+    for c0 in range(0, num_chunks, STAT_C):
+        c = c0 + tl.arange(0, STAT_C)
+        m = c < num_chunks
+        lo = tl.minimum(lo, tl.load(stats_ptr + c * 3, mask=m, other=2**62))
+        hi = tl.maximum(hi, tl.load(stats_ptr + c * 3 + 1, mask=m, other=-(2**62)))
+        top = tl.maximum(top, tl.load(stats_ptr + c * 3 + 2, mask=m, other=-1))
+    tl.store(status_ptr, tl.sum(seg_len))
+    tl.store(status_ptr + 1, tl.min(lo))
+    tl.store(status_ptr + 2, tl.max(hi))
+    tl.store(status_ptr + 3, tl.max(top))
+
+
+@triton.jit
+def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, align_m, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    count = tl.load(count_ptr + e)
+    start = tl.load(seg_ptr + e)
+    seg_len = (count + align_m - 1) // align_m * align_m
+    for r0 in range(0, seg_len, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        tl.store(m_idx_ptr + start + r, tl.where(r < count, e, -1), mask=r < seg_len)
+
+
+# ============================================================================================
+# 4. Scatter of rows and scales, row_map
+# ============================================================================================
+
+@triton.jit
+def _scatter_kernel(
+    x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, out_ptr, out_s_ptr, row_map_ptr,
+    T, K, KG, num_experts, max_m, m_pad, xs_stride_t, xs_stride_g,
+    TOP_K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_ok = cols < K
+    t64 = t.to(tl.int64)
+    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+    # scale groups whose first column lies in this column block (GROUP_K = 128 per group)
+    SG: tl.constexpr = (BLOCK_K + 127) // 128
+    g = pid_k * SG + tl.arange(0, SG)
+    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
+    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
+                 mask=t_ok[:, None] & g_ok[None, :])
+    for j in tl.static_range(TOP_K):
+        i = t64 * TOP_K + j
+        local = tl.load(local_ptr + i, mask=t_ok, other=-1)
+        is_local = t_ok & (local >= 0)
+        lc = tl.where(is_local, local, 0)
+        rank = tl.load(rank_ptr + i, mask=is_local, other=0) + tl.load(
+            base_ptr + (i // CHUNK) * num_experts + lc, mask=is_local, other=0)
+        if MASKED:
+            keep = is_local & (rank < max_m)
+            dest = lc.to(tl.int64) * max_m + rank
+            s_offs = lc.to(tl.int64) * KG * m_pad + rank  # 3-D TMA layout [E, max_m, KG]
+        else:
+            keep = is_local
+            dest = tl.load(seg_ptr + lc, mask=is_local, other=0) + rank
+            s_offs = dest
+        tl.store(out_ptr + dest[:, None] * K + cols[None, :], row, mask=keep[:, None] & c_ok[None, :])
+        tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc,
+                 mask=keep[:, None] & g_ok[None, :])
+        if pid_k == 0:
+            tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=t_ok)
+
+
+# ============================================================================================
+# combine
+# ============================================================================================
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, row_map_ptr, w_ptr, shared_ptr, out_ptr,
+    T, H, num_rows, y_stride, rm_stride_t, rm_stride_k, w_stride_t, w_stride_k, sh_stride,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
+    NATIVE_CVT: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = t < T
+    h_ok = h < H
+    t64 = t.to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row_map_ptr + t64 * rm_stride_t + j * rm_stride_k, mask=t_ok, other=-1).to(tl.int64)
+        w = tl.load(w_ptr + t64 * w_stride_t + j * w_stride_k, mask=t_ok, other=0.0).to(tl.float32)
+        use = t_ok & (r >= 0)
+        inside = r < num_rows
+        v = tl.load(y_ptr + r[:, None] * y_stride + h[None, :], mask=(use & inside)[:, None] & h_ok[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.where(inside[:, None], v, float("nan"))
+        acc = tl.where(use[:, None], acc + w[:, None] * v, acc)
+    if HAS_SHARED:
+        acc = acc + tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :],
+                            mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + t64[:, None] * H + h[None, :], to_bf16(acc, NATIVE_CVT), mask=t_ok[:, None] & h_ok[None, :])
+
+
+# ============================================================================================
+# Launch wrappers
+# ============================================================================================
+
+def _route_pairs(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
+                 masked_m: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Steps 1–2: ``(local, rank, chunk_base, count, stats)`` for the flat (token, slot) pairs."""
+    device = topk_ids.device
+    num_tokens, top_k = topk_ids.shape
+    cfg = dispatch_config(num_tokens, top_k, 1, num_experts)
+    num_pairs = num_tokens * top_k
+    num_chunks = ceil_div(num_pairs, cfg.chunk)
+    ids = topk_ids.contiguous()
+    local = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+    base = torch.empty_like(hist)
+    count = torch.empty(num_experts, dtype=torch.int32, device=device)
+    stats = torch.empty((num_chunks, 3), dtype=torch.int64, device=device)
+    emap = expert_map.contiguous() if expert_map is not None else None
+    if num_chunks > 0:
+        _count_kernel[(num_chunks,)](
+            ids, emap if emap is not None else ids, local, rank, hist, stats,
+            num_pairs, num_experts, emap.shape[0] if emap is not None else num_experts,
+            CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
+            num_warps=cfg.num_warps)
+    _scan_kernel[(ceil_div(num_experts, cfg.scan_experts),)](
+        hist, base, count, masked_m if masked_m is not None else count, num_chunks, num_experts, max_m,
+        SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
+        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked_m is not None, num_warps=cfg.num_warps)
+    return local, rank, base, count, stats
+
+
+def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, top_k: int, local: torch.Tensor, rank: torch.Tensor,
+             base: torch.Tensor, seg_start: torch.Tensor | None, out: torch.Tensor, out_scale: torch.Tensor,
+             row_map: torch.Tensor, num_experts: int, max_m: int, m_pad: int) -> None:
+    num_tokens, k = x_fp8.shape
+    if num_tokens == 0:
+        return
+    cfg = dispatch_config(num_tokens, top_k, k, num_experts)
+    col_blocks = ceil_div(k, cfg.block_k)
+    if col_blocks > MAX_GRID_YZ:
+        raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
+    _scatter_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
+        x_fp8.view(torch.uint8), x_scale, local, rank, base, seg_start if seg_start is not None else base,
+        out.view(torch.uint8), out_scale, row_map,
+        num_tokens, k, x_scale.shape[1], num_experts, max_m, m_pad, x_scale.stride(0), x_scale.stride(1),
+        TOP_K=top_k, CHUNK=cfg.chunk, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, MASKED=seg_start is None,
+        num_warps=cfg.num_warps)
+
+
+def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
+                    out_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend entry of ``moe_fp8::dispatch_masked`` (see ``moe_fp8.ops``); no host sync.
+
+    Returns ``(out_fp8 [E, max_m, K], out_scale [E, max_m, KG] (3-D TMA layout), masked_m int32 [E],
+    row_map int64 [T, top_k])``. Rows past ``masked_m[e]`` are not written: pass persistent ``out`` /
+    ``out_scale`` to keep their contents. Ids outside ``[0, E)`` (or outside ``expert_map``) and
+    experts mapped outside ``[0, E)`` count as not local (the reference does not validate them).
+    """
+    device = check_launch_device(x_fp8, x_scale, topk_ids, expert_map, out, out_scale)
+    num_tokens, k = x_fp8.shape
+    top_k = topk_ids.shape[1]
+    kg = x_scale.shape[1]
+    if out is None:
+        out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
+    elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float8_e4m3fn [{num_experts}, {max_m}, {k}]")
+    if out_scale is None:
+        out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
+    elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
+          or out_scale.stride() != empty_scale_tma(max_m, kg, groups=num_experts, device="meta").stride()):
+        raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
+    masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
+    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    local, rank, base, _, _ = _route_pairs(topk_ids, num_experts, expert_map, max_m, masked_m)
+    _scatter(x_fp8, x_scale, top_k, local, rank, base, None, out, out_scale, row_map, num_experts, max_m,
+             get_tma_aligned_m(max_m))
+    return out, out_scale, masked_m, row_map
+
+
+def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                        expert_map: torch.Tensor | None, align_m: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``); one host sync (``M_total``).
+
+    Raises ``ValueError`` exactly where the reference does (ids outside ``[0, num_ids)``, a map to a
+    local id ``>= num_experts``), from the same sync. Padding rows' FP8 bytes and scales are not written.
+    """
+    device = check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
+    num_tokens, k = x_fp8.shape
+    top_k = topk_ids.shape[1]
+    kg = x_scale.shape[1]
+    local, rank, base, count, stats = _route_pairs(topk_ids, num_experts, expert_map, 0, None)
+    cfg = dispatch_config(num_tokens, top_k, k, num_experts)
+    seg_start = torch.empty(num_experts, dtype=torch.int64, device=device)
+    status = torch.empty(4, dtype=torch.int64, device=device)
+    _segments_kernel[(1,)](count, seg_start, stats, status, num_experts, stats.shape[0], align_m,
+                           E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.num_warps)
+    m_total, lo, hi, top = status.tolist()  # the one host sync
+    if topk_ids.numel() > 0:
+        num_ids = num_experts if expert_map is None else expert_map.shape[0]
+        if lo < 0 or hi >= num_ids:
+            raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
+        if top >= num_experts:
+            raise ValueError(f"expert_map maps to local id {top} >= num_experts={num_experts}")
+    out = torch.empty((m_total, k), dtype=FP8_DTYPE, device=device)
+    out_scale = empty_scale_tma(m_total, kg, device=device)
+    m_indices = torch.empty(m_total, dtype=torch.int32, device=device)
+    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    if m_total > 0:
+        _m_indices_kernel[(num_experts,)](m_indices, count, seg_start, align_m, BLOCK=1024, num_warps=4)
+    _scatter(x_fp8, x_scale, top_k, local, rank, base, seg_start, out, out_scale, row_map, num_experts, 0,
+             get_tma_aligned_m(m_total))
+    return out, out_scale, m_indices, row_map
+
+
+def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
+            shared_output: torch.Tensor | None) -> torch.Tensor:
+    """Backend entry of ``moe_fp8::combine`` (see ``moe_fp8.ops``): bf16 ``[T, H]``."""
+    device = check_launch_device(y, row_map, topk_weights, shared_output)
+    h = y.shape[-1]
+    rows = y.reshape(-1, h)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_tokens, top_k = row_map.shape
+    out = torch.empty((num_tokens, h), dtype=torch.bfloat16, device=device)
+    if num_tokens == 0 or h == 0:
+        return out
+    shared = shared_output
+    if shared is not None and shared.stride(-1) != 1:
+        shared = shared.contiguous()
+    cfg = combine_config(num_tokens, h)
+    col_blocks = ceil_div(h, cfg.block_h)
+    if col_blocks > MAX_GRID_YZ:
+        raise ValueError(f"hidden size {h} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
+    _combine_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
+        rows, row_map, topk_weights, shared if shared is not None else rows, out,
+        num_tokens, h, rows.shape[0], rows.stride(0), row_map.stride(0), row_map.stride(1),
+        topk_weights.stride(0), topk_weights.stride(1), shared.stride(0) if shared is not None else 0,
+        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, HAS_SHARED=shared is not None,
+        NATIVE_CVT=native_cvt(device), num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return out

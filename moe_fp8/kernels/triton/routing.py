@@ -1,0 +1,152 @@
+"""``select_experts``: softmax top-k and DeepSeek-V3 grouped top-k, one program per ``BLOCK_T`` tokens.
+
+A token's scores live in registers as a ``[NG_P2, PG_P2]`` tile (groups × experts per group; one
+group without ``n_group``), so up to ``configs.MAX_ROUTING_EXPERTS`` experts fit one program.
+
+Exactness against ``moe_fp8.reference.select_experts``:
+
+- Scores are evaluated in float64 and rounded once to float32, as the reference does (softmax as
+  ``exp(x - max) / Σ``, sigmoid as ``1 / (1 + exp(-x))``); the float64 results agree with torch's to
+  an ulp of float64, so the float32 scores are the same bits (barring a float64 ulp straddling a
+  float32 rounding boundary, ~2**-29 per score).
+- Selection compares ``(sort_key(value) << 32) | (MAX - 1 - index)``: one int64 max per pick gives
+  the largest value and, among equals, the lowest index — ``torch.sort(stable=True)``'s order, NaN
+  above everything. Group scores (top-2 sum for sigmoid, max for softmax) use the same picks.
+- Weights are the float32 scores of the chosen experts; with ``renormalize`` they are divided
+  (correctly rounded) by their sum taken in slot order j = 0, 1, …. The reference's sum is a torch
+  reduction whose order is unspecified, so renormalized weights can differ from it by an ulp or two.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_fp8 import reference
+from moe_fp8.kernels.triton.common import check_launch_device, sort_key
+from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, routing_config
+
+__all__ = ["select_experts"]
+
+logger = logging.getLogger("moe_fp8")
+_INT64_MIN = tl.constexpr(-(2**63))
+
+
+@triton.jit
+def _select_experts_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr,
+    T, stride_t, stride_e, stride_bias, per_group, n_group, topk_group, top_k, routed_scaling_factor,
+    BLOCK_T: tl.constexpr, NG_P2: tl.constexpr, PG_P2: tl.constexpr, K_P2: tl.constexpr,
+    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gi = tl.arange(0, NG_P2)
+    pj = tl.arange(0, PG_P2)
+    expert = gi[None, :, None] * per_group + pj[None, None, :]  # [1, NG_P2, PG_P2]
+    tok_ok = tok < T
+    valid = tok_ok[:, None, None] & (gi[None, :, None] < n_group) & (pj[None, None, :] < per_group)
+
+    # ---- scores: float64, rounded once to float32 ----
+    x = tl.load(logits_ptr + tok.to(tl.int64)[:, None, None] * stride_t + expert * stride_e, mask=valid,
+                other=float("-inf")).to(tl.float64)
+    if SIGMOID:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        row_max = tl.max(tl.max(x, axis=2), axis=1)
+        ex = tl.where(valid, tl.exp(x - row_max[:, None, None]), 0.0)
+        total = tl.sum(tl.sum(ex, axis=2), axis=1)
+        total = tl.where(tok_ok, total, 1.0)  # padding tokens: avoid 0/0 (never stored)
+        p = ex / total[:, None, None]
+    scores = p.to(tl.float32)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + expert * stride_bias, mask=valid, other=0.0).to(tl.float32)
+
+    # ---- grouped top-k: keep the topk_group best groups ----
+    if GROUPED:
+        member = (sort_key(choice).to(tl.int64) << 32) | (PG_P2 - 1 - pj[None, None, :])
+        member = tl.where(valid, member, _INT64_MIN)
+        member_max = tl.max(member, axis=2)
+        first = member == member_max[:, :, None]
+        group_score = tl.sum(tl.where(first, choice, 0.0), axis=2)  # one term: exact
+        if SIGMOID and PG_P2 >= 2:  # top-2 sum (the reference's min(2, E/n_group) values)
+            member = tl.where(first, _INT64_MIN, member)
+            second = member == tl.max(member, axis=2)[:, :, None]
+            group_score = group_score + tl.sum(tl.where(second, choice, 0.0), axis=2)
+        group_ok = tok_ok[:, None] & (gi[None, :] < n_group)
+        gkey = (sort_key(group_score).to(tl.int64) << 32) | (NG_P2 - 1 - gi[None, :])
+        gkey = tl.where(group_ok, gkey, _INT64_MIN)
+        kept = (tok[:, None] < 0) & (gi[None, :] < 0)  # [BLOCK_T, NG_P2], all False
+        for _ in range(topk_group):
+            gpick = gkey == tl.max(gkey, axis=1)[:, None]
+            kept = kept | gpick
+            gkey = tl.where(gpick, _INT64_MIN, gkey)
+        choice = tl.where(kept[:, :, None], choice, float("-inf"))
+
+    # ---- top-k experts, largest choice first, ties to the lower id ----
+    E_MAX: tl.constexpr = NG_P2 * PG_P2
+    key = (sort_key(choice).to(tl.int64) << 32) | (E_MAX - 1 - expert)
+    key = tl.where(valid, key, _INT64_MIN)
+    kcol = tl.arange(0, K_P2)
+    out_w = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
+    out_id = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
+    weight_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for j in range(top_k):
+        best = tl.max(tl.max(key, axis=2), axis=1)
+        pick = key == best[:, None, None]
+        w = tl.sum(tl.sum(tl.where(pick, scores, 0.0), axis=2), axis=1)  # one term: exact
+        eid = E_MAX - 1 - (best & 0xFFFFFFFF)
+        out_w = tl.where(kcol[None, :] == j, w[:, None], out_w)
+        out_id = tl.where(kcol[None, :] == j, eid.to(tl.int32)[:, None], out_id)
+        weight_sum = weight_sum + w
+        key = tl.where(pick, _INT64_MIN, key)
+    if RENORMALIZE:
+        out_w = tl.div_rn(out_w, tl.where(tok_ok, weight_sum, 1.0)[:, None])
+    out_w = out_w * routed_scaling_factor
+
+    out_offs = tok.to(tl.int64)[:, None] * top_k + kcol[None, :]
+    out_mask = tok_ok[:, None] & (kcol[None, :] < top_k)
+    tl.store(w_ptr + out_offs, out_w, mask=out_mask)
+    tl.store(ids_ptr + out_offs, out_id, mask=out_mask)
+
+
+_warned_large: set[int] = set()
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
+                   n_group: int | None, topk_group: int | None, e_score_correction_bias: torch.Tensor | None,
+                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry of ``moe_fp8::select_experts`` (see ``moe_fp8.ops``): ``(weights f32, ids i32)``,
+    both ``[T, top_k]``. Expert counts above ``MAX_ROUTING_EXPERTS`` go to the reference (logged once)."""
+    device = check_launch_device(router_logits, e_score_correction_bias)
+    t, e = router_logits.shape
+    if e > MAX_ROUTING_EXPERTS:
+        if e not in _warned_large:
+            _warned_large.add(e)
+            logger.warning("moe_fp8: select_experts with %d experts (> %d) runs the reference on %s",
+                           e, MAX_ROUTING_EXPERTS, device)
+        return reference.select_experts(
+            router_logits, top_k, scoring_func=scoring_func, renormalize=renormalize, n_group=n_group,
+            topk_group=topk_group, e_score_correction_bias=e_score_correction_bias,
+            routed_scaling_factor=routed_scaling_factor)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
+    if t == 0:
+        return weights, ids
+    grouped = n_group is not None
+    ng = n_group if grouped else 1
+    cfg = routing_config(t, e, top_k, n_group)
+    bias = e_score_correction_bias
+    grid = (triton.cdiv(t, cfg.block_t),)
+    _select_experts_kernel[grid](
+        router_logits, bias if bias is not None else router_logits, weights, ids,
+        t, router_logits.stride(0), router_logits.stride(1), bias.stride(0) if bias is not None else 0,
+        e // ng, ng, topk_group if grouped else 1, top_k, float(routed_scaling_factor),
+        BLOCK_T=cfg.block_t, NG_P2=cfg.ng_p2, PG_P2=cfg.pg_p2, K_P2=cfg.k_p2,
+        SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
+        RENORMALIZE=bool(renormalize), num_warps=cfg.num_warps,
+    )
+    return weights, ids

@@ -1,0 +1,209 @@
+"""Triton dispatch (contiguous / masked) and combine vs ``moe_fp8.reference``, exactly.
+
+Dispatch: ``row_map``, ``m_indices``, ``masked_m`` and every copied FP8 byte and scale identical;
+padding rows (contiguous) and rows past ``masked_m`` (masked) are not compared — kernels leave them
+unspecified / untouched (checked on poisoned buffers). Combine: identical bf16 bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datapath_util import DEVICE, assert_same_bits, require_kernels
+
+from moe_fp8 import reference as ref
+from moe_fp8.testing import make_dispatch_inputs, randn
+from moe_fp8.utils import empty_scale_tma, is_scale_tma_layout
+
+triton = pytest.importorskip("triton")
+
+from moe_fp8.kernels.triton import dispatch  # noqa: E402  (after the importorskip)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_run_here():
+    require_kernels()
+
+
+def make_expert_map(num_global: int, num_local: int, seed: int) -> torch.Tensor:
+    """Global → local ids: a random ``num_local`` of the global experts live here, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    emap = torch.full((num_global,), -1, dtype=torch.int64)
+    emap[torch.randperm(num_global, generator=gen)[:num_local]] = torch.randperm(num_local, generator=gen)
+    return emap.to(DEVICE)
+
+
+def check_masked(got, want, max_m: int) -> None:
+    out, out_scale, masked_m, row_map = got
+    r_out, r_scale, r_masked_m, r_row_map = want
+    assert out_scale.stride() == r_scale.stride() and is_scale_tma_layout(out_scale)
+    assert_same_bits(masked_m, r_masked_m, "masked_m")
+    assert_same_bits(row_map, r_row_map, "row_map")
+    valid = torch.arange(max_m, device=out.device)[None, :] < r_masked_m[:, None]
+    assert_same_bits(out[valid], r_out[valid], "dispatched fp8 rows")
+    assert_same_bits(out_scale[valid], r_scale[valid], "dispatched scales")
+
+
+def check_contiguous(got, want) -> None:
+    out, out_scale, m_indices, row_map = got
+    r_out, r_scale, r_m_indices, r_row_map = want
+    assert out.shape == r_out.shape and out_scale.stride() == r_scale.stride()
+    assert_same_bits(m_indices, r_m_indices, "m_indices")
+    assert_same_bits(row_map, r_row_map, "row_map")
+    rows = r_m_indices >= 0
+    assert_same_bits(out[rows], r_out[rows], "dispatched fp8 rows")
+    assert_same_bits(out_scale[rows], r_scale[rows], "dispatched scales")
+
+
+DISPATCH_CASES = [  # tokens, hidden, global experts, local experts (None: no map), top_k, max_m, skew
+    (37, 256, 8, None, 2, 16, 0.0),
+    (50, 384, 24, 12, 4, 12, 3.0),  # expert map, hot experts overflow max_m
+    (5, 128, 4, None, 4, 2, 0.0),  # every expert overflows
+    (20, 272, 16, None, 3, 20, 0.0),  # hidden not a multiple of 128: partial scale group
+    (1, 128, 64, 8, 8, 4, 0.0),  # most pairs not local, most experts empty
+    (0, 128, 4, None, 2, 3, 0.0),  # no tokens
+    (6, 128, 4, None, 2, 0, 0.0),  # max_m = 0
+]
+
+
+@pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
+def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew):
+    d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
+    emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
+    e = e_local or e_global
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
+    for align_m in (128, 16):
+        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m)
+        check_contiguous(got, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m))
+
+
+def test_dispatch_int64_ids_strided_scales_and_persistent_buffers():
+    d = make_dispatch_inputs(40, 256, 8, 3, seed=4, device=DEVICE)
+    ids = d.topk_ids.long()
+    scale_rows = d.x_scale.contiguous()  # row-major scales: any layout is accepted
+    e, max_m = 8, 24
+    out = torch.full((e, max_m, 256), 0x5A, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    out_scale = empty_scale_tma(max_m, 2, groups=e, device=DEVICE)
+    out_scale.fill_(-7.0)
+    got = dispatch.dispatch_masked(d.x_fp8, scale_rows, ids, e, max_m, None, out=out, out_scale=out_scale)
+    assert got[0].data_ptr() == out.data_ptr()
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m), max_m)
+    valid = torch.arange(max_m, device=DEVICE)[None, :] < got[2][:, None]
+    assert (out.view(torch.uint8)[~valid] == 0x5A).all() and (out_scale[~valid] == -7.0).all()
+    got = dispatch.dispatch_contiguous(d.x_fp8, scale_rows, ids, e, None, 128)
+    check_contiguous(got, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, None, 128))
+
+
+def test_dispatch_contiguous_rejects_bad_ids_like_the_reference():
+    d = make_dispatch_inputs(6, 128, 4, 2, seed=0, device=DEVICE)
+    bad = d.topk_ids.clone()
+    bad[2, 1] = 4
+    for ids, emap, e in [(bad, None, 4), (-bad, None, 4), (d.topk_ids, torch.tensor([0, 1, 5, -1], device=DEVICE), 4)]:
+        with pytest.raises(ValueError) as want:
+            ref.dispatch_contiguous(d.x_fp8, d.x_scale, ids, e, emap)
+        with pytest.raises(ValueError) as got:
+            dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, ids, e, emap, 128)
+        assert str(got.value) == str(want.value)
+
+
+def test_dispatch_masked_drops_invalid_ids():
+    """The masked dispatch never reads the ids on the host: ids outside the map (or mapped outside
+    [0, E)) are simply not local, instead of an out-of-bounds access."""
+    d = make_dispatch_inputs(8, 128, 4, 2, seed=1, device=DEVICE)
+    ids = d.topk_ids.clone()
+    ids[0, 0], ids[1, 1] = 4, -3
+    out, out_scale, masked_m, row_map = dispatch.dispatch_masked(d.x_fp8, d.x_scale, ids, 4, 8, None)
+    assert row_map[0, 0] == -1 and row_map[1, 1] == -1
+    keep = ids.clone()
+    keep[0, 0] = keep[1, 1] = -1  # the reference treats negative ids as not local
+    check_masked((out, out_scale, masked_m, row_map), ref.dispatch_masked(d.x_fp8, d.x_scale, keep, 4, 8), 8)
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize(("y_dtype", "w_dtype", "shared", "map_dtype"), [
+    (torch.bfloat16, torch.float32, True, torch.int64),
+    (torch.bfloat16, torch.float32, False, torch.int32),
+    (torch.float32, torch.bfloat16, True, torch.int64),
+    (torch.float16, torch.float16, False, torch.int64),
+])
+def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype):
+    t, h, e, k, max_m = 30, 320, 8, 4, 12
+    d = make_dispatch_inputs(t, h, e, k, seed=2, device=DEVICE, skew=2.0)
+    if layout == "masked":
+        row_map = ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m)[3]
+        y = randn((e, max_m, h), seed=3, device=DEVICE, dtype=y_dtype)
+    else:
+        m_indices, row_map = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e)[2:]
+        y = randn((m_indices.shape[0], h), seed=3, device=DEVICE, dtype=y_dtype)
+        y[m_indices < 0] = float("nan")  # padding rows are never read
+    row_map = row_map.clone()
+    row_map[::7, 1] = -1  # skipped copies contribute nothing, whatever their weight (NaN here)
+    weights_nan = d.topk_weights.clone()
+    weights_nan[::7, 1] = float("nan")
+    weights = weights_nan.to(w_dtype)
+    sh = randn((t, h), seed=4, device=DEVICE) if shared else None
+    got = dispatch.combine(y, row_map.to(map_dtype), weights, sh)
+    assert_same_bits(got, ref.combine(y, row_map, weights, sh), "combine")
+
+
+def test_combine_edge_cases():
+    y = randn((6, 128), seed=0, device=DEVICE)
+    row_map = torch.tensor([[0, -1], [5, 5], [-1, -1], [6, 1]], device=DEVICE)  # 6 is past the end
+    w = torch.tensor([[0.5, float("nan")], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0]], device=DEVICE)
+    out = dispatch.combine(y, row_map, w, None)
+    assert_same_bits(out[:3], ref.combine(y, row_map[:3], w[:3]), "combine")
+    assert torch.isnan(out[3]).all(), "an out-of-range row must poison the token, not read memory"
+    y_t = randn((128, 6), seed=1, device=DEVICE).t()  # non-contiguous y
+    assert_same_bits(dispatch.combine(y_t, row_map[:3], w[:3], None), ref.combine(y_t, row_map[:3], w[:3]),
+                     "strided y")
+    empty = dispatch.combine(y, row_map[:0], w[:0], None)
+    assert empty.shape == (0, 128)
+    only_shared = dispatch.combine(y[:0], torch.full((2, 3), -1, device=DEVICE), torch.ones(2, 3, device=DEVICE),
+                                   y[:2])
+    assert_same_bits(only_shared, y[:2].bfloat16(), "shared only")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: model sizes, the public ops
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "e_global", "e_local", "k", "max_m"), [
+    (128, 256, None, 8, 128),  # DeepSeek-V3 decode step
+    (4096, 256, 32, 8, 1024),  # one EP rank of 8
+    (16384, 256, None, 8, 1024),  # prefill, some experts overflow the masked buffer
+])
+def test_dispatch_model_sizes(t, e_global, e_local, k, max_m):
+    d = make_dispatch_inputs(t, 7168, e_global, k, seed=t, device="cuda", skew=1.0)
+    emap = make_expert_map(e_global, e_local, seed=1) if e_local else None
+    e = e_local or e_global
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
+    got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
+    want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
+    check_contiguous(got, want)
+    y = randn((want[2].shape[0], 7168), seed=5, device="cuda")
+    sh = randn((t, 7168), seed=6, device="cuda")
+    assert_same_bits(dispatch.combine(y, got[3], d.topk_weights, sh), ref.combine(y, want[3], d.topk_weights, sh),
+                     "combine")
+
+
+@pytest.mark.gpu
+def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
+    import moe_fp8
+    from moe_fp8 import backends
+
+    monkeypatch.setenv("MOE_FP8_STRICT", "1")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for op, fn in [("dispatch_contiguous", dispatch.dispatch_contiguous),
+                   ("dispatch_masked", dispatch.dispatch_masked), ("combine", dispatch.combine)]:
+        name, impl = backends.select(op, dev)
+        assert name in ("hopper", "portable") and impl is fn, (op, name)
+    d = make_dispatch_inputs(64, 7168, 32, 8, seed=0, device="cuda")
+    got = moe_fp8.layers.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64), 64)
+    got_c = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32)
+    check_contiguous(got_c, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32))
+    y = randn((32, 64, 7168), seed=1, device="cuda")
+    assert_same_bits(moe_fp8.layers.combine(y, got[3], d.topk_weights), ref.combine(y, got[3], d.topk_weights),
+                     "combine")
