@@ -190,8 +190,9 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
         g_us = _graph_us(layer, hidden, logits)
         rows.append(row("moe_layer", shape, "moe_fp8_graph", g_us, flops, nbytes))
         floor_us = touched * expert_bytes / copy_gbps / 1e3
-        notes.append(f"decode {t} tokens (CUDA graph): {g_us:.1f} us; reading the {touched} touched experts' "
-                     f"FP8 weights at {copy_gbps:.0f} GB/s takes {floor_us:.1f} us -> {g_us / floor_us:.2f}x")
+        notes.append(f"decode {t} tokens (CUDA graph): {g_us:.1f} us; reading the {touched} touched local experts' "
+                     f"FP8 weights at {copy_gbps:.0f} GB/s takes {floor_us:.1f} us"
+                     + (f" -> {g_us / floor_us:.2f}x" if touched else " (no local expert touched)"))
     rows.append(row("moe_layer", shape, "torch_blockwise_loop",
                     bench_us(lambda: _blockwise_layer(layer, hidden, logits)), flops, nbytes))
     rows.append(row("moe_layer", shape, "torch_bf16", bench_us(lambda: _bf16_loop(layer, bf16, hidden, logits)),

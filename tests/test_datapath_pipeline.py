@@ -133,7 +133,7 @@ def test_decode_data_path_cuda_graph_replays_with_new_routing():
         r_w, r_ids = ref.select_experts(logits, top_k, scoring_func="sigmoid", n_group=8, topk_group=4,
                                         e_score_correction_bias=bias, routed_scaling_factor=2.5)
         assert_same_bits(ids, r_ids, "topk_ids")
-        torch.testing.assert_close(weights, r_w, rtol=4 * 2.0**-24, atol=0)
+        torch.testing.assert_close(weights, r_w, rtol=2.0**-21, atol=0)  # sum order: a few ulps
         r_d = ref.dispatch_masked(r_fp8, r_scale, r_ids, e, max_m)
         assert_same_bits(masked_m, r_d[2], "masked_m")
         assert_same_bits(row_map, r_d[3], "row_map")

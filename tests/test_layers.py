@@ -412,7 +412,9 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
     for path in ("contiguous", "masked"):
         out = gpu(x.cuda(), logits.cuda(), path=path)
         assert out.isfinite().all()
-        assert calc_diff(out.cpu(), cpu(x, logits, path=path)) < 1e-5
+        # the GPU routing weights differ from the CPU ones by a few ulps (sum order), which can move an
+        # FP8 rounding of the SiLU·mul output: measured 1.7e-5; a wrong expert or scale gives > 1e-2
+        assert calc_diff(out.cpu(), cpu(x, logits, path=path)) < 1e-4
 
     static_x, static_logits = x.cuda(), logits.cuda()
     gpu(static_x, static_logits)  # warm-up: backend selection, JIT compile of every variant
