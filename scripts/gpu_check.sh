@@ -3,7 +3,8 @@
 # GPU tests, JIT timings, benchmarks. Everything lands in $OUT (the device tool brings it back);
 # commit the results under docs/benchmarks/ with the commit and device they name.
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [gemm] [grouped] [sweep]   (default: all but sweep)
+#   bash scripts/gpu_check.sh [tests] [smoke] [gemm] [grouped] [moe-data] [moe] [sweep]
+#                                                       (default: all but sweep)
 #   SWEEP="128x128b 128x112a" bash scripts/gpu_check.sh gemm sweep     (block shapes to sweep)
 #   SHAPES="4096,7168,16384 ..."                                       (gemm shapes, default table)
 # Results go to $OUT/gpu_check/ and, after every step, into one archive $OUT/gpu_check.tgz (the
@@ -17,7 +18,7 @@ pack() { tar -C "$ROOT" -czf "$ROOT/gpu_check.tgz.tmp" gpu_check && mv "$ROOT/gp
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 export MOE_FP8_CACHE_DIR=${MOE_FP8_CACHE_DIR:-/tmp/moe_fp8_cache}
-steps=${*:-tests smoke gemm grouped}
+steps=${*:-tests smoke gemm grouped moe-data moe}
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
@@ -47,4 +48,12 @@ if has gemm; then
 fi
 if has grouped && python3 -c "import moe_fp8.benchmarks.grouped" 2>/dev/null; then
   python3 -m moe_fp8.benchmarks.grouped --out-dir "$OUT" 2>&1 | tee "$OUT/bench_grouped.txt" | tail -n 40
+  pack
+fi
+if has moe-data; then
+  python3 -m moe_fp8.benchmarks.moe_data --out-dir "$OUT" 2>&1 | tee "$OUT/bench_moe-data.txt" | tail -n 40
+  pack
+fi
+if has moe; then
+  moe-fp8 bench moe --out-dir "$OUT" --no-progress 2>&1 | tee "$OUT/bench_moe.txt" | tail -n 40
 fi

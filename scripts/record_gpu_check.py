@@ -42,7 +42,10 @@ def main() -> None:
     slug = "h100" if "H100" in device else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     DOCS.mkdir(parents=True, exist_ok=True)
     date = "unknown"
-    for kind in ("gemm", "grouped"):
+    titles = {"gemm": "FP8 block-scaled GEMM", "grouped": "Grouped FP8 GEMMs (contiguous, masked)",
+              "moe-data": "MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine)",
+              "moe": "DeepSeek-V3 MoE layer (one expert-parallel rank of 8)"}
+    for kind, title in titles.items():
         src = run / f"{slug}-{kind}.json"
         if not src.exists():
             continue
@@ -51,7 +54,6 @@ def main() -> None:
         date = record["date"]
         (DOCS / src.name).write_text(json.dumps(record, indent=1) + "\n")
         table = _strip_progress((run / f"bench_{kind}.txt").read_text())
-        title = "FP8 block-scaled GEMM" if kind == "gemm" else "Grouped FP8 GEMMs (contiguous, masked)"
         (DOCS / f"{slug}-{kind}.md").write_text(
             _header(title, device, commit, date, f"bash scripts/gpu_check.sh {kind}",
                     " (timings: `triton.testing.do_bench` medians, L2 flushed)") + table)
