@@ -43,11 +43,12 @@ _FP8 = torch.float8_e4m3fn
 
 # Crossover between the two dispatch layouts: batches of at most this many tokens take the masked
 # (decode) path, larger ones the contiguous (prefill) path.
-# NOTE: a placeholder, not a measurement — to be measured on an H100 with the Hopper kernels (layer
-# time of both paths over T for DeepSeek-V3 expert shapes). The masked path pads every local expert to
-# T rows (memory and work grow with E_local·T) but never syncs with the host; the contiguous path pads
-# each expert only to 128 rows but reads the layout size on the host.
-MASKED_MAX_TOKENS = 64
+# Measured on an H100 (`moe-fp8 bench moe`, DeepSeek-V3 EP rank: 32 of 256 experts, H 7168, I 2048,
+# docs/benchmarks/h100-moe.md): the masked path was faster at every batch tried up to 2048 tokens
+# (512: 636 vs 918 us; 2048: 700 vs 986 us), because contiguous dispatch syncs with the host and its
+# scatter is slower. The masked buffers grow as E_local x T rows (at 2048 tokens ~0.5 GB of FP8
+# activations and 1 GB of bf16 GEMM output per layer call), so the switch is at 512 tokens.
+MASKED_MAX_TOKENS = 512
 
 PATHS = ("auto", "contiguous", "masked")
 
