@@ -42,7 +42,7 @@ from torch import nn
 from moe_fp8.layers.checkpoint import SCALE_SUFFIX, CheckpointReader, load_fp8_linear, load_fp8_mlp
 from moe_fp8.layers.checkpoint import load_fused_moe as _load_fused_moe
 from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape
-from moe_fp8.layers.moe import MASKED_MAX_TOKENS, Fp8FusedMoE
+from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
@@ -98,7 +98,7 @@ class Fp8DeepseekV3MoE(nn.Module):
     """
 
     def __init__(self, config: Any, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.bfloat16, masked_max_tokens: int = MASKED_MAX_TOKENS,
+                 dtype: torch.dtype = torch.bfloat16, masked_max_tokens: int | None = None,
                  path: str = "auto") -> None:
         super().__init__()
         num_experts = int(config.n_routed_experts)
@@ -219,7 +219,7 @@ def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLike, *,
-                device: torch.device | str | None = None, masked_max_tokens: int = MASKED_MAX_TOKENS,
+                device: torch.device | str | None = None, masked_max_tokens: int | None = None,
                 moe_path: str = "auto") -> LoadReport:
     """Swap a transformers ``DeepseekV3ForCausalLM``'s MoE blocks, MLPs and attention projections for moe_fp8
     layers and load every weight from a DeepSeek-V3-format checkpoint (FP8 or bf16).
@@ -318,7 +318,7 @@ def _build_meta_model(path: str | os.PathLike, dtype: torch.dtype, attn_implemen
 
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-               masked_max_tokens: int = MASKED_MAX_TOKENS, moe_path: str = "auto",
+               masked_max_tokens: int | None = None, moe_path: str = "auto",
                attn_implementation: str | None = None) -> nn.Module:
     """Build transformers' ``DeepseekV3ForCausalLM`` from ``path/config.json`` and run it on moe_fp8 layers.
 

@@ -229,7 +229,9 @@ def test_fused_moe_auto_path_crossover(monkeypatch):
     for t in (1, 4, 5):
         moe(randn((t, 128), seed=t), randn((t, 8), seed=t + 1))
     assert calls == ["_experts_masked", "_experts_masked", "_experts_contiguous"]
-    assert Fp8FusedMoE(8, 128, 128, 2).masked_max_tokens == moe_module.MASKED_MAX_TOKENS
+    assert Fp8FusedMoE(8, 128, 128, 2).masked_max_tokens == moe_module.MASKED_MAX_ROWS // 8
+    assert moe_module.default_masked_max_tokens(32) == 512  # the measured DeepSeek-V3 EP-rank case
+    assert moe_module.default_masked_max_tokens(256) == 64
     # During CUDA graph capture (simulated): always masked, and an explicit contiguous path is refused.
     monkeypatch.setattr(moe_module, "_stream_capturing", lambda t: True)
     assert moe.choose_path(10_000, torch.empty(0)) == "masked"
@@ -388,7 +390,8 @@ def test_fused_moe_refuses_bad_configs_and_inputs():
 
 def test_layers_public_names():
     for name in ("Fp8Linear", "Fp8MLP", "Fp8FusedMoE", "shard_moe_weights", "shard_fp8_linear", "load_fused_moe",
-                 "load_fp8_linear", "CheckpointReader", "write_deepseek_v3_checkpoint", "MASKED_MAX_TOKENS"):
+                 "load_fp8_linear", "CheckpointReader", "write_deepseek_v3_checkpoint", "MASKED_MAX_ROWS",
+                 "default_masked_max_tokens"):
         assert name in layers.__all__ and hasattr(layers, name)
 
 

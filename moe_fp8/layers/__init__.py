@@ -21,12 +21,12 @@ from moe_fp8.layers.checkpoint import (
 )
 from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked
 from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape
-from moe_fp8.layers.moe import MASKED_MAX_TOKENS, Fp8FusedMoE
+from moe_fp8.layers.moe import MASKED_MAX_ROWS, Fp8FusedMoE, default_masked_max_tokens
 from moe_fp8.layers.parallel import expert_map_for_rank, shard_fp8_linear, shard_moe_weights, tp_shard_range
 from moe_fp8.layers.routing import select_experts
 
 __all__ = [
-    "MASKED_MAX_TOKENS",
+    "MASKED_MAX_ROWS",
     "CheckpointReader",
     "Fp8FusedMoE",
     "Fp8Linear",
@@ -34,6 +34,7 @@ __all__ = [
     "check_fp8_linear_shape",
     "combine",
     "deepseek_v3_tensor_specs",
+    "default_masked_max_tokens",
     "dispatch_contiguous",
     "dispatch_masked",
     "expert_map_for_rank",

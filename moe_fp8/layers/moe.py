@@ -36,19 +36,26 @@ from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
-__all__ = ["MASKED_MAX_TOKENS", "PATHS", "Fp8FusedMoE"]
+__all__ = ["MASKED_MAX_ROWS", "PATHS", "Fp8FusedMoE", "default_masked_max_tokens"]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
 
-# Crossover between the two dispatch layouts: batches of at most this many tokens take the masked
-# (decode) path, larger ones the contiguous (prefill) path.
+# Crossover between the two dispatch layouts, as a bound on the masked buffer's rows (E_local x T):
+# batches of at most max(64, MASKED_MAX_ROWS // E_local) tokens take the masked (decode) path, larger
+# ones the contiguous (prefill) path.
 # Measured on an H100 (`moe-fp8 bench moe`, DeepSeek-V3 EP rank: 32 of 256 experts, H 7168, I 2048,
 # docs/benchmarks/h100-moe.md): the masked path was faster at every batch tried up to 2048 tokens
 # (512: 636 vs 918 us; 2048: 700 vs 986 us), because contiguous dispatch syncs with the host and its
-# scatter is slower. The masked buffers grow as E_local x T rows (at 2048 tokens ~0.5 GB of FP8
-# activations and 1 GB of bf16 GEMM output per layer call), so the switch is at 512 tokens.
-MASKED_MAX_TOKENS = 512
+# scatter is slower. But the masked buffers grow as E_local x T rows (FP8 activations plus a bf16 GEMM
+# output of 2I columns per row), so the switch bounds them: 16384 rows is 512 tokens at 32 local experts
+# (the measured case), 64 tokens with all 256 experts on one GPU.
+MASKED_MAX_ROWS = 16384
+
+
+def default_masked_max_tokens(num_local_experts: int) -> int:
+    """Largest batch ``path="auto"`` sends down the masked path when ``masked_max_tokens`` is not given."""
+    return max(64, MASKED_MAX_ROWS // max(num_local_experts, 1))
 
 PATHS = ("auto", "contiguous", "masked")
 
@@ -95,7 +102,8 @@ class Fp8FusedMoE(nn.Module):
             give it explicitly when the shared experts are sharded differently).
         expert_map: optional global → local map ``[E]`` (tensor or ints): the experts of this rank get local
             ids ``0..E_local-1``, the others -1.
-        masked_max_tokens: batches of at most this many tokens take the masked path under ``path="auto"``.
+        masked_max_tokens: batches of at most this many tokens take the masked path under ``path="auto"``
+            (default ``default_masked_max_tokens(E_local)``, measured; see ``MASKED_MAX_ROWS``).
         device: where to allocate the parameters (``"meta"`` allocates nothing).
 
     Parameters (DeepSeek-V3 names, stacked over local experts):
@@ -112,13 +120,13 @@ class Fp8FusedMoE(nn.Module):
                  use_correction_bias: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None,
                  expert_map: Tensor | Sequence[int] | None = None,
-                 masked_max_tokens: int = MASKED_MAX_TOKENS,
+                 masked_max_tokens: int | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_experts", num_experts, 1), ("hidden_size", hidden_size, 1),
                                      ("intermediate_size", intermediate_size, 1), ("top_k", top_k, 1),
                                      ("num_shared_experts", num_shared_experts, 0),
-                                     ("masked_max_tokens", masked_max_tokens, 0)):
+                                     ("masked_max_tokens", 0 if masked_max_tokens is None else masked_max_tokens, 0)):
             if not _is_int(value) or value < minimum:
                 raise ValueError(f"Fp8FusedMoE: {name} must be an int >= {minimum}, got {value!r}")
         if hidden_size % K_ALIGN != 0:
@@ -146,7 +154,6 @@ class Fp8FusedMoE(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.masked_max_tokens = masked_max_tokens
 
         self._expert_map_host = _parse_expert_map(expert_map, num_experts)
         if self._expert_map_host is None:
@@ -156,6 +163,8 @@ class Fp8FusedMoE(nn.Module):
             self.num_local_experts = sum(v >= 0 for v in self._expert_map_host)
             self.register_buffer("expert_map", torch.tensor(self._expert_map_host, dtype=torch.int32,
                                                             device=device), persistent=False)
+        self.masked_max_tokens = (default_masked_max_tokens(self.num_local_experts) if masked_max_tokens is None
+                                  else masked_max_tokens)
 
         e, h, i = self.num_local_experts, hidden_size, intermediate_size
         hb, ib = ceil_div(h, GROUP_K), i // GROUP_K
