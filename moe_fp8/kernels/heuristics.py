@@ -6,7 +6,8 @@ the configuration chosen for it, once.
 Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurements):
 - every CTA walks its tiles' 128-K blocks at ~``250 + BLOCK_M + BLOCK_N`` ns per block — the load
   pipeline, not the tensor cores, sets this rate (the kernel with its wgmmas removed runs at the
-  same speed), so small tiles are not much cheaper per block than large ones;
+  same speed), so small tiles are not much cheaper per block than large ones; only the 128x256
+  tile is bound by its math (~870 ns per block: wgmma plus promotion of 2 x 128 x 256 x 128 FLOP);
 - but a wave is never faster than DRAM can deliver the distinct A rows and B columns its tiles
   touch per 128-K block (the swizzled order keeps them to a band of ``SWIZZLE_GROUP_M`` m-blocks) at
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
@@ -35,12 +36,21 @@ MAX_SMEM_BYTES = 232448  # 227 KiB of opt-in dynamic shared memory per block on 
 BARRIER_BYTES = 8
 K_BLOCK_BASE_NS = 250.0  # per 128-K block of one CTA: fixed part ...
 K_BLOCK_NS_PER_ROW = 1.0  # ... plus this per row of A and B in the tile
+MMA_NS_PER_ELEM = 870.0 / (128 * 256)  # ... but never below the tensor-core + promotion rate (128x256)
 TILE_FIXED_NS = 200.0  # epilogue and pipeline refill per tile
 DRAM_BYTES_PER_NS = 2900.0
+# CTAs of one wave reading the same A rows (small M: all of them) share L2 lines: together they are
+# fed at ~3.9 KB/ns (64x56 tiles on 128 CTAs: 495 ns per block; 64x128 on 56 CTAs: 457 ns).
+SHARED_A_BYTES_PER_NS = 3900.0
+# A one-warpgroup tile straddling weight-scale blocks pays a column select in its promotion:
+# ~100 ns per block (64x112: 533 vs 64x128: 464 ns), twice that when the split takes > 8 values.
+STRADDLE_NS = 100.0
+# Masked layout: expected_m is typical, not exact; the estimate averages these multiples of its m-blocks.
+MASKED_SPREAD = (0.75, 1.0, 1.25)
 SWIZZLE_GROUP_M = 16
 TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
-BLOCK_NS = tuple(range(16, 161, 8))
+BLOCK_NS = (*range(16, 161, 8), 256)  # 256: two 128-column waves per smem stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +101,7 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int) -> int:
 
 
 def straddle_ok(block_n: int) -> bool:
-    """A tile may touch at most two 128-column weight-scale blocks."""
+    """A tile (or each 128-column wave of a 256-wide one) touches at most two weight-scale blocks."""
     return block_n <= 128 + math.gcd(block_n, 128)
 
 
@@ -119,15 +129,30 @@ def num_tiles(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1, on
 def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
                 on_a: bool = False) -> tuple[float, int]:
     """Model time and tile count of one candidate (see the module docstring)."""
+    if desc.layout == "masked" and desc.expected_m:
+        # spread in whole m-blocks, so the choice depends on rows only via ceil(rows / block_m)
+        # (what representative_rows relies on)
+        m_blocks = ceil_div(desc.expected_m, block_m)
+        runs = [_estimate_ns(dataclasses.replace(desc, expected_m=block_m * max(1, math.ceil(f * m_blocks))),
+                             block_m, block_n, multicast, on_a) for f in MASKED_SPREAD]
+        return sum(ns for ns, _ in runs) / len(runs), num_tiles(desc, block_m, block_n, multicast, on_a)
+    return _estimate_ns(desc, block_m, block_n, multicast, on_a)
+
+
+def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
+                 on_a: bool = False) -> tuple[float, int]:
     tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     m_blocks = ceil_div(_rows_per_group(desc), block_m)
     k_blocks = ceil_div(desc.k, BLOCK_K)
-    k_block_ns = K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n)
+    k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n), MMA_NS_PER_ELEM * block_m * block_n)
+    if block_m == 64 and 128 % block_n and block_n % 128:
+        k_block_ns += STRADDLE_NS * (1 if math.gcd(block_n, 128) >= 16 else 2)
 
     def wave_ns(active: int) -> float:
         band = min(m_blocks, SWIZZLE_GROUP_M, active)
         dram_ns = (band * block_m + ceil_div(active, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
-        return k_blocks * max(k_block_ns, dram_ns) + TILE_FIXED_NS
+        shared_a_ns = active / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
+        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS
 
     full, last = divmod(max(tiles, 1), desc.num_sms)
     return full * wave_ns(desc.num_sms) + (wave_ns(last) if last else 0.0), tiles
@@ -138,8 +163,8 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
-    - block_m 128 with a block_n that straddles weight-scale blocks (128 % block_n != 0): measured
-      slow (the select per column chunk competes with the promotion for the 168 registers);
+    - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
+      128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
     - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it).
     """
@@ -153,7 +178,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
                 continue
-            if bm == 128 and 128 % bn:
+            if bm == 128 and 128 % bn and bn % 128:
                 continue
             out.append((bm, bn, 1, False))
     return out

@@ -99,25 +99,30 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
     constexpr uint32_t kNumNScales = ceil_div(SHAPE_N, 128u);
-    constexpr uint32_t kNumAccum = BLOCK_N / 2;
-    // A tile may straddle two 128-wide B-scale blocks when BLOCK_N does not divide 128; three
-    // never happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
-    constexpr bool kMayStraddle = 128 % BLOCK_N != 0;
+    // BLOCK_N = 256 runs as two 128-column waves over one smem stage: each wave is a
+    // wgmma -> wait -> promote round on one 64-register accumulator set, so a 128x256 tile holds
+    // 128 running totals + 64 accumulators per thread and loads 25% fewer bytes per FLOP than 128x128.
+    constexpr uint32_t kWaveN = BLOCK_N == 256 ? 128 : BLOCK_N;
+    constexpr uint32_t kNumWaves = BLOCK_N / kWaveN;
+    constexpr uint32_t kNumAccum = BLOCK_N / 2;      // running totals (the whole tile's D fragment)
+    constexpr uint32_t kWaveAccum = kWaveN / 2;      // wgmma accumulators of one wave
+    // A wave may straddle two 128-wide B-scale blocks when it does not divide 128; three never
+    // happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
+    constexpr bool kMayStraddle = 128 % kWaveN != 0;
     constexpr uint32_t kMulticast = Scheduler::kMulticast;  // CTAs per cluster sharing one operand
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
-    // NOTE: ptxas allocates every thread of the kernel within the launch-bounds cap, 65536 / threads
-    // (168 with two math warpgroups, 232 = the setmaxnreg value with one), whatever setmaxnreg grants
-    // later. A second accumulator set (3 x BLOCK_N/2 live floats) only fits under the larger cap, so
-    // the overlapped mainloop is the one-math-warpgroup (BLOCK_M = 64, small-M) path; with two math
-    // warpgroups one promotes while the other's wgmmas run.
-    constexpr uint32_t kRegCap = constexpr_min(232u, (65536u / ((kNumMathWGs + 1) * 128)) & ~7u);
-    constexpr bool kOverlap = 3 * kNumAccum + 72 <= kRegCap;  // 72: addresses, scales, loop state
+    // NOTE: ptxas allocates the math warpgroups' code within the setmaxnreg value (232; the SASS of
+    // the two-warpgroup kernels uses up to R229), not the launch-bounds cap of 65536 / threads. A
+    // second accumulator set (overlapping wgmma with promotion inside one warpgroup) costs
+    // 3 x BLOCK_N/2 live floats: measured to spill at 128x128, so it is the one-math-warpgroup
+    // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
+    constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 72 <= 232;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
-    static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8 up to 256");
+    static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8, tiles up to 256");
     static_assert(BLOCK_N <= 128 + constexpr_gcd(BLOCK_N, 128u), "a tile may touch at most two B-scale blocks");
     static_assert(SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "16-byte rows for TMA and stores");
     static_assert(kSmemBytes >= Smem::kTotal, "host shared-memory size disagrees with the kernel layout");
@@ -198,52 +203,58 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 
     while (scheduler.next(tile)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
-        // (a multicast partner tile past N reads the last scale block: its columns are never stored)
-        const float* tile_w_scale =
-            w_scale + (tile.group * kNumNScales + min(n0 / 128, kNumNScales - 1)) * kNumKBlocks;
-        // a tile straddling two weight-scale blocks needs both scales of each k-block
+        // The tile's first weight-scale block, and the second one: a straddling wave's upper columns
+        // or the second wave's. Both clamped: a multicast partner tile past N, or N's last tile whose
+        // second wave lies past N, reads the last block (those columns are never stored).
+        const uint32_t sb0 = min(n0 / 128, kNumNScales - 1);
+        const float* tile_w_scale = w_scale + (tile.group * kNumNScales + sb0) * kNumKBlocks;
+        const float* tile_w_scale_hi =
+            w_scale + (tile.group * kNumNScales + min(sb0 + 1, kNumNScales - 1)) * kNumKBlocks;
         const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
-        const bool straddles = kMayStraddle && split < BLOCK_N;
+        const bool two_blocks = kNumWaves == 2 || (kMayStraddle && split < BLOCK_N);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) total[i] = 0.0f;
 
         // NOTE: B scales come from global memory (tiny, L2-resident, but ~600 cycles away). A load
         // consumed in the same iteration stalled every 128-K block by that latency (~460 ns/block
-        // measured, even with the wgmmas removed), so each block's B scales are loaded one issue
+        // measured, even with the wgmmas removed), so each block's B scales are loaded one block
         // earlier; only the first block of a tile waits.
         // k-block of the i-th issue (the producer walks K in the same order)
         auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
         float b_lo_next = ptx::ldg_f32(tile_w_scale + k_block(0));
-        float b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + k_block(0)) : b_lo_next;
+        float b_hi_next = two_blocks ? ptx::ldg_f32(tile_w_scale_hi + k_block(0)) : b_lo_next;
 
-        // Wait for the i-th block's slot, read its scales, issue its four K=32 wgmmas into `acc`.
-        auto issue = [&](uint32_t i, float* acc, BlockScales& sc) {
+        // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
+        auto acquire = [&](uint32_t i, BlockScales& sc) {
             sc.b_lo = b_lo_next;
             sc.b_hi = b_hi_next;
             if (i + 1 < kNumKBlocks) {
                 const uint32_t kb_next = k_block(i + 1);
                 b_lo_next = ptx::ldg_f32(tile_w_scale + kb_next);
-                b_hi_next = straddles ? ptx::ldg_f32(tile_w_scale + kNumKBlocks + kb_next) : b_lo_next;
+                b_hi_next = two_blocks ? ptx::ldg_f32(tile_w_scale_hi + kb_next) : b_lo_next;
             }
             ptx::mbar_wait(&full_bar[stage], phase);
             sc.a_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);
             sc.a_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
+        };
+        // Issue wave w's four K=32 wgmmas on the acquired slot into `acc`.
+        auto mma_wave = [&](uint32_t w, float* acc) {
             const uint64_t desc_a = mma::advance_desc(desc_a0, stage * Smem::kABytes);
-            const uint64_t desc_b = mma::advance_desc(desc_b0, stage * Smem::kBBytes);
+            const uint64_t desc_b = mma::advance_desc(desc_b0, stage * Smem::kBBytes + w * kWaveN * kBlockK);
 #pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
+            for (uint32_t i = 0; i < kWaveAccum; ++i) mma::fence_operand(acc[i]);
             mma::wgmma_fence();
 #pragma unroll
             for (uint32_t k = 0; k < kBlockK / kWgmmaK; ++k)
-                WgmmaFp8<BLOCK_N>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
-                                       acc, k > 0);
+                WgmmaFp8<kWaveN>::mma(mma::advance_desc(desc_a, k * kWgmmaK), mma::advance_desc(desc_b, k * kWgmmaK),
+                                      acc, k > 0);
             mma::wgmma_commit();
+        };
+        auto next_stage = [&]() {
             if (++stage == kNumStages) stage = 0, phase ^= 1;
         };
-        // The oldest issued block's wgmmas are complete: hand its slot back, then total += acc · x_scale · w_scale.
-        auto retire = [&](float* acc, const BlockScales& sc) {
-#pragma unroll
-            for (uint32_t i = 0; i < kNumAccum; ++i) mma::fence_operand(acc[i]);
+        // The oldest acquired slot's wgmmas are complete: hand it back (in acquire order).
+        auto release = [&]() {
             __syncwarp();
             if (lane == 0) {
                 if constexpr (kMulticast > 1) {
@@ -254,13 +265,32 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 }
             }
             if (++release_stage == kNumStages) release_stage = 0;
-            promote<BLOCK_N>(total, acc, sc, n0);
+        };
+        // total[wave w's columns] += acc · x_scale · w_scale (wave 1 of a 256-wide tile: the second block).
+        auto promote_wave = [&](uint32_t w, const float* acc, const BlockScales& sc) {
+            if constexpr (kNumWaves == 1) {
+                promote<BLOCK_N>(total, acc, sc, n0);
+            } else {
+                const float b = w == 0 ? sc.b_lo : sc.b_hi;
+                promote<kWaveN>(total + w * kWaveAccum, acc, BlockScales{sc.a_top, sc.a_bot, b, b}, n0 + w * kWaveN);
+            }
         };
         if constexpr (kOverlap) {
             // Two accumulator sets: block kb+1's wgmmas run on the tensor cores while block kb is
             // promoted on the CUDA cores (wait_group 1 = everything but the newest group is done).
-            float acc0[kNumAccum], acc1[kNumAccum];
+            float acc0[kWaveAccum], acc1[kWaveAccum];
             BlockScales sc0, sc1;
+            auto issue = [&](uint32_t i, float* acc, BlockScales& sc) {
+                acquire(i, sc);
+                mma_wave(0, acc);
+                next_stage();
+            };
+            auto retire = [&](float* acc, const BlockScales& sc) {
+#pragma unroll
+                for (uint32_t i = 0; i < kWaveAccum; ++i) mma::fence_operand(acc[i]);
+                release();
+                promote_wave(0, acc, sc);
+            };
             issue(0, acc0, sc0);
             for (uint32_t kb = 0; kb < kNumKBlocks; kb += 2) {
                 if (kb + 1 < kNumKBlocks) {
@@ -281,12 +311,20 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 }
             }
         } else {
-            float acc[kNumAccum];
+            float acc[kWaveAccum];
             BlockScales sc;
             for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
-                issue(kb, acc, sc);
-                mma::wgmma_wait<0>();
-                retire(acc, sc);
+                acquire(kb, sc);
+#pragma unroll
+                for (uint32_t w = 0; w < kNumWaves; ++w) {
+                    mma_wave(w, acc);
+                    mma::wgmma_wait<0>();
+#pragma unroll
+                    for (uint32_t i = 0; i < kWaveAccum; ++i) mma::fence_operand(acc[i]);
+                    if (w + 1 == kNumWaves) release();
+                    promote_wave(w, acc, sc);
+                }
+                next_stage();
             }
         }
 
