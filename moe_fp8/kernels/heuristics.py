@@ -50,7 +50,8 @@ MASKED_SPREAD = (0.75, 1.0, 1.25)
 SWIZZLE_GROUP_M = 16
 TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
-BLOCK_NS = (*range(16, 161, 8), 256)  # 256: two 128-column waves per smem stage
+BLOCK_NS = (*range(16, 161, 8), 192, 256)  # 192 / 256: two 96 / 128-column waves per smem stage
+WAVE_BLOCK_NS = (192, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
                 continue
-            if bm == 128 and 128 % bn and bn % 128:
+            if bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS:
                 continue
             out.append((bm, bn, 1, False))
     return out
@@ -188,7 +189,8 @@ def make_config(block_m: int, block_n: int, num_sms: int, num_stages: int | None
                 multicast_on_a: bool = False, swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps); stages default to
     as many as fit."""
-    if block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n):
+    if (block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n)
+            or (block_n > 160 and block_n not in WAVE_BLOCK_NS)):
         raise ValueError(f"unsupported block shape {block_m}x{block_n}")
     if multicast not in (1, 2) or (multicast == 2 and (block_m if multicast_on_a else block_n) % 16):
         raise ValueError(f"unsupported multicast {multicast} (on {'A' if multicast_on_a else 'B'}) "

@@ -99,10 +99,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
     constexpr uint32_t kNumNScales = ceil_div(SHAPE_N, 128u);
-    // BLOCK_N = 256 runs as two 128-column waves over one smem stage: each wave is a
-    // wgmma -> wait -> promote round on one 64-register accumulator set, so a 128x256 tile holds
-    // 128 running totals + 64 accumulators per thread and loads 25% fewer bytes per FLOP than 128x128.
-    constexpr uint32_t kWaveN = BLOCK_N == 256 ? 128 : BLOCK_N;
+    // BLOCK_N = 256 (192) runs as two 128 (96)-column waves over one smem stage: each wave is a
+    // wgmma -> wait -> promote round on one accumulator set, so a 128x256 tile holds 128 running
+    // totals + 64 accumulators per thread and loads 25% fewer bytes per FLOP than 128x128.
+    constexpr uint32_t kWaveN = BLOCK_N == 256 ? 128 : BLOCK_N == 192 ? 96 : BLOCK_N;
     constexpr uint32_t kNumWaves = BLOCK_N / kWaveN;
     constexpr uint32_t kNumAccum = BLOCK_N / 2;      // running totals (the whole tile's D fragment)
     constexpr uint32_t kWaveAccum = kWaveN / 2;      // wgmma accumulators of one wave
@@ -266,13 +266,26 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             }
             if (++release_stage == kNumStages) release_stage = 0;
         };
-        // total[wave w's columns] += acc · x_scale · w_scale (wave 1 of a 256-wide tile: the second block).
+        // total[wave w's columns] += acc · x_scale · w_scale. Waves of 128 lie in one scale block each
+        // (the second wave in the next). A 192-wide tile starts on a multiple of 64: its two 96-column
+        // waves split at 96|- and 32|64 columns (tile on a block boundary) or 64|32 and -|96 (off it),
+        // each a compile-time split of promote_split.
         auto promote_wave = [&](uint32_t w, const float* acc, const BlockScales& sc) {
             if constexpr (kNumWaves == 1) {
                 promote<BLOCK_N>(total, acc, sc, n0);
-            } else {
+            } else if constexpr (kWaveN == 128) {
                 const float b = w == 0 ? sc.b_lo : sc.b_hi;
-                promote<kWaveN>(total + w * kWaveAccum, acc, BlockScales{sc.a_top, sc.a_bot, b, b}, n0 + w * kWaveN);
+                promote_split<128>(total + w * kWaveAccum, acc, BlockScales{sc.a_top, sc.a_bot, b, b}, 128);
+            } else {
+                static_assert(BLOCK_N == 192, "two-wave tiles are 192 or 256 wide");
+                const bool on_boundary = n0 % 128 == 0;
+                if (w == 0) {
+                    if (on_boundary) promote_split<96>(total, acc, sc, 96);
+                    else promote_split<96>(total, acc, sc, 64);
+                } else {
+                    if (on_boundary) promote_split<96>(total + kWaveAccum, acc, sc, 32);
+                    else promote_split<96>(total + kWaveAccum, acc, sc, 0);
+                }
             }
         };
         if constexpr (kOverlap) {
