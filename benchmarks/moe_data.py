@@ -5,7 +5,8 @@ bytes (``torch_copy``, the bandwidth ceiling) and against ``moe_fp8.reference`` 
 
 ``python -m moe_fp8.benchmarks.moe_data --out-dir DIR`` writes ``DIR/<device>-moe-data.json`` (DESIGN §7
 rows; ``gbps`` counts the bytes the op must read and write once) and ``DIR/<device>-moe-data.md``.
-Every row of ours is also checked bit for bit against the reference once; a mismatch is reported.
+Every row of ours is also checked against the reference once (bit for bit; SiLU·mul+quant within its
+documented tolerance); a mismatch is reported.
 """
 
 from __future__ import annotations
@@ -90,6 +91,26 @@ def _check_all(masks: dict[int, torch.Tensor] | None = None) -> Callable[[Any, A
     return check
 
 
+def _silu_close(masks: dict[int, torch.Tensor] | None = None) -> Callable[[Any, Any], str | None]:
+    """The FP32 SiLU·mul+quant against the float64 reference (docs/kernels/datapath.md): NaN scales
+    alike, finite scales to 2**-18 relative, at most 1e-4 of the FP8 codes different."""
+    def check(got: Any, want: Any) -> str | None:
+        (q, s), (rq, rs) = got, want
+        m = (masks or {}).get(0)
+        if m is not None:
+            q, s, rq, rs = q[m], s[m], rq[m], rs[m]
+        if not torch.equal(torch.isnan(s), torch.isnan(rs)):
+            return "NaN scales differ from the reference"
+        fin = torch.isfinite(rs)
+        if fin.any() and not bool(((s[fin] - rs[fin]).abs() <= 2.0**-18 * rs[fin]).all()):
+            return "scales differ from the reference beyond 2**-18 relative"
+        bad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+        if bad > max(2, q.numel() // 10000):
+            return f"{bad} of {q.numel()} FP8 codes differ from the reference"
+        return None
+    return check
+
+
 def _scale_bytes(rows: int, cols: int) -> int:
     return rows * ((cols + 127) // 128) * 4
 
@@ -123,7 +144,7 @@ def silu_cases() -> list[Case]:
         cases.append(Case("silu_mul_quant", {"m": m, "two_i": two_i, "groups": 1, "max_m": m},
                           m * two_i * 2 + m * two_i // 2 + _scale_bytes(m, two_i // 2),
                           lambda h=h: moe_fp8.quant.silu_mul_per_token_group(h),
-                          lambda h=h: ref.silu_mul_per_token_group_quant(h), _check_all()))
+                          lambda h=h: ref.silu_mul_per_token_group_quant(h), _silu_close()))
     for g, max_m, two_i, pairs in SILU_MASKED:
         sizes = [min(s, max_m) for s in draw_group_sizes(g, pairs // g, seed=g)]
         masked_m = torch.tensor(sizes, dtype=torch.int32, device=DEV)
@@ -134,7 +155,7 @@ def silu_cases() -> list[Case]:
                           rows * two_i * 2 + rows * two_i // 2 + _scale_bytes(rows, two_i // 2),
                           lambda h=h, mm=masked_m: moe_fp8.quant.silu_mul_per_token_group(h, masked_m=mm),
                           lambda h=h, mm=masked_m: ref.silu_mul_per_token_group_quant(h, masked_m=mm),
-                          _check_all({0: valid, 1: valid})))
+                          _silu_close({0: valid})))
     return cases
 
 
@@ -324,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant_tile:
         from moe_fp8.kernels.triton import configs
 
-        configs.QUANT_TILE_ELEMS = args.quant_tile
+        configs.QUANT_TILE_ELEMS = configs.QUANT_SILU_TILE_ELEMS = args.quant_tile
+        configs.quant_config.cache_clear()
     used = backends_used()
     ceilings = measure_ceilings() if not args.smoke else {"copy_gbps": 1.0}
     makers = {"quant": quant_cases, "silu_mul_quant": silu_cases, "routing": routing_cases,

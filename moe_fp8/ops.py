@@ -27,7 +27,8 @@ Three layers per op:
    select_experts                    fn(logits, top_k, scoring_func, renormalize, n_group,
                                         topk_group, e_score_correction_bias, routed_scaling_factor)
                                         -> (topk_weights f32, topk_ids i32)
-   dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+   dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
+                                        *, sync=True)
                                         -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64)
    dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
@@ -137,6 +138,25 @@ def _ref_dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_e
     return reference.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
 
 
+def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
+                             expert_map: Tensor | None, align_m: int, *, sync: bool = True
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = reference.dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+    if sync:
+        return out
+    # sync=False: the same layout padded to the documented upper bound (padding rows m_indices = -1)
+    t, top_k = topk_ids.shape
+    rows = ceil_div(t * top_k + num_experts * (align_m - 1), align_m) * align_m
+    a, a_scale, m_indices, row_map = out
+    extra = rows - a.shape[0]
+    a = torch.cat([a, torch.zeros((extra, a.shape[1]), dtype=a.dtype, device=a.device)])
+    scale = empty_scale_tma(rows, a_scale.shape[1], device=a.device)
+    scale.fill_(1.0)
+    scale[: a_scale.shape[0]] = a_scale
+    m_indices = torch.cat([m_indices, m_indices.new_full((extra,), -1)])
+    return a, scale, m_indices, row_map
+
+
 _REFERENCE_IMPLS = {
     "fp8_gemm": _ref_fp8_gemm,
     "fp8_grouped_gemm_contiguous": _ref_grouped_contiguous,
@@ -145,7 +165,7 @@ _REFERENCE_IMPLS = {
     "per_block_quant": _ref_per_block_quant,
     "silu_mul_per_token_group_quant": _ref_silu_mul_quant,
     "select_experts": _ref_select_experts,
-    "dispatch_contiguous": reference.dispatch_contiguous,
+    "dispatch_contiguous": _ref_dispatch_contiguous,
     "dispatch_masked": _ref_dispatch_masked,
     "combine": reference.combine,
 }
@@ -501,10 +521,12 @@ def select_experts(router_logits: Tensor, top_k: int, *, scoring_func: str = "so
 # ============================================================================================
 
 def _dispatch_contiguous_eager_only(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
-                                    expert_map: Tensor | None, align_m: int
+                                    expert_map: Tensor | None, align_m: int, sync: bool = True
                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return backends.select("dispatch_contiguous", x_fp8.device)[1](
-        x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+    fn = backends.select("dispatch_contiguous", x_fp8.device)[1]
+    if sync:  # the plain calling convention (any backend)
+        return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+    return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=False)
 
 
 # Hidden from dynamo: a graph break under torch.compile, an error naming this function under
@@ -515,7 +537,7 @@ _dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(_di
 
 def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
                         expert_map: Tensor | None = None,
-                        align_m: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        align_m: int | None = None, *, sync: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Scatter token copies into the contiguous grouped layout (prefill). Not a custom op (see module doc).
 
     Args:
@@ -530,14 +552,21 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
     outputs), each expert's segment padded to ``align_m`` rows, padding rows ``m_indices = -1``.
     ``row_map[t, j]`` = row of token t's j-th copy, -1 if not local. Inputs feed
     ``fp8_grouped_gemm_contiguous``; ``row_map`` feeds ``combine``.
+
+    ``sync=False``: no host sync. ``M_total`` is replaced by the upper bound
+    ``align(T·top_k + E·(align_m − 1), align_m)`` (each segment pads fewer than ``align_m`` rows); the
+    rows past the real ``M_total`` are padding (``m_indices = -1``, contents unspecified), so the
+    results still feed ``fp8_grouped_gemm_contiguous`` and ``combine`` unchanged. Invalid ids are then
+    not local (as in ``dispatch_masked``) instead of a ``ValueError``.
     """
     V.check_dispatch(x_fp8, x_scale, topk_ids, num_experts, expert_map)
     if align_m is None:
         align_m = get_align_m()
     V.check_int("align_m", align_m, min_value=1)
+    V.check_bool("sync", sync)
     if _compiling():
-        return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
-    return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+        return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
+    return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
 
 
 def _alloc_dispatch_masked(t: int, top_k: int, k: int, num_experts: int, max_m: int, device: torch.device

@@ -13,6 +13,8 @@ import functools
 import pytest
 import torch
 
+from moe_fp8.utils import is_scale_tma_layout
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -76,3 +78,46 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         idx = bad.nonzero()[:5].tolist()
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} differ, first at {idx}: "
                              f"got {got[bad][:5].tolist()}, want {want[bad][:5].tolist()}")
+
+
+def _diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DESIGN §6: ``1 - 2·Σxy / Σ(x² + y²)`` in float64."""
+    x, y = x.double(), y.double()
+    den = (x * x + y * y).sum()
+    return 0.0 if den == 0 else float(1 - 2 * (x * y).sum() / den)
+
+
+def check_silu_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                     group_size: int = 128, rows_mask: torch.Tensor | None = None,
+                     max_code_frac: float = 1e-4) -> None:
+    """The FP32 SiLU path against the float64 reference (docs/kernels/datapath.md, "SiLU numerics")."""
+    q, s = got
+    rq, rs = want
+    assert is_scale_tma_layout(s) and s.stride() == rs.stride()
+    if rows_mask is not None:
+        q, rq, s, rs = q[rows_mask], rq[rows_mask], s[rows_mask], rs[rows_mask]
+    s, rs = s.reshape(-1, s.shape[-1]).float(), rs.reshape(-1, rs.shape[-1]).float()
+    # scales: NaN / Inf exactly where the reference has them, finite ones to 2**-18 relative
+    assert torch.equal(torch.isnan(s), torch.isnan(rs)), "NaN scales differ"
+    fin = torch.isfinite(rs)
+    assert torch.equal(s[~fin & ~torch.isnan(rs)], rs[~fin & ~torch.isnan(rs)]), "Inf scales differ"
+    rel = ((s[fin] - rs[fin]).abs() / rs[fin]).max() if fin.any() else torch.tensor(0.0)
+    pow2_jump = (s[fin] / rs[fin]).log2().abs().eq(1.0)  # ue8m0: amax an ulp across a power of two
+    close = ((s[fin] - rs[fin]).abs() <= 2.0**-18 * rs[fin]) | pow2_jump
+    assert close.all() and int(pow2_jump.sum()) <= max(1, fin.sum() // 1000), f"scales: max rel {float(rel)}"
+    # codes: identical but for rare one-step differences (same sign, adjacent magnitudes)
+    qb, rqb = q.reshape(-1, q.shape[-1]).view(torch.uint8).int(), rq.reshape(-1, rq.shape[-1]).view(torch.uint8).int()
+    bad = qb != rqb
+    n_bad = int(bad.sum())
+    assert n_bad <= max(2, int(max_code_frac * qb.numel())), f"{n_bad} of {qb.numel()} FP8 codes differ"
+    if n_bad:
+        a, b = qb[bad], rqb[bad]
+        one_step = ((a & 0x80) == (b & 0x80)) & ((a & 0x7F) - (b & 0x7F)).abs().eq(1)
+        assert one_step.all(), f"codes differ by more than one step: {a[~one_step][:5].tolist()} vs " \
+                               f"{b[~one_step][:5].tolist()}"
+    # dequantized values (finite groups): DESIGN §6 diff
+    expand = torch.repeat_interleave(torch.arange(s.shape[-1], device=s.device), group_size)[: qb.shape[-1]]
+    deq = q.reshape(qb.shape).float() * s[:, expand]
+    rdeq = rq.reshape(qb.shape).float() * rs[:, expand]
+    ok = torch.isfinite(rdeq).all(dim=1) & torch.isfinite(deq).all(dim=1)
+    assert _diff(deq[ok], rdeq[ok]) < 1e-5

@@ -52,3 +52,15 @@ def test_dispatch_and_combine_configs():
     assert C.dispatch_config(3, 2, 16, 5).block_k == 16  # small rows: one column block
     c = C.combine_config(128, 7168)
     assert c.block_h == 1024 and is_pow2(c.block_t)
+
+
+def test_dispatch_routes_decode_in_one_program_and_prefill_in_chunks():
+    assert C.dispatch_config(128, 8, 7168, 256).single_program  # DeepSeek-V3 decode step: one launch
+    assert not C.dispatch_config(16384, 8, 7168, 256).single_program
+    assert not C.dispatch_config(128, 8, 7168, 256, single_program=False).single_program
+
+
+def test_routing_config_keeps_a_decode_token_in_one_warp():
+    cfg = C.routing_config(128, 256, 8, 8, num_sms=132)
+    assert cfg.block_t == 1 and cfg.num_warps == 1
+    assert C.routing_config(128, 256, 8, 8, num_sms=132, block_t=4, num_warps=4) == C.RoutingConfig(4, 8, 32, 8, 4)

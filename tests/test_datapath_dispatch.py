@@ -18,6 +18,7 @@ from moe_fp8.utils import empty_scale_tma, is_scale_tma_layout
 triton = pytest.importorskip("triton")
 
 from moe_fp8.kernels.triton import dispatch  # noqa: E402  (after the importorskip)
+from moe_fp8.kernels.triton.configs import dispatch_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -66,16 +67,49 @@ DISPATCH_CASES = [  # tokens, hidden, global experts, local experts (None: no ma
 ]
 
 
+def check_contiguous_bound(got, want, align_m: int) -> None:
+    """``sync=False``: the exact layout in the first ``M_total`` rows, padding (-1) after them."""
+    out, out_scale, m_indices, row_map = got
+    m_total = want[2].shape[0]
+    assert out.shape[0] == m_indices.shape[0] >= m_total and out.shape[0] % align_m == 0
+    assert is_scale_tma_layout(out_scale) and out_scale.shape[0] == out.shape[0]
+    assert (m_indices[m_total:] == -1).all()
+    r_out, r_scale, r_m_indices, r_row_map = want
+    assert_same_bits(m_indices[:m_total], r_m_indices, "m_indices")
+    assert_same_bits(row_map, r_row_map, "row_map")
+    rows = r_m_indices >= 0
+    assert_same_bits(out[:m_total][rows], r_out[rows], "dispatched fp8 rows")
+    assert_same_bits(out_scale[:m_total][rows], r_scale[rows], "dispatched scales")
+
+
+@pytest.mark.parametrize("single_program", [True, False])
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
-def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew):
+def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, single_program):
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
-    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
+    cfg = dispatch_config(t, k, h, e, single_program=single_program, block_t=2, block_k=128)
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, config=cfg)
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
     for align_m in (128, 16):
-        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m)
-        check_contiguous(got, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m))
+        want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m)
+        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, config=cfg)
+        check_contiguous(got, want)
+        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, sync=False,
+                                           config=cfg)
+        assert got[0].shape[0] == dispatch.contiguous_rows_bound(t, k, e, align_m)
+        check_contiguous_bound(got, want, align_m)
+
+
+def test_dispatch_single_program_chunks():
+    """More pairs than one chunk of the single-program router: the counts carry across chunks."""
+    d = make_dispatch_inputs(300, 128, 16, 4, seed=9, device=DEVICE, skew=2.0)
+    cfg = dispatch_config(300, 4, 128, 16, single_program=True)
+    assert cfg.single_program and cfg.chunk < 300 * 4
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 16, 64, None, config=cfg)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 16, 64), 64)
+    got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 16, None, 128, config=cfg)
+    check_contiguous(got, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 16))
 
 
 def test_dispatch_int64_ids_strided_scales_and_persistent_buffers():
@@ -207,3 +241,15 @@ def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
     y = randn((32, 64, 7168), seed=1, device="cuda")
     assert_same_bits(moe_fp8.layers.combine(y, got[3], d.topk_weights), ref.combine(y, got[3], d.topk_weights),
                      "combine")
+
+
+def test_public_dispatch_contiguous_without_sync():
+    """``moe_fp8.layers.dispatch_contiguous(sync=False)``: the upper-bound row count on every backend
+    (the reference pads its exact layout), the same rows as the synced call, padding after them."""
+    import moe_fp8
+
+    d = make_dispatch_inputs(20, 256, 8, 3, seed=5, device=DEVICE)
+    want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 8, None, 128)
+    got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 8, sync=False)
+    assert got[0].shape[0] == dispatch.contiguous_rows_bound(20, 3, 8, 128)
+    check_contiguous_bound(got, want, 128)

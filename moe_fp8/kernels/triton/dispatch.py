@@ -2,23 +2,36 @@
 
 Both dispatches place the (token, slot) pairs of each local expert in (token, slot) row-major order,
 as ``moe_fp8.reference`` does, so ``row_map``, ``m_indices`` and the copied rows match it exactly.
-The order is made deterministic without atomics on positions:
+The order is made deterministic without atomics on positions. Routing the pairs ends with ``row_map``
+(the destination row of every pair, or -1), which is all the scatter reads:
 
-1. ``_count_kernel`` — one program per chunk of ``CHUNK`` pairs (flat index ``i = t·top_k + j``):
-   local expert of each pair (``expert_map`` applied; ids outside the map or mapped outside
-   ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the same expert (a
-   ``CHUNK × CHUNK`` comparison) and the chunk's histogram over experts (written in full, so no
-   buffer needs zeroing).
-2. ``_scan_kernel`` — per expert, an exclusive prefix sum of the histograms over chunks (the rank of
-   each chunk's first pair) and the expert's total count. The masked layout also writes
-   ``masked_m = min(count, max_m)`` here.
-3. Contiguous only: ``_segments_kernel`` (one program) turns counts into aligned segment starts and
-   ``M_total``; the host reads ``M_total`` (with the id range, for the reference's error messages)
-   in **one** sync, then allocates the outputs; ``_m_indices_kernel`` writes each segment's expert id
-   over its valid rows and -1 over its padding.
-4. ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes: reads each token
-   row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales into
-   the TMA layout), and writes ``row_map``.
+- Small problems (``pairs × experts <= configs.DISPATCH_SINGLE_PROGRAM_WORK``: every decode step) —
+  ``_route_single_kernel``, **one program**: walks the pairs in chunks with the per-expert counts in
+  registers; a chunk's one-hot ``[CHUNK, E]`` tile and its cumsum give each pair's position, the
+  column sums advance the counts. It writes ``row_map``, ``masked_m`` (masked) or the segment starts,
+  counts and ``M_total`` (contiguous; a first pass counts, so segment starts are known before
+  positions). One launch instead of three, and no intermediate buffers.
+- Large problems — parallel over chunks of ``CHUNK`` pairs:
+  1. ``_count_kernel``: local expert of each pair (``expert_map`` applied; ids outside the map or
+     mapped outside ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the
+     same expert (a ``CHUNK × CHUNK`` comparison) and the chunk's histogram (written in full).
+  2. ``_scan_kernel``: per expert, exclusive prefix of the histograms over chunks and the total
+     (masked: ``masked_m = min(count, max_m)``).
+  3. Contiguous only: ``_segments_kernel`` (one program): aligned segment starts, ``M_total`` and
+     the id range (for the reference's error messages).
+  4. ``_row_map_kernel``: ``row_map`` from the above.
+
+Then ``_m_indices_kernel`` (contiguous) writes each segment's expert id over its rows and -1 over its
+padding, and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
+each token row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales
+into the TMA layout).
+
+The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
+the host reads it (with the id range, to raise the reference's errors) in one sync and allocates
+exactly. ``sync=False``: no host sync — the outputs get the upper bound
+``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
+(``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
+dispatch) instead of an error.
 
 Padding rows (contiguous) and rows past ``masked_m`` (masked) are not written, which the layouts
 allow (DESIGN §2; the reference fills them with zeros and scale 1.0 for its own tests).
@@ -37,14 +50,93 @@ import triton
 import triton.language as tl
 
 from moe_fp8.kernels.triton.common import check_launch_device, native_cvt, to_bf16
-from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, combine_config, dispatch_config
+from moe_fp8.kernels.triton.configs import (
+    MAX_GRID_YZ,
+    CombineConfig,
+    DispatchConfig,
+    combine_config,
+    dispatch_config,
+)
 from moe_fp8.utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_tma_aligned_m
 
-__all__ = ["combine", "dispatch_contiguous", "dispatch_masked"]
+__all__ = ["combine", "contiguous_rows_bound", "dispatch_contiguous", "dispatch_masked"]
 
 
 # ============================================================================================
-# 1. Local ids, ranks within a chunk, chunk histograms
+# Small problems: one program routes every pair
+# ============================================================================================
+
+@triton.jit
+def _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP: tl.constexpr):
+    """``(ids, local)`` of pairs ``i``: local expert id in ``[0, E)`` or -1 (not local / invalid)."""
+    ids = tl.load(ids_ptr + i, mask=in_range, other=0).to(tl.int64)
+    if HAS_MAP:
+        id_ok = in_range & (ids >= 0) & (ids < num_global)
+        mapped = tl.load(map_ptr + ids, mask=id_ok, other=-1).to(tl.int64)
+    else:
+        id_ok = in_range & (ids >= 0) & (ids < num_experts)
+        mapped = tl.where(id_ok, ids, -1)
+    local = tl.where((mapped >= 0) & (mapped < num_experts), mapped, -1)
+    return ids, mapped, local
+
+
+@triton.jit
+def _route_single_kernel(
+    ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, count_ptr, seg_ptr, status_ptr,
+    num_pairs, num_experts, num_global, max_m, align_m,
+    CHUNK: tl.constexpr, E_P2: tl.constexpr, HAS_MAP: tl.constexpr, MASKED: tl.constexpr,
+):
+    e = tl.arange(0, E_P2)
+    e_ok = e < num_experts
+    ci = tl.arange(0, CHUNK)
+    seg_start = tl.zeros([E_P2], dtype=tl.int64)
+    if not MASKED:
+        # ---- pass 1: counts (segment starts must be known before any position) and the id range ----
+        counts = tl.zeros([E_P2], dtype=tl.int32)
+        lo = tl.full([CHUNK], 2**62, tl.int64)
+        hi = tl.full([CHUNK], -(2**62), tl.int64)
+        top = tl.full([CHUNK], -1, tl.int64)
+        for c0 in range(0, num_pairs, CHUNK):
+            i = c0 + ci
+            in_range = i < num_pairs
+            ids, mapped, local = _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP)
+            counts += tl.sum((local[:, None] == e[None, :]).to(tl.int32), axis=0)
+            lo = tl.minimum(lo, tl.where(in_range, ids, 2**62))
+            hi = tl.maximum(hi, tl.where(in_range, ids, -(2**62)))
+            top = tl.maximum(top, tl.where(in_range, mapped, -1))
+        seg_len = (counts.to(tl.int64) + align_m - 1) // align_m * align_m
+        seg_start = tl.cumsum(seg_len, axis=0) - seg_len
+        tl.store(seg_ptr + e, seg_start, mask=e_ok)
+        tl.store(count_ptr + e, counts, mask=e_ok)
+        tl.store(status_ptr, tl.sum(seg_len))
+        tl.store(status_ptr + 1, tl.min(lo))
+        tl.store(status_ptr + 2, tl.max(hi))
+        tl.store(status_ptr + 3, tl.max(top))
+
+    # ---- positions: a chunk's one-hot tile, its exclusive cumsum over pairs plus the running counts ----
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        i = c0 + ci
+        in_range = i < num_pairs
+        _, _, local = _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP)
+        onehot = (local[:, None] == e[None, :]).to(tl.int32)  # not local (-1): an all-zero row
+        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
+        pos = tl.sum(onehot * before, axis=1)
+        counts += tl.sum(onehot, axis=0)
+        is_local = local >= 0
+        if MASKED:
+            keep = is_local & (pos < max_m)
+            dest = local * max_m + pos
+        else:
+            keep = is_local
+            dest = tl.sum(onehot.to(tl.int64) * seg_start[None, :], axis=1) + pos
+        tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=in_range)
+    if MASKED:
+        tl.store(masked_m_ptr + e, tl.minimum(counts, max_m), mask=e_ok)
+
+
+# ============================================================================================
+# Large problems. 1. Local ids, ranks within a chunk, chunk histograms
 # ============================================================================================
 
 @triton.jit
@@ -56,20 +148,13 @@ def _count_kernel(
     chunk = tl.program_id(0)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
     in_range = i < num_pairs
-    ids = tl.load(ids_ptr + i, mask=in_range, other=0).to(tl.int64)
-    if HAS_MAP:
-        id_ok = in_range & (ids >= 0) & (ids < num_global)
-        local = tl.load(map_ptr + ids, mask=id_ok, other=-1).to(tl.int64)
-    else:
-        id_ok = in_range & (ids >= 0) & (ids < num_experts)
-        local = tl.where(id_ok, ids, -1)
+    ids, mapped, local = _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP)
     # Validation data for the contiguous dispatch (the reference raises on these): id range over the
     # chunk, and the largest mapped id.
     tl.store(stats_ptr + chunk * 3, tl.min(tl.where(in_range, ids, 2**62)))
     tl.store(stats_ptr + chunk * 3 + 1, tl.max(tl.where(in_range, ids, -(2**62))))
-    tl.store(stats_ptr + chunk * 3 + 2, tl.max(tl.where(in_range, local, -1)))
-    is_local = (local >= 0) & (local < num_experts)
-    local = tl.where(is_local, local, -1).to(tl.int32)
+    tl.store(stats_ptr + chunk * 3 + 2, tl.max(tl.where(in_range, mapped, -1)))
+    local = local.to(tl.int32)
     tl.store(local_ptr + i, local, mask=in_range)
 
     # rank_i = #{j < i in this chunk : local_j == local_i}
@@ -111,7 +196,7 @@ def _scan_kernel(
 
 
 # ============================================================================================
-# 3. Contiguous layout: segments and m_indices
+# 3. Contiguous layout: segments; row map (both layouts); m_indices
 # ============================================================================================
 
 @triton.jit
@@ -140,26 +225,54 @@ def _segments_kernel(
 
 
 @triton.jit
-def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, align_m, BLOCK: tl.constexpr):
+def _row_map_kernel(
+    local_ptr, rank_ptr, base_ptr, seg_ptr, row_map_ptr, num_pairs, num_experts, max_m,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_pairs
+    local = tl.load(local_ptr + i, mask=ok, other=-1)
+    is_local = ok & (local >= 0)
+    lc = tl.where(is_local, local, 0)
+    pos = tl.load(rank_ptr + i, mask=is_local, other=0) + tl.load(
+        base_ptr + (i // CHUNK).to(tl.int64) * num_experts + lc, mask=is_local, other=0)
+    if MASKED:
+        keep = is_local & (pos < max_m)
+        dest = lc.to(tl.int64) * max_m + pos
+    else:
+        keep = is_local
+        dest = tl.load(seg_ptr + lc, mask=is_local, other=0) + pos
+    tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=ok)
+
+
+@triton.jit
+def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, status_ptr, num_experts, m_rows, align_m,
+                      BLOCK: tl.constexpr):
+    """Program ``e < E``: expert ``e``'s segment (its id, then -1 over the padding). Program ``E``:
+    -1 over the rows past ``M_total`` (``sync=False`` outputs sized by the upper bound)."""
     e = tl.program_id(0)
-    count = tl.load(count_ptr + e)
-    start = tl.load(seg_ptr + e)
-    seg_len = (count + align_m - 1) // align_m * align_m
-    for r0 in range(0, seg_len, BLOCK):
-        r = r0 + tl.arange(0, BLOCK)
-        tl.store(m_idx_ptr + start + r, tl.where(r < count, e, -1), mask=r < seg_len)
+    if e < num_experts:
+        count = tl.load(count_ptr + e)
+        start = tl.load(seg_ptr + e)
+        seg_len = (count + align_m - 1) // align_m * align_m
+        for r0 in range(0, seg_len, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            tl.store(m_idx_ptr + start + r, tl.where(r < count, e, -1), mask=r < seg_len)
+    else:
+        for r0 in range(tl.load(status_ptr), m_rows, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            tl.store(m_idx_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=r < m_rows)
 
 
 # ============================================================================================
-# 4. Scatter of rows and scales, row_map
+# 4. Scatter of rows and scales
 # ============================================================================================
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, out_ptr, out_s_ptr, row_map_ptr,
-    T, K, KG, num_experts, max_m, m_pad, xs_stride_t, xs_stride_g,
-    TOP_K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    MASKED: tl.constexpr,
+    x_ptr, xs_ptr, row_map_ptr, out_ptr, out_s_ptr,
+    T, K, KG, max_m, m_pad, xs_stride_t, xs_stride_g,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -176,25 +289,16 @@ def _scatter_kernel(
     sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
                  mask=t_ok[:, None] & g_ok[None, :])
     for j in tl.static_range(TOP_K):
-        i = t64 * TOP_K + j
-        local = tl.load(local_ptr + i, mask=t_ok, other=-1)
-        is_local = t_ok & (local >= 0)
-        lc = tl.where(is_local, local, 0)
-        rank = tl.load(rank_ptr + i, mask=is_local, other=0) + tl.load(
-            base_ptr + (i // CHUNK) * num_experts + lc, mask=is_local, other=0)
-        if MASKED:
-            keep = is_local & (rank < max_m)
-            dest = lc.to(tl.int64) * max_m + rank
-            s_offs = lc.to(tl.int64) * KG * m_pad + rank  # 3-D TMA layout [E, max_m, KG]
+        dest = tl.load(row_map_ptr + t64 * TOP_K + j, mask=t_ok, other=-1)
+        keep = dest >= 0
+        dest = tl.where(keep, dest, 0)
+        if MASKED:  # dest = e·max_m + position; scales in the 3-D TMA layout [E, max_m, KG]
+            s_offs = (dest // max_m) * KG * m_pad + dest % max_m
         else:
-            keep = is_local
-            dest = tl.load(seg_ptr + lc, mask=is_local, other=0) + rank
             s_offs = dest
         tl.store(out_ptr + dest[:, None] * K + cols[None, :], row, mask=keep[:, None] & c_ok[None, :])
         tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc,
                  mask=keep[:, None] & g_ok[None, :])
-        if pid_k == 0:
-            tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=t_ok)
 
 
 # ============================================================================================
@@ -233,56 +337,73 @@ def _combine_kernel(
 # Launch wrappers
 # ============================================================================================
 
-def _route_pairs(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
-                 masked_m: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Steps 1–2: ``(local, rank, chunk_base, count, stats)`` for the flat (token, slot) pairs."""
+def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
+           align_m: int, masked_m: torch.Tensor | None, cfg: DispatchConfig
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route the flat (token, slot) pairs: ``(row_map, count, seg_start, status)``; the last three are
+    the contiguous layout's (``status = [M_total, min id, max id, max mapped id]``), and ``masked_m``
+    is written when given (masked layout)."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
-    cfg = dispatch_config(num_tokens, top_k, 1, num_experts)
     num_pairs = num_tokens * top_k
+    masked = masked_m is not None
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    emap = None if expert_map is None else (expert_map if expert_map.is_contiguous() else expert_map.contiguous())
+    num_global = emap.shape[0] if emap is not None else num_experts
+    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    count = torch.empty(num_experts, dtype=torch.int32, device=device)
+    seg_start = torch.empty(num_experts, dtype=torch.int64, device=device)
+    status = torch.empty(4, dtype=torch.int64, device=device)
+    if cfg.single_program:
+        _route_single_kernel[(1,)](
+            ids, emap if emap is not None else ids, row_map, masked_m if masked else count, count, seg_start,
+            status, num_pairs, num_experts, num_global, max_m, align_m,
+            CHUNK=cfg.chunk, E_P2=cfg.e_p2, HAS_MAP=emap is not None, MASKED=masked,
+            num_warps=cfg.route_warps)
+        return row_map, count, seg_start, status
     num_chunks = ceil_div(num_pairs, cfg.chunk)
-    ids = topk_ids.contiguous()
     local = torch.empty(num_pairs, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
     base = torch.empty_like(hist)
-    count = torch.empty(num_experts, dtype=torch.int32, device=device)
     stats = torch.empty((num_chunks, 3), dtype=torch.int64, device=device)
-    emap = expert_map.contiguous() if expert_map is not None else None
     if num_chunks > 0:
         _count_kernel[(num_chunks,)](
-            ids, emap if emap is not None else ids, local, rank, hist, stats,
-            num_pairs, num_experts, emap.shape[0] if emap is not None else num_experts,
+            ids, emap if emap is not None else ids, local, rank, hist, stats, num_pairs, num_experts, num_global,
             CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
             num_warps=cfg.num_warps)
     _scan_kernel[(ceil_div(num_experts, cfg.scan_experts),)](
-        hist, base, count, masked_m if masked_m is not None else count, num_chunks, num_experts, max_m,
+        hist, base, count, masked_m if masked else count, num_chunks, num_experts, max_m,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
-        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked_m is not None, num_warps=cfg.num_warps)
-    return local, rank, base, count, stats
+        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked, num_warps=cfg.num_warps)
+    if not masked:
+        _segments_kernel[(1,)](count, seg_start, stats, status, num_experts, num_chunks, align_m,
+                               E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.num_warps)
+    if num_pairs > 0:
+        _row_map_kernel[(ceil_div(num_pairs, 1024),)](
+            local, rank, base, seg_start, row_map, num_pairs, num_experts, max_m,
+            CHUNK=cfg.chunk, BLOCK=1024, MASKED=masked, num_warps=4)
+    return row_map, count, seg_start, status
 
 
-def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, top_k: int, local: torch.Tensor, rank: torch.Tensor,
-             base: torch.Tensor, seg_start: torch.Tensor | None, out: torch.Tensor, out_scale: torch.Tensor,
-             row_map: torch.Tensor, num_experts: int, max_m: int, m_pad: int) -> None:
+def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, out: torch.Tensor,
+             out_scale: torch.Tensor, max_m: int, m_pad: int, masked: bool, cfg: DispatchConfig) -> None:
     num_tokens, k = x_fp8.shape
     if num_tokens == 0:
         return
-    cfg = dispatch_config(num_tokens, top_k, k, num_experts)
     col_blocks = ceil_div(k, cfg.block_k)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
     _scatter_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
-        x_fp8.view(torch.uint8), x_scale, local, rank, base, seg_start if seg_start is not None else base,
-        out.view(torch.uint8), out_scale, row_map,
-        num_tokens, k, x_scale.shape[1], num_experts, max_m, m_pad, x_scale.stride(0), x_scale.stride(1),
-        TOP_K=top_k, CHUNK=cfg.chunk, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, MASKED=seg_start is None,
+        x_fp8.view(torch.uint8), x_scale, row_map, out.view(torch.uint8), out_scale,
+        num_tokens, k, x_scale.shape[1], max(max_m, 1), m_pad, x_scale.stride(0), x_scale.stride(1),
+        TOP_K=row_map.shape[1], BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, MASKED=masked,
         num_warps=cfg.num_warps)
 
 
 def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                     max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
-                    out_scale: torch.Tensor | None = None
+                    out_scale: torch.Tensor | None = None, config: DispatchConfig | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backend entry of ``moe_fp8::dispatch_masked`` (see ``moe_fp8.ops``); no host sync.
 
@@ -290,11 +411,13 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
     row_map int64 [T, top_k])``. Rows past ``masked_m[e]`` are not written: pass persistent ``out`` /
     ``out_scale`` to keep their contents. Ids outside ``[0, E)`` (or outside ``expert_map``) and
     experts mapped outside ``[0, E)`` count as not local (the reference does not validate them).
+    ``config``: a ``DispatchConfig`` instead of ``configs.dispatch_config``'s (tuning).
     """
     device = check_launch_device(x_fp8, x_scale, topk_ids, expert_map, out, out_scale)
     num_tokens, k = x_fp8.shape
     top_k = topk_ids.shape[1]
     kg = x_scale.shape[1]
+    m_pad = get_tma_aligned_m(max_m)
     if out is None:
         out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
     elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
@@ -302,55 +425,64 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
     if out_scale is None:
         out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
     elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
-          or out_scale.stride() != empty_scale_tma(max_m, kg, groups=num_experts, device="meta").stride()):
+          or out_scale.stride() != (kg * m_pad, 1, m_pad)):
         raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
     masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
-    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    local, rank, base, _, _ = _route_pairs(topk_ids, num_experts, expert_map, max_m, masked_m)
-    _scatter(x_fp8, x_scale, top_k, local, rank, base, None, out, out_scale, row_map, num_experts, max_m,
-             get_tma_aligned_m(max_m))
+    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    row_map = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)[0]
+    _scatter(x_fp8, x_scale, row_map, out, out_scale, max_m, m_pad, True, cfg)
     return out, out_scale, masked_m, row_map
 
 
-def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                        expert_map: torch.Tensor | None, align_m: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``); one host sync (``M_total``).
+def contiguous_rows_bound(num_tokens: int, top_k: int, num_experts: int, align_m: int) -> int:
+    """Rows of ``dispatch_contiguous(sync=False)``'s outputs: ``M_total <= T·top_k + E·(align_m − 1)``
+    (each expert's segment pads fewer than ``align_m`` rows), rounded up to a multiple of ``align_m``."""
+    return ceil_div(num_tokens * top_k + num_experts * (align_m - 1), align_m) * align_m
 
-    Raises ``ValueError`` exactly where the reference does (ids outside ``[0, num_ids)``, a map to a
-    local id ``>= num_experts``), from the same sync. Padding rows' FP8 bytes and scales are not written.
+
+def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                        expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
+                        config: DispatchConfig | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``).
+
+    ``sync=True``: one host sync (``M_total``); raises ``ValueError`` exactly where the reference does
+    (ids outside ``[0, num_ids)``, a map to a local id ``>= num_experts``), from the same sync.
+    ``sync=False``: no sync; outputs have ``contiguous_rows_bound(...)`` rows, the rows past
+    ``M_total`` are padding (``m_indices = -1``), invalid ids are not local. Padding rows' FP8 bytes
+    and scales are not written. ``config``: a ``DispatchConfig`` (tuning).
     """
     device = check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
     num_tokens, k = x_fp8.shape
     top_k = topk_ids.shape[1]
     kg = x_scale.shape[1]
-    local, rank, base, count, stats = _route_pairs(topk_ids, num_experts, expert_map, 0, None)
-    cfg = dispatch_config(num_tokens, top_k, k, num_experts)
-    seg_start = torch.empty(num_experts, dtype=torch.int64, device=device)
-    status = torch.empty(4, dtype=torch.int64, device=device)
-    _segments_kernel[(1,)](count, seg_start, stats, status, num_experts, stats.shape[0], align_m,
-                           E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.num_warps)
-    m_total, lo, hi, top = status.tolist()  # the one host sync
-    if topk_ids.numel() > 0:
-        num_ids = num_experts if expert_map is None else expert_map.shape[0]
-        if lo < 0 or hi >= num_ids:
-            raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
-        if top >= num_experts:
-            raise ValueError(f"expert_map maps to local id {top} >= num_experts={num_experts}")
-    out = torch.empty((m_total, k), dtype=FP8_DTYPE, device=device)
-    out_scale = empty_scale_tma(m_total, kg, device=device)
-    m_indices = torch.empty(m_total, dtype=torch.int32, device=device)
-    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    if m_total > 0:
-        _m_indices_kernel[(num_experts,)](m_indices, count, seg_start, align_m, BLOCK=1024, num_warps=4)
-    _scatter(x_fp8, x_scale, top_k, local, rank, base, seg_start, out, out_scale, row_map, num_experts, 0,
-             get_tma_aligned_m(m_total))
+    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    row_map, count, seg_start, status = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
+    if sync:
+        m_total, lo, hi, top = status.tolist()  # the one host sync
+        if topk_ids.numel() > 0:
+            num_ids = num_experts if expert_map is None else expert_map.shape[0]
+            if lo < 0 or hi >= num_ids:
+                raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
+            if top >= num_experts:
+                raise ValueError(f"expert_map maps to local id {top} >= num_experts={num_experts}")
+        m_rows = m_total
+    else:
+        m_rows = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
+    out = torch.empty((m_rows, k), dtype=FP8_DTYPE, device=device)
+    out_scale = empty_scale_tma(m_rows, kg, device=device)
+    m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
+    if m_rows > 0:
+        _m_indices_kernel[(num_experts + (0 if sync else 1),)](
+            m_indices, count, seg_start, status, num_experts, m_rows, align_m, BLOCK=1024, num_warps=4)
+    _scatter(x_fp8, x_scale, row_map, out, out_scale, 0, get_tma_aligned_m(m_rows), False, cfg)
     return out, out_scale, m_indices, row_map
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
-            shared_output: torch.Tensor | None) -> torch.Tensor:
-    """Backend entry of ``moe_fp8::combine`` (see ``moe_fp8.ops``): bf16 ``[T, H]``."""
+            shared_output: torch.Tensor | None, *, config: CombineConfig | None = None) -> torch.Tensor:
+    """Backend entry of ``moe_fp8::combine`` (see ``moe_fp8.ops``): bf16 ``[T, H]``. ``config``: a
+    ``CombineConfig`` instead of ``configs.combine_config``'s (tuning)."""
     device = check_launch_device(y, row_map, topk_weights, shared_output)
     h = y.shape[-1]
     rows = y.reshape(-1, h)
@@ -363,7 +495,7 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
     shared = shared_output
     if shared is not None and shared.stride(-1) != 1:
         shared = shared.contiguous()
-    cfg = combine_config(num_tokens, h)
+    cfg = config or combine_config(num_tokens, h)
     col_blocks = ceil_div(h, cfg.block_h)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {h} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")

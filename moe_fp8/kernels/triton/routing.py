@@ -12,9 +12,13 @@ Exactness against ``moe_fp8.reference.select_experts``:
 - Selection compares ``(sort_key(value) << 32) | (MAX - 1 - index)``: one int64 max per pick gives
   the largest value and, among equals, the lowest index — ``torch.sort(stable=True)``'s order, NaN
   above everything. Group scores (top-2 sum for sigmoid, max for softmax) use the same picks.
-- Weights are the float32 scores of the chosen experts; with ``renormalize`` they are divided
-  (correctly rounded) by their sum taken in slot order j = 0, 1, …. The reference's sum is a torch
-  reduction whose order is unspecified, so renormalized weights can differ from it by an ulp or two.
+- Weights are the float32 scores of the chosen experts, recomputed after the top-k loop from their
+  logits with the same float64 formula (so the loop is one int64 max per pick); with
+  ``renormalize`` they are divided (correctly rounded) by their float32 sum (a tree reduction). The
+  reference's sum is a torch reduction whose order is unspecified too, so renormalized weights can
+  differ from it by an ulp or two.
+- Warps: one per 256 score slots (``configs.routing_config``), so for DeepSeek-V3 (256 experts) a
+  token's whole selection runs inside one warp (shuffle reductions, no shared-memory barriers).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import triton.language as tl
 
 from moe_fp8 import reference
 from moe_fp8.kernels.triton.common import check_launch_device, sort_key
-from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, routing_config
+from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, RoutingConfig, routing_config
+from moe_fp8.utils import get_num_sms
 
 __all__ = ["select_experts"]
 
@@ -87,28 +92,35 @@ def _select_experts_kernel(
         choice = tl.where(kept[:, :, None], choice, float("-inf"))
 
     # ---- top-k experts, largest choice first, ties to the lower id ----
+    # One int64 max per pick over the flattened [BLOCK_T, E_MAX] keys (the expert id rides in the low
+    # bits); the weights are gathered after the loop, so the serial part is one reduction per pick.
     E_MAX: tl.constexpr = NG_P2 * PG_P2
     key = (sort_key(choice).to(tl.int64) << 32) | (E_MAX - 1 - expert)
-    key = tl.where(valid, key, _INT64_MIN)
+    key = tl.reshape(tl.where(valid, key, _INT64_MIN), [BLOCK_T, E_MAX])
     kcol = tl.arange(0, K_P2)
-    out_w = tl.zeros([BLOCK_T, K_P2], dtype=tl.float32)
     out_id = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
-    weight_sum = tl.zeros([BLOCK_T], dtype=tl.float32)
     for j in range(top_k):
-        best = tl.max(tl.max(key, axis=2), axis=1)
-        pick = key == best[:, None, None]
-        w = tl.sum(tl.sum(tl.where(pick, scores, 0.0), axis=2), axis=1)  # one term: exact
-        eid = E_MAX - 1 - (best & 0xFFFFFFFF)
-        out_w = tl.where(kcol[None, :] == j, w[:, None], out_w)
-        out_id = tl.where(kcol[None, :] == j, eid.to(tl.int32)[:, None], out_id)
-        weight_sum = weight_sum + w
-        key = tl.where(pick, _INT64_MIN, key)
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], _INT64_MIN, key)
+        eid = (E_MAX - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        out_id = tl.where(kcol[None, :] == j, eid[:, None], out_id)
+
+    # ---- weights: the picked experts' scores, recomputed from their logits by the same float64
+    # formula as the tile above (bit-identical values, no per-pick sum reduction) ----
+    out_mask = tok_ok[:, None] & (kcol[None, :] < top_k)
+    x_sel = tl.load(logits_ptr + tok.to(tl.int64)[:, None] * stride_t + out_id * stride_e, mask=out_mask,
+                    other=0.0).to(tl.float64)
+    if SIGMOID:
+        p_sel = 1.0 / (1.0 + tl.exp(-x_sel))
+    else:
+        p_sel = tl.exp(x_sel - row_max[:, None]) / total[:, None]
+    out_w = tl.where(out_mask, p_sel.to(tl.float32), 0.0)
+    weight_sum = tl.sum(out_w, axis=1)
     if RENORMALIZE:
         out_w = tl.div_rn(out_w, tl.where(tok_ok, weight_sum, 1.0)[:, None])
     out_w = out_w * routed_scaling_factor
 
     out_offs = tok.to(tl.int64)[:, None] * top_k + kcol[None, :]
-    out_mask = tok_ok[:, None] & (kcol[None, :] < top_k)
     tl.store(w_ptr + out_offs, out_w, mask=out_mask)
     tl.store(ids_ptr + out_offs, out_id, mask=out_mask)
 
@@ -118,9 +130,11 @@ _warned_large: set[int] = set()
 
 def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
                    n_group: int | None, topk_group: int | None, e_score_correction_bias: torch.Tensor | None,
-                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float, *, config: RoutingConfig | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend entry of ``moe_fp8::select_experts`` (see ``moe_fp8.ops``): ``(weights f32, ids i32)``,
-    both ``[T, top_k]``. Expert counts above ``MAX_ROUTING_EXPERTS`` go to the reference (logged once)."""
+    both ``[T, top_k]``. Expert counts above ``MAX_ROUTING_EXPERTS`` go to the reference (logged once).
+    ``config``: a ``RoutingConfig`` instead of ``configs.routing_config``'s (tuning)."""
     device = check_launch_device(router_logits, e_score_correction_bias)
     t, e = router_logits.shape
     if e > MAX_ROUTING_EXPERTS:
@@ -138,7 +152,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, r
         return weights, ids
     grouped = n_group is not None
     ng = n_group if grouped else 1
-    cfg = routing_config(t, e, top_k, n_group)
+    cfg = config or routing_config(t, e, top_k, n_group, get_num_sms())
     bias = e_score_correction_bias
     grid = (triton.cdiv(t, cfg.block_t),)
     _select_experts_kernel[grid](
