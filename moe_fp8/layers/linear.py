@@ -60,8 +60,8 @@ def check_ue8m0_scales(scale: Tensor, name: str) -> None:
     if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name}: scale_fmt 'ue8m0' needs positive power-of-two scales, but {int(bad.sum())} of "
-                         f"{s.numel()} are not (e.g. {name}{list(idx)} = {s[idx].item()!r}); this checkpoint's "
-                         "scales are not UE8M0: load it into a layer built with ue8m0=False")
+                         f"{s.numel()} are not (e.g. {name}{list(idx)} = {s[idx].item()!r}): these are not UE8M0 "
+                         "scales; use a layer built with ue8m0=False for them")
 
 
 def _bool_arg(owner: str, name: str, value: object) -> bool:
