@@ -261,3 +261,17 @@ def test_two_cuda_graphs_share_the_workspace_and_replay_to_the_eager_result():
             # each graph's output, after the other graph replayed over the same workspace, is the eager result
             assert torch.equal(results[t], plain(x, logits, path="masked"))
             assert torch.equal(results[t], moe(x, logits))
+
+
+def test_bench_moe_stage_split_adds_up_on_cpu():
+    """``moe-fp8 bench moe``'s split: stage medians of one forward and the forward they add up to."""
+    from moe_fp8.benchmarks import moe as bench_moe
+
+    moe = MoEWeights(8, 128, 128, seed=50).fill(Fp8FusedMoE(8, 128, 128, 2))
+    x, logits = randn((6, 128), seed=51), randn((6, 8), seed=52)
+    for path in ("contiguous", "masked"):
+        stages, forward = bench_moe._stage_split(moe, x, logits, path)
+        assert list(stages) == [s for s in STAGES if s != "shared"]
+        assert forward > 0 and all(v >= 0 for v in stages.values())
+        assert sum(stages.values()) <= forward * 1.5  # medians of parts vs median of sums: same order
+    assert moe.stage_hook is None
