@@ -7,13 +7,20 @@ Impls per token count (kind ``moe_layer``):
 - ``torch_blockwise_loop``: the same layer with each grouped GEMM replaced by one torch block-scaled
   ``_scaled_mm`` per expert (what a user has without our kernels);
 - ``torch_bf16``: a bf16 PyTorch MoE looping over the local experts (dequantized weights).
-Plus ``moe_layer_split`` rows: the time of each step of our layer (routing, quant + dispatch, GEMM1,
-SiLU·mul + quant, GEMM2, combine), both paths, and the masked-vs-contiguous crossover.
+Plus, per path (``moe_layer_path`` rows: the whole layer; the masked-vs-contiguous crossover),
+``moe_layer_stage`` rows: the time of each stage of our layer (``moe_fp8.layers.STAGES``: routing, quant,
+dispatch, GEMM1, SiLU·mul + quant, GEMM2, combine) measured inside one forward — CUDA events recorded
+between the stages by ``Fp8FusedMoE.stage_hook`` (``StageTimer``), L2 flushed before each forward,
+medians over ``SPLIT_REPS`` forwards — so the stages add up to the forward and a host sync or launch
+gap the GPU waits on counts in the stage that causes it (timing each step alone would hide both).
+The notes also give each grouped GEMM's kernel alone (``bench_us``) beside its stage, and the GEMMs'
+share of the forward.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 import torch
@@ -25,6 +32,7 @@ NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
 N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
 PREFILL_TOKENS = (512, 2048, 8192, 16384)
 DECODE_TOKENS = (1, 8, 64, 128, 256)
+SPLIT_REPS = 20  # forwards whose per-stage events give the split's medians
 
 
 def build_layer(seed: int = 0):
@@ -101,54 +109,57 @@ def _blockwise_layer(layer, hidden: torch.Tensor, logits: torch.Tensor) -> torch
     return combine(y, row_map, weights, None)
 
 
-def _split(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> dict[str, float]:
-    """Microseconds of each step of our layer's ``path``, timed one by one on the same data."""
+def _stage_split(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> tuple[dict[str, float], float]:
+    """Median microseconds of each stage of one forward of our layer's ``path`` (events between the stages),
+    and the median forward (first event to last). The L2 is flushed before each forward, as bench_us does."""
+    from moe_fp8.layers import StageTimer
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=hidden.device) if hidden.is_cuda else None
+    for _ in range(3):
+        layer(hidden, logits, path=path)
+    timer = StageTimer(hidden.device)
+    layer.stage_hook = timer
+    try:
+        for _ in range(SPLIT_REPS):
+            if flush is not None:
+                flush.zero_()  # enqueued before the forward's first event: not timed
+            layer(hidden, logits, path=path)
+    finally:
+        layer.stage_hook = None
+    forwards = timer.stages_us()
+    stages = {name: statistics.median(f[name] for f in forwards) for name in forwards[0]}
+    return stages, statistics.median(sum(f.values()) for f in forwards)
+
+
+def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> tuple[float, float]:
+    """Each grouped GEMM of ``path`` alone (bench_us on the layer's own intermediates): the kernel's time,
+    to set beside its stage (the stage adds whatever launch gap the GPU waited on before it)."""
     from moe_fp8 import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
-    from moe_fp8.layers import combine, dispatch_contiguous, dispatch_masked, select_experts
+    from moe_fp8.layers import dispatch_contiguous, dispatch_masked, select_experts
     from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 
-    def route():
-        return select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
-                              topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
-                              routed_scaling_factor=SCALING)
-    weights, ids = route()
+    _, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
+                            topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
+                            routed_scaling_factor=SCALING)
     x_fp8, x_scale = per_token_group(hidden)
     t = hidden.shape[0]
     if path == "contiguous":
-        def disp():
-            per_token_group(hidden)
-            return dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
-        a, a_scale, groups, row_map = disp()
+        a, a_scale, groups, _ = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
 
         def gemm(x, s, w, ws):
             return fp8_grouped_gemm_contiguous(x, s, w, ws, groups)
-
-        def act(h):
-            return silu_mul_per_token_group(h)
+        masked_m = None
     else:
-        max_m, expected_m = t, max(1, -(-t * TOP_K // NUM_EXPERTS))
-
-        def disp():
-            per_token_group(hidden)
-            return dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, max_m, layer.expert_map)
-        a, a_scale, groups, row_map = disp()
+        expected_m = max(1, -(-t * TOP_K // NUM_EXPERTS))
+        a, a_scale, groups, _ = dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, t, layer.expert_map)
 
         def gemm(x, s, w, ws):
             return fp8_grouped_gemm_masked(x, s, w, ws, groups, expected_m)
-
-        def act(h):
-            return silu_mul_per_token_group(h, masked_m=groups)
+        masked_m = groups
     h = gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)
-    y_fp8, y_scale = act(h)
-    y = gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)
-    return {
-        "routing": bench_us(route),
-        "dispatch": bench_us(disp),
-        "gemm1": bench_us(lambda: gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)),
-        "act_quant": bench_us(lambda: act(h)),
-        "gemm2": bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)),
-        "combine": bench_us(lambda: combine(y, row_map, weights, None)),
-    }
+    y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
+    return (bench_us(lambda: gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)),
+            bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
 def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> float:
@@ -201,11 +212,16 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
         if path == "masked" and t > 2048:
             continue  # the masked buffer is E_local x T rows: meant for small batches
         full = bench_us(lambda path=path: layer(hidden, logits, path=path))
-        split = _split(layer, hidden, logits, path)
+        stages, forward = _stage_split(layer, hidden, logits, path)
+        kernels = _gemm_kernels_us(layer, hidden, logits, path)
         rows.append(row("moe_layer_path", {**shape, "path": path}, "moe_fp8", full, flops, nbytes))
-        gemm = split["gemm1"] + split["gemm2"]
-        notes.append(f"tokens {t} {path}: layer {full:.1f} us; " + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
-                     + f"; GEMMs {100 * gemm / sum(split.values()):.0f}% of the steps' sum")
+        for name, us in (*stages.items(), ("forward", forward)):
+            rows.append(row("moe_layer_stage", {**shape, "path": path, "stage": name}, "moe_fp8", us, 0, 0))
+        gemm = stages["gemm1"] + stages["gemm2"]
+        notes.append(f"tokens {t} {path}: layer {full:.1f} us; one forward by stage ({forward:.1f} us): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+                     + f"; GEMM stages {100 * gemm / forward:.0f}% of the forward (GEMM kernels alone "
+                     f"{kernels[0]:.1f} + {kernels[1]:.1f} us = {100 * sum(kernels) / forward:.0f}%)")
     return rows, notes
 
 

@@ -23,19 +23,29 @@ Three layers per op:
    fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
    per_token_group_quant             fn(x, group_size, ue8m0, eps) -> (x_fp8, x_scale[TMA layout])
    per_block_quant                   fn(w, block, ue8m0, eps) -> (w_fp8, w_scale)
-   silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps) -> (y_fp8, y_scale[TMA])
+   silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps, *, out=None, out_scale=None)
+                                        -> (y_fp8, y_scale[TMA]); writes into out / out_scale when given
    select_experts                    fn(logits, top_k, scoring_func, renormalize, n_group,
                                         topk_group, e_score_correction_bias, routed_scaling_factor)
                                         -> (topk_weights f32, topk_ids i32)
    dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
                                         *, sync=True)
                                         -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64)
-   dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+   dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, *,
+                                        out=None, out_scale=None)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
    combine                           fn(y, row_map, topk_weights, shared_output) -> bf16 [T, H]
    ================================  ================================================================
 
-   Implementations receive validated arguments; empty problems (no rows) never reach them.
+   Implementations receive validated arguments; empty problems (no rows) never reach them. The
+   ``out`` / ``out_scale`` keywords are passed only when a caller gives destinations (so a backend
+   that cannot take them still serves every call without them).
+
+Destinations of the functional ops. ``silu_mul_per_token_group_quant`` and ``dispatch_masked`` also
+take optional ``out=`` / ``out_scale=`` (the layer's persistent decode workspaces, so a captured CUDA
+graph holds no per-call ``[E, max_m, ·]`` buffer); with either given, compiled code calls a separate
+destination-passing op (``moe_fp8::<op>_out``, ``mutates_args=("out", "out_scale")``) whose fake
+returns only the tensors it creates.
 
 ``dispatch_contiguous`` is deliberately *not* a custom op: its output row count
 ``M_total = Σ_e align(count_e, 128)`` depends on the routing data, so a fake could not give its
@@ -119,9 +129,18 @@ def _ref_per_block_quant(w: Tensor, block: tuple[int, int], ue8m0: bool, eps: fl
     return reference.per_block_quant(w, tuple(block), ue8m0=ue8m0, eps=eps)
 
 
-def _ref_silu_mul_quant(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None,
-                        eps: float) -> tuple[Tensor, Tensor]:
-    return reference.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps=eps)
+def _into(res: tuple[Tensor, ...], out: Tensor | None, out_scale: Tensor | None) -> tuple[Tensor, ...]:
+    """Reference results copied into caller-given destinations (the reference computes new tensors)."""
+    if out is not None:
+        out.copy_(res[0])
+    if out_scale is not None:
+        out_scale.copy_(res[1])
+    return (res[0] if out is None else out, res[1] if out_scale is None else out_scale, *res[2:])
+
+
+def _ref_silu_mul_quant(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float, *,
+                        out: Tensor | None = None, out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _into(reference.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps=eps), out, out_scale)
 
 
 def _ref_select_experts(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool,
@@ -134,8 +153,10 @@ def _ref_select_experts(router_logits: Tensor, top_k: int, scoring_func: str, re
 
 
 def _ref_dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
-                         expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return reference.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+                         expert_map: Tensor | None, *, out: Tensor | None = None,
+                         out_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _into(reference.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map), out,
+                 out_scale)
 
 
 def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
@@ -414,11 +435,15 @@ def per_block_quant(w: Tensor, block: tuple[int, int] = (GROUP_K, GROUP_K), ue8m
     return _per_block_quant_impl(w, block, ue8m0, eps)
 
 
-def _silu_mul_quant_impl(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None,
-                         eps: float) -> tuple[Tensor, Tensor]:
+def _silu_mul_quant_impl(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float,
+                         out: Tensor | None = None, out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if h.numel() == 0:
-        return _alloc_act_quant((*h.shape[:-1], h.shape[-1] // 2), group_size, h.device)
-    return backends.select("silu_mul_per_token_group_quant", h.device)[1](h, group_size, ue8m0, masked_m, eps)
+        alloc = _alloc_act_quant((*h.shape[:-1], h.shape[-1] // 2), group_size, h.device)
+        return (alloc[0] if out is None else out, alloc[1] if out_scale is None else out_scale)
+    fn = backends.select("silu_mul_per_token_group_quant", h.device)[1]
+    if out is None and out_scale is None:
+        return fn(h, group_size, ue8m0, masked_m, eps)
+    return fn(h, group_size, ue8m0, masked_m, eps, out=out, out_scale=out_scale)
 
 
 @torch.library.custom_op("moe_fp8::silu_mul_per_token_group_quant", mutates_args=())
@@ -432,9 +457,22 @@ def _(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: flo
     return _alloc_act_quant((*h.shape[:-1], h.shape[-1] // 2), group_size, h.device)
 
 
+@torch.library.custom_op("moe_fp8::silu_mul_per_token_group_quant_out", mutates_args=("out", "out_scale"))
+def _silu_mul_quant_out_op(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float,
+                           out: Tensor, out_scale: Tensor) -> None:
+    _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps, out, out_scale)
+
+
+@_silu_mul_quant_out_op.register_fake
+def _(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float, out: Tensor,
+      out_scale: Tensor) -> None:
+    return None
+
+
 def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: bool = False,
-                                   masked_m: Tensor | None = None,
-                                   eps: float = _DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+                                   masked_m: Tensor | None = None, eps: float = _DEFAULT_EPS, *,
+                                   out: Tensor | None = None,
+                                   out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Fused ``per_token_group_quant(silu(gate) · up)`` between the two expert GEMMs.
 
     Args:
@@ -443,14 +481,29 @@ def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: 
         group_size, ue8m0, eps: as ``per_token_group_quant``.
         masked_m: optional ``int32 [G]`` on h's device (3-D h only): rows ``r >= masked_m[g]`` are not
             meaningful in the result (kernels leave them untouched).
+        out, out_scale: optional destinations (e.g. persistent decode buffers): ``float8_e4m3fn [..., I]``
+            contiguous and ``float32 [..., ceil(I/group_size)]`` in the TMA layout (``empty_scale_tma``),
+            on h's device. Either may be given alone; the other is then allocated.
 
-    Returns ``(y_fp8 [..., I], y_scale [..., ceil(I/group_size)])``, scales in the TMA layout.
+    Returns ``(y_fp8 [..., I], y_scale [..., ceil(I/group_size)])``, scales in the TMA layout (``out`` /
+    ``out_scale`` themselves when given).
     """
     V.check_silu_mul(h, group_size, ue8m0, masked_m)
     V.check_eps(eps)
+    if out is None and out_scale is None:
+        if _compiling():
+            return torch.ops.moe_fp8.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps)
+        return _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps)
+    shape = (*h.shape[:-1], h.shape[-1] // 2)
+    V.check_act_quant_out(out, out_scale, shape, group_size, h.device, "h")
+    if out is None or out_scale is None:
+        alloc = _alloc_act_quant(shape, group_size, h.device)
+        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
     if _compiling():
-        return torch.ops.moe_fp8.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps)
-    return _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps)
+        torch.ops.moe_fp8.silu_mul_per_token_group_quant_out(h, group_size, ue8m0, masked_m, eps, out, out_scale)
+    else:
+        _silu_mul_quant_impl(h, group_size, ue8m0, masked_m, eps, out, out_scale)
+    return out, out_scale
 
 
 # ============================================================================================
@@ -569,18 +622,25 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
     return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
 
 
-def _alloc_dispatch_masked(t: int, top_k: int, k: int, num_experts: int, max_m: int, device: torch.device
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (torch.empty((num_experts, max_m, k), dtype=_FP8, device=device),
-            empty_scale_tma(max_m, ceil_div(k, GROUP_K), groups=num_experts, device=device),
-            torch.empty((num_experts,), dtype=torch.int32, device=device),
+def _alloc_masked_maps(t: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``masked_m int32 [E]`` and ``row_map int64 [T, top_k]`` of a masked dispatch."""
+    return (torch.empty((num_experts,), dtype=torch.int32, device=device),
             torch.empty((t, top_k), dtype=torch.int64, device=device))
 
 
+def _alloc_dispatch_masked(t: int, top_k: int, k: int, num_experts: int, max_m: int, device: torch.device
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (*_alloc_act_quant((num_experts, max_m, k), GROUP_K, device),
+            *_alloc_masked_maps(t, top_k, num_experts, device))
+
+
 def _dispatch_masked_impl(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
-                          expert_map: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return backends.select("dispatch_masked", x_fp8.device)[1](
-        x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+                          expert_map: Tensor | None, out: Tensor | None = None,
+                          out_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    fn = backends.select("dispatch_masked", x_fp8.device)[1]
+    if out is None and out_scale is None:
+        return fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+    return fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, out=out, out_scale=out_scale)
 
 
 @torch.library.custom_op("moe_fp8::dispatch_masked", mutates_args=())
@@ -596,13 +656,31 @@ def _(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m:
                                   x_fp8.device)
 
 
+@torch.library.custom_op("moe_fp8::dispatch_masked_out", mutates_args=("out", "out_scale"))
+def _dispatch_masked_out_op(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                            expert_map: Tensor | None, out: Tensor, out_scale: Tensor) -> tuple[Tensor, Tensor]:
+    _, _, masked_m, row_map = _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
+                                                    out, out_scale)
+    return masked_m, row_map
+
+
+@_dispatch_masked_out_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int, expert_map: Tensor | None,
+      out: Tensor, out_scale: Tensor) -> tuple[Tensor, Tensor]:
+    return _alloc_masked_maps(topk_ids.shape[0], topk_ids.shape[1], num_experts, x_fp8.device)
+
+
 def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
-                    expert_map: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    expert_map: Tensor | None = None, *, out: Tensor | None = None,
+                    out_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Scatter token copies into the masked grouped layout (decode); fixed size, no host sync.
 
     Args: as ``dispatch_contiguous``, plus ``max_m`` (host int >= 0) rows per expert. An expert that
     receives more than ``max_m`` copies keeps the first ``max_m`` in (token, slot) order; the rest are
-    dropped (``row_map = -1``).
+    dropped (``row_map = -1``). ``out`` / ``out_scale``: optional destinations (e.g. persistent decode
+    buffers), ``float8_e4m3fn [E, max_m, K]`` contiguous and ``float32 [E, max_m, ceil(K/128)]`` in the
+    3-D TMA layout (``empty_scale_tma(max_m, KG, groups=E)``) on x's device; either may be given alone.
+    Rows past ``masked_m`` of a given destination keep what they held.
 
     Returns ``(out_fp8 [E, max_m, K], out_scale [E, max_m, KG] (3-D TMA layout), masked_m int32 [E],
     row_map int64 [T, top_k])`` with ``row_map = e·max_m + position`` or -1 — the inputs of
@@ -610,9 +688,20 @@ def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_expert
     """
     V.check_dispatch(x_fp8, x_scale, topk_ids, num_experts, expert_map)
     V.check_int("max_m", max_m, min_value=0)
+    if out is None and out_scale is None:
+        if _compiling():
+            return torch.ops.moe_fp8.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+        return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+    shape = (num_experts, max_m, x_fp8.shape[1])
+    V.check_act_quant_out(out, out_scale, shape, GROUP_K, x_fp8.device, "x_fp8")
+    if out is None or out_scale is None:
+        alloc = _alloc_act_quant(shape, GROUP_K, x_fp8.device)
+        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
     if _compiling():
-        return torch.ops.moe_fp8.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
-    return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
+        masked_m, row_map = torch.ops.moe_fp8.dispatch_masked_out(x_fp8, x_scale, topk_ids, num_experts, max_m,
+                                                                  expert_map, out, out_scale)
+        return out, out_scale, masked_m, row_map
+    return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, out, out_scale)
 
 
 def _combine_impl(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None) -> Tensor:

@@ -504,6 +504,26 @@ def check_silu_mul(h: object, group_size: object, ue8m0: object, masked_m: objec
         check_masked_m("masked_m", masked_m, h.shape[0], h.device)
 
 
+def check_act_quant_out(out: object, out_scale: object, shape: Sequence[int], group_size: int,
+                        device: torch.device, ref_name: str) -> None:
+    """Destination tensors of an activation quantization (``out=`` / ``out_scale=`` of ``silu_mul`` and
+    ``dispatch_masked``), each optional: ``out`` float8_e4m3fn ``shape`` contiguous, 16-byte aligned;
+    ``out_scale`` float32 ``[..., M, ceil(K/group_size)]`` in the TMA layout; both on ``device``."""
+    if out is not None:
+        check_tensor("out", out)
+        check_dtype("out", out, FP8_DTYPE)
+        check_shape("out", out, shape)
+        check_contiguous("out", out)
+        check_tma_aligned("out", out)
+        check_same_device("out", out, ref_name, device)
+    if out_scale is not None:
+        check_tensor("out_scale", out_scale)
+        check_dtype("out_scale", out_scale, torch.float32)
+        check_shape("out_scale", out_scale, (*shape[:-1], ceil_div(shape[-1], group_size)))
+        check_scale_tma("out_scale", out_scale)
+        check_same_device("out_scale", out_scale, ref_name, device)
+
+
 def check_dequant_per_token_group(x_fp8: object, x_scale: object) -> None:
     """x_fp8 FP8 [..., M, K]; x_scale FP32 [..., M, ceil(K/group)] (any layout) on the same device."""
     check_tensor("x_fp8", x_fp8)

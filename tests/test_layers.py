@@ -206,13 +206,15 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
     x, logits = randn((5, 128), seed=21), randn((5, 8), seed=22)
     monkeypatch.setattr(backends, "select", spy)
     moe(x, logits, path="contiguous")
-    assert selected == ["select_experts", "per_token_group_quant", "fp8_gemm", "silu_mul_per_token_group_quant",
-                        "fp8_gemm", "dispatch_contiguous", "fp8_grouped_gemm_contiguous",
+    # The shared experts go after the dispatch, so its host sync (contiguous) does not wait for them.
+    assert selected == ["select_experts", "per_token_group_quant", "dispatch_contiguous", "fp8_gemm",
+                        "silu_mul_per_token_group_quant", "fp8_gemm", "fp8_grouped_gemm_contiguous",
                         "silu_mul_per_token_group_quant", "fp8_grouped_gemm_contiguous", "combine"]
     selected.clear()
     moe(x, logits, path="masked")
-    assert selected[5:] == ["dispatch_masked", "fp8_grouped_gemm_masked", "silu_mul_per_token_group_quant",
-                            "fp8_grouped_gemm_masked", "combine"]
+    assert selected[2] == "dispatch_masked"
+    assert selected[6:] == ["fp8_grouped_gemm_masked", "silu_mul_per_token_group_quant", "fp8_grouped_gemm_masked",
+                            "combine"]
 
 
 def test_fused_moe_auto_path_crossover(monkeypatch):
@@ -433,3 +435,67 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, gpu(static_x, static_logits, path="masked"))
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0 (DeepSeek-V3.1: power-of-two scales)
+# ----------------------------------------------------------------------------------------------
+def test_check_ue8m0_scales():
+    layers.check_ue8m0_scales(torch.tensor([1.0, 2.0 ** -20, 0.5, 2.0 ** 30]), "s")
+    for bad in (3.0, 0.0, -2.0, float("inf"), float("nan"), 0.75):
+        with pytest.raises(ValueError, match=r"s: scale_fmt 'ue8m0' needs positive power-of-two scales.*s\[1\]"):
+            layers.check_ue8m0_scales(torch.tensor([1.0, bad]), "s")
+
+
+def test_ue8m0_linear_and_mlp():
+    lin = torch.nn.Linear(256, 384, dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(randn((384, 256), seed=1) * 0.06)
+    fp8 = Fp8Linear.from_float(lin, ue8m0=True)
+    assert fp8.ue8m0 and "ue8m0=True" in repr(fp8)
+    layers.check_ue8m0_scales(fp8.weight_scale_inv, "weight_scale_inv")  # quantized with power-of-two scales
+    x = randn((9, 256), seed=2)
+    x_fp8, x_scale = quant.per_token_group(x, ue8m0=True)
+    expected = ref.fp8_gemm(x_fp8, x_scale, fp8.weight, fp8.weight_scale_inv) + lin.bias
+    assert torch.equal(fp8(x), expected)  # activations quantized with power-of-two scales
+    w, s = _fp8_weight((384, 256), seed=3)  # plain fp32 scales
+    with pytest.raises(ValueError, match="power-of-two"):
+        Fp8Linear.from_fp8(w, s, ue8m0=True)
+    with pytest.raises(ValueError, match="ue8m0 must be a bool"):
+        Fp8Linear(256, 384, ue8m0=1)
+    mlp = Fp8MLP(256, 128, ue8m0=True)
+    assert mlp.gate_up_proj.ue8m0 and mlp.down_proj.ue8m0
+
+
+def test_ue8m0_fused_moe_quantizes_both_activations_with_power_of_two_scales(monkeypatch):
+    from moe_fp8.layers import linear as linear_module
+
+    num_experts, hidden, inter, top_k, t = 8, 256, 128, 3, 13
+    wts = MoEWeights(num_experts, hidden, inter, shared_inter=128, seed=110)
+    # power-of-two weight scales, as a V3.1 checkpoint has them
+    wts.w13, wts.s13 = quant.per_block(quant.dequant_per_block(wts.w13, wts.s13), ue8m0=True)
+    wts.w2, wts.s2 = quant.per_block(quant.dequant_per_block(wts.w2, wts.s2), ue8m0=True)
+    wts.shared = tuple(t for w, s in (wts.shared[:2], wts.shared[2:])
+                       for t in quant.per_block(quant.dequant_per_block(w, s), ue8m0=True))
+    kwargs = dict(num_shared_experts=1, **ROUTINGS["grouped_sigmoid"])
+    moe = wts.fill(Fp8FusedMoE(num_experts, hidden, inter, top_k, ue8m0=True, **kwargs))
+    plain = wts.fill(Fp8FusedMoE(num_experts, hidden, inter, top_k, **kwargs))
+    assert moe.shared_experts.ue8m0
+    x, logits = randn((t, hidden), seed=111), randn((t, num_experts), seed=112, dtype=torch.float32)
+    flags = []
+    for module in (moe_module, linear_module):
+        for name in ("per_token_group", "silu_mul_per_token_group"):
+            real = getattr(module, name)
+
+            def spy(*args, _real=real, **kw):
+                flags.append(kw.get("ue8m0"))
+                y_fp8, y_scale = _real(*args, **kw)
+                return y_fp8, y_scale
+
+            monkeypatch.setattr(module, name, spy)
+    outs = {p: moe(x, logits, path=p) for p in ("contiguous", "masked")}
+    assert flags == [True] * 6  # per path: the input, the shared expert's and the routed experts' SiLU·mul
+    assert torch.equal(outs["contiguous"], outs["masked"])
+    assert calc_diff(outs["contiguous"], moe_loop_reference(x, logits, wts, top_k, ROUTINGS["grouped_sigmoid"])) \
+        < LAYER_DIFF
+    assert not torch.equal(outs["contiguous"], plain(x, logits))  # the scales really differ

@@ -44,10 +44,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _moe(expert_map=None, inter=256):
+def _moe(expert_map=None, inter=256, ue8m0=False):
     return Fp8FusedMoE(8, 256, inter, 4, scoring_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
                        use_correction_bias=True, num_shared_experts=1, shared_intermediate_size=inter,
-                       expert_map=expert_map)
+                       expert_map=expert_map, ue8m0=ue8m0)
 
 
 def test_writer_format(fp8_ckpt):
@@ -199,3 +199,54 @@ def test_loaders_refuse_mismatches(fp8_ckpt, tmp_path):
         CheckpointReader(tmp_path)
     with pytest.raises(FileNotFoundError):
         CheckpointReader(tmp_path / "nowhere")
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0 (DeepSeek-V3.1: quantization_config.scale_fmt = "ue8m0", power-of-two scales)
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ue8m0_ckpt(tmp_path_factory):
+    return write_deepseek_v3_checkpoint(tmp_path_factory.mktemp("ue8m0"), CFG, seed=7, scale_fmt="ue8m0")
+
+
+def test_ue8m0_checkpoint_loads_into_ue8m0_layers(ue8m0_ckpt):
+    config = json.loads((ue8m0_ckpt / "config.json").read_text())
+    assert config["quantization_config"]["scale_fmt"] == "ue8m0"
+    reader = CheckpointReader(ue8m0_ckpt)
+    assert reader.ue8m0
+    scale = reader.get(f"{MOE}.experts.0.gate_proj.weight_scale_inv")
+    assert scale.dtype == torch.float32 and torch.equal(scale, torch.exp2(torch.log2(scale).round()))
+    moe = _moe(ue8m0=True)
+    load_fused_moe(moe, reader, MOE)
+    gate = reader.get(f"{MOE}.experts.5.gate_proj.weight")
+    assert torch.equal(_bytes(moe.w13_weight[5, :256]), _bytes(gate))
+    assert torch.equal(moe.w2_weight_scale_inv[5], reader.get(f"{MOE}.experts.5.down_proj.weight_scale_inv"))
+    load_fp8_mlp(Fp8MLP(256, 384, ue8m0=True), reader, "model.layers.0.mlp")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert moe(x, torch.randn(5, 8, generator=torch.Generator().manual_seed(1))).isfinite().all()
+
+
+def test_ue8m0_mismatches_are_refused(fp8_ckpt, ue8m0_ckpt, bf16_ckpt, tmp_path):
+    # a V3.1 checkpoint into a layer that would quantize activations with fp32 scales
+    with pytest.raises(ValueError, match=r"scale_fmt = 'ue8m0'.*built with ue8m0=False"):
+        load_fused_moe(_moe(), CheckpointReader(ue8m0_ckpt), MOE)
+    with pytest.raises(ValueError, match="built with ue8m0=False"):
+        load_fp8_linear(Fp8Linear(256, 160), ue8m0_ckpt, "model.layers.0.self_attn.kv_a_proj_with_mqa")
+    # fp32-scale weights into a UE8M0 layer: the scales are checked, the tensor named
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight_scale_inv: scale_fmt 'ue8m0' needs "
+                                         r"positive power-of-two scales"):
+        load_fused_moe(_moe(ue8m0=True), CheckpointReader(fp8_ckpt), MOE)
+    # a bf16 checkpoint into a UE8M0 layer is quantized with power-of-two scales
+    mlp = Fp8MLP(256, 384, ue8m0=True)
+    load_fp8_mlp(mlp, bf16_ckpt, "model.layers.0.mlp")
+    w, s = quant.per_block(CheckpointReader(bf16_ckpt).get("model.layers.0.mlp.down_proj.weight"), ue8m0=True)
+    assert torch.equal(_bytes(mlp.down_proj.weight), _bytes(w)) and torch.equal(mlp.down_proj.weight_scale_inv, s)
+    # scale formats moe_fp8 does not read
+    bad = dict(CFG, quantization_config={**json.loads((ue8m0_ckpt / "config.json").read_text())[
+        "quantization_config"], "scale_fmt": "fp16"})
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(ValueError, match="scale_fmt 'fp16'"):
+        CheckpointReader(tmp_path)
+    with pytest.raises(ValueError, match="scale_fmt"):
+        write_deepseek_v3_checkpoint(tmp_path / "x", CFG, scale_fmt="ue8m0", fp8=False)

@@ -144,6 +144,7 @@ def test_model_is_patched_with_fp8_layers(ours, ckpt):
         assert all(isinstance(getattr(layer.self_attn, proj), Fp8Linear) for layer in layers)
     assert report.moe_layers == ["model.layers.1.mlp", "model.layers.2.mlp"]
     assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
+    assert not report.ue8m0 and not any(getattr(m, "ue8m0", False) for m in ours.modules())
     assert not any(isinstance(m, torch.nn.Linear) and m.weight.dtype != torch.bfloat16 for m in ours.modules())
     assert ours.lm_head.weight.dtype == torch.bfloat16 and not ours.lm_head.weight.is_meta
 
@@ -199,6 +200,20 @@ def test_bf16_checkpoint_and_unquantizable_projection(tmp_path, monkeypatch):
     recorder = RoutingRecorder(ours, monkeypatch)
     input_ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
     check_against_reference(ours, reference, input_ids, recorder)
+
+
+def test_ue8m0_checkpoint(tmp_path, monkeypatch):
+    """A DeepSeek-V3.1-style checkpoint (scale_fmt "ue8m0"): every FP8 layer is built with ue8m0=True and
+    the model still matches the fp32 transformers model."""
+    path = write_deepseek_v3_checkpoint(tmp_path / "v31", tiny_deepseek_v3_config(num_hidden_layers=2), seed=8,
+                                        scale_fmt="ue8m0")
+    ours = hf.load_model(path, masked_max_tokens=CROSSOVER)
+    assert ours.moe_fp8_report.ue8m0
+    fp8_modules = [m for m in ours.modules() if isinstance(m, (Fp8Linear, Fp8MLP, Fp8FusedMoE))]
+    assert len(fp8_modules) > 10 and all(m.ue8m0 for m in fp8_modules)
+    recorder = RoutingRecorder(ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(4))
+    check_against_reference(ours, hf.load_reference_model(path), input_ids, recorder)
 
 
 def test_transformers_own_loader_reads_our_checkpoint(tmp_path):

@@ -1,7 +1,9 @@
 """MoE building blocks and layers (DESIGN §5).
 
 - ``select_experts`` (routing), ``dispatch_contiguous`` / ``dispatch_masked`` / ``combine`` (layouts);
-- ``Fp8Linear``, ``Fp8MLP``, ``Fp8FusedMoE``: block-FP8 layers with DeepSeek-V3 parameter layouts;
+- ``Fp8Linear``, ``Fp8MLP``, ``Fp8FusedMoE``: block-FP8 layers with DeepSeek-V3 parameter layouts
+  (``ue8m0=True`` for DeepSeek-V3.1's power-of-two scales, checked by ``check_ue8m0_scales``);
+- ``MaskedWorkspace``: the persistent decode buffers ``Fp8FusedMoE`` owns; ``StageTimer``: per-stage times;
 - ``shard_fp8_linear``, ``shard_moe_weights``, ``expert_map_for_rank``, ``tp_shard_range``: TP / EP splits;
 - ``CheckpointReader``, ``load_fp8_linear``, ``load_fp8_mlp``, ``load_fused_moe``: fill the layers from a
   DeepSeek-V3-format safetensors checkpoint; ``write_deepseek_v3_checkpoint`` /
@@ -20,18 +22,29 @@ from moe_fp8.layers.checkpoint import (
     write_deepseek_v3_checkpoint,
 )
 from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked
-from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape
-from moe_fp8.layers.moe import MASKED_MAX_ROWS, Fp8FusedMoE, default_masked_max_tokens
+from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape, check_ue8m0_scales
+from moe_fp8.layers.moe import (
+    MASKED_MAX_ROWS,
+    STAGES,
+    Fp8FusedMoE,
+    MaskedWorkspace,
+    StageTimer,
+    default_masked_max_tokens,
+)
 from moe_fp8.layers.parallel import expert_map_for_rank, shard_fp8_linear, shard_moe_weights, tp_shard_range
 from moe_fp8.layers.routing import select_experts
 
 __all__ = [
     "MASKED_MAX_ROWS",
+    "STAGES",
     "CheckpointReader",
     "Fp8FusedMoE",
     "Fp8Linear",
     "Fp8MLP",
+    "MaskedWorkspace",
+    "StageTimer",
     "check_fp8_linear_shape",
+    "check_ue8m0_scales",
     "combine",
     "deepseek_v3_tensor_specs",
     "default_masked_max_tokens",

@@ -12,7 +12,10 @@ Format (as published by DeepSeek for V3 / R1 and read by vLLM, SGLang and transf
   ``<module>.weight_scale_inv`` (``float32 [ceil(N/128), ceil(K/128)]``, a multiplier despite the name);
   embeddings, norms, the router (``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``) and
   ``lm_head`` stay bf16 / fp32. Routed experts are separate tensors per expert:
-  ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``.
+  ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``;
+- DeepSeek-V3.1 adds ``"scale_fmt": "ue8m0"`` to ``quantization_config``: every ``weight_scale_inv`` is a
+  power of two (stored as fp32, or ``float8_e8m0fnu``) and activations are quantized with power-of-two
+  scales too. The loaders then require layers built with ``ue8m0=True`` and check the scales.
 
 Loading (``load_fp8_linear`` / ``load_fp8_mlp`` / ``load_fused_moe``) copies FP8 bytes and scales
 straight from the memory-mapped files into the (stacked) parameters, reading only the slice a rank
@@ -35,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moe_fp8.layers.linear import Fp8Linear, Fp8MLP
+from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_ue8m0_scales
 from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.layers.parallel import tp_shard_range
 from moe_fp8.quant import per_block
@@ -43,6 +46,7 @@ from moe_fp8.utils import GROUP_K, ceil_div
 
 __all__ = [
     "FP8_QUANTIZATION_CONFIG",
+    "SCALE_FMTS",
     "CheckpointReader",
     "TensorSpec",
     "deepseek_v3_tensor_specs",
@@ -67,6 +71,8 @@ FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
     "activation_scheme": "dynamic",
     "weight_block_size": [GROUP_K, GROUP_K],
 }
+# quantization_config.scale_fmt values read: absent / None (fp32 scales, DeepSeek-V3) or "ue8m0" (V3.1).
+SCALE_FMTS = (None, "ue8m0")
 
 
 # ==============================================================================================
@@ -80,7 +86,8 @@ class CheckpointReader:
         path: a checkpoint directory (with ``model.safetensors.index.json``, or a single
             ``*.safetensors`` file) or the path of one ``.safetensors`` file.
 
-    ``config`` is ``config.json`` as a dict (``{}`` if absent). Tensors are read on CPU through
+    ``config`` is ``config.json`` as a dict (``{}`` if absent); ``ue8m0`` is True when its
+    ``quantization_config.scale_fmt`` is ``"ue8m0"`` (DeepSeek-V3.1: power-of-two scales). Tensors are read on CPU through
     ``safetensors.safe_open``; ``get_slice`` reads only the requested rows / columns. Names a loader
     consumed are collected in ``used`` (so callers can report what a model did not take). Use as a
     context manager or call ``close()`` to drop the file handles.
@@ -132,6 +139,14 @@ class CheckpointReader:
         if qc.get("activation_scheme", "dynamic") != "dynamic":
             raise ValueError(f"activation_scheme {qc.get('activation_scheme')!r} is not supported (only 'dynamic': "
                              "activations are quantized per token per 128 columns at run time)")
+        if qc.get("scale_fmt") not in SCALE_FMTS:
+            raise ValueError(f"quantization_config.scale_fmt {qc.get('scale_fmt')!r} in {self.path / 'config.json'} "
+                             f"is not supported; moe_fp8 reads {SCALE_FMTS} (fp32 or power-of-two scales)")
+
+    @property
+    def ue8m0(self) -> bool:
+        """Whether the checkpoint declares power-of-two (UE8M0) scales: ``quantization_config.scale_fmt``."""
+        return (self.config.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
 
     def _handle(self, file: str) -> Any:
         handle = self._handles.get(file)
@@ -194,14 +209,16 @@ def _as_reader(checkpoint: CheckpointReader | str | os.PathLike) -> CheckpointRe
 
 
 def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, int] | None = None,
-                   cols: tuple[int, int] | None = None,
-                   device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+                   cols: tuple[int, int] | None = None, device: torch.device | str | None = None,
+                   ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     """``(weight fp8 [n, k], weight_scale_inv fp32 [ceil(n/128), ceil(k/128)])`` of ``{prefix}.weight``,
     restricted to ``rows`` / ``cols`` (each ``[start, stop)``; starts must be multiples of 128).
 
     A stored FP8 weight and its scales are sliced as stored (bytes unchanged). A weight without
     ``weight_scale_inv`` (bf16 / fp16 / fp32) is read (the slice only), moved to ``device`` and quantized
     per 128×128 block. Non-fp32 scales (e.g. UE8M0 ``float8_e8m0fnu``) are converted to fp32 exactly.
+    ``ue8m0``: the scales must be powers of two (``check_ue8m0_scales``; ``ValueError`` naming the tensor),
+    and a bf16 weight is quantized with power-of-two scales.
     """
     w_name, s_name = f"{prefix}.weight", f"{prefix}.weight{SCALE_SUFFIX}"
     shape = reader.shape(w_name)
@@ -222,11 +239,24 @@ def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, in
         s_rows = None if rows is None else (rows[0] // GROUP_K, ceil_div(rows[1], GROUP_K))
         s_cols = None if cols is None else (cols[0] // GROUP_K, ceil_div(cols[1], GROUP_K))
         s = reader.get_slice(s_name, s_rows, s_cols)
-        return w, s if s.dtype == torch.float32 else s.to(torch.float32)
+        s = s if s.dtype == torch.float32 else s.to(torch.float32)
+        if ue8m0:
+            check_ue8m0_scales(s, s_name)
+        return w, s
     w = reader.get_slice(w_name, rows, cols)
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{w_name} is stored as {w.dtype} without a {s_name}: cannot interpret it")
-    return per_block(w.to(device).contiguous())
+    return per_block(w.to(device).contiguous(), ue8m0=ue8m0)
+
+
+def _check_scale_fmt(reader: CheckpointReader, module: torch.nn.Module, what: str) -> bool:
+    """The module's ``ue8m0`` (refusing a UE8M0 checkpoint for a module built without it)."""
+    ue8m0 = bool(getattr(module, "ue8m0", False))
+    if reader.ue8m0 and not ue8m0:
+        raise ValueError(f"{reader.path} declares quantization_config.scale_fmt = 'ue8m0' (power-of-two scales, "
+                         f"DeepSeek-V3.1) but {what} was built with ue8m0=False: build it with ue8m0=True so its "
+                         "activations are quantized as the checkpoint expects")
+    return ue8m0
 
 
 def _copy(dst: Tensor, src: Tensor, what: str) -> None:
@@ -251,6 +281,7 @@ def load_fp8_linear(module: Fp8Linear, checkpoint: CheckpointReader | str | os.P
     """
     reader = _as_reader(checkpoint)
     parts = [prefixes] if isinstance(prefixes, str) else list(prefixes)
+    ue8m0 = _check_scale_fmt(reader, module, f"the Fp8Linear for {parts[0]}")
     if mode not in ("column", "row"):
         raise ValueError(f"mode must be 'column' or 'row', got {mode!r}")
     if mode == "row" and len(parts) != 1:
@@ -262,7 +293,7 @@ def load_fp8_linear(module: Fp8Linear, checkpoint: CheckpointReader | str | os.P
             rows, cols = tp_shard_range(n, tp_rank, tp_size, f"{prefix}.weight N"), None
         else:
             rows, cols = None, tp_shard_range(k, tp_rank, tp_size, f"{prefix}.weight K")
-        w, s = read_block_fp8(reader, prefix, rows=rows, cols=cols, device=module.weight.device)
+        w, s = read_block_fp8(reader, prefix, rows=rows, cols=cols, device=module.weight.device, ue8m0=ue8m0)
         if idx < len(parts) - 1 and w.shape[0] % GROUP_K != 0:
             raise ValueError(f"{prefix}: a fused part must have a multiple of {GROUP_K} rows, got {w.shape[0]}")
         r0 = row_off
@@ -303,6 +334,7 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
     The router weight ``{prefix}.gate.weight`` is not part of the module (router logits are an input).
     """
     reader = _as_reader(checkpoint)
+    ue8m0 = _check_scale_fmt(reader, module, f"the Fp8FusedMoE for {prefix}")
     inter = module.intermediate_size
     ib = inter // GROUP_K
     dev = module.w13_weight.device
@@ -311,10 +343,10 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
         full_i = reader.shape(f"{base}.gate_proj.weight")[0]
         i_range = tp_shard_range(full_i, tp_rank, tp_size, f"{base} intermediate size")
         for half, proj in enumerate(("gate_proj", "up_proj")):
-            w, s = read_block_fp8(reader, f"{base}.{proj}", rows=i_range, device=dev)
+            w, s = read_block_fp8(reader, f"{base}.{proj}", rows=i_range, device=dev, ue8m0=ue8m0)
             _copy(module.w13_weight[local, half * inter:(half + 1) * inter], w, f"{base}.{proj}.weight")
             _copy(module.w13_weight_scale_inv[local, half * ib:(half + 1) * ib], s, f"{base}.{proj}.weight{SCALE_SUFFIX}")
-        w, s = read_block_fp8(reader, f"{base}.down_proj", cols=i_range, device=dev)
+        w, s = read_block_fp8(reader, f"{base}.down_proj", cols=i_range, device=dev, ue8m0=ue8m0)
         _copy(module.w2_weight[local], w, f"{base}.down_proj.weight")
         _copy(module.w2_weight_scale_inv[local], s, f"{base}.down_proj.weight{SCALE_SUFFIX}")
     if module.e_score_correction_bias is not None:
@@ -464,21 +496,28 @@ def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]
 
 
 def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
-                                 seed: int = 0, fp8: bool = True, num_shards: int = 2) -> Path:
+                                 seed: int = 0, fp8: bool = True, num_shards: int = 2,
+                                 scale_fmt: str | None = None) -> Path:
     """Write a random DeepSeek-V3 checkpoint for ``config`` (default ``tiny_deepseek_v3_config()``) to ``path``.
 
     ``fp8=True``: the linear weights of the decoder layers are block FP8 (``weight`` + ``weight_scale_inv``,
     quantized from the random draw with ``moe_fp8.quant.per_block``) and ``config.json`` carries
     ``quantization_config``; ``fp8=False``: everything bf16 (fp32 correction bias), no ``quantization_config``.
-    Tensors are spread over ``num_shards`` files ``model-0000i-of-0000n.safetensors`` in spec order, with
+    ``scale_fmt="ue8m0"`` (with ``fp8``) writes a DeepSeek-V3.1-style checkpoint: power-of-two fp32 scales
+    (``per_block(..., ue8m0=True)``) and ``quantization_config.scale_fmt = "ue8m0"``. Tensors are spread over ``num_shards`` files ``model-0000i-of-0000n.safetensors`` in spec order, with
     ``model.safetensors.index.json``. Draws come from one CPU generator seeded with ``seed`` (same seed,
     same bytes). Returns the directory.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    if scale_fmt not in SCALE_FMTS or (scale_fmt is not None and not fp8):
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS} (and needs fp8=True), got {scale_fmt!r}")
+    ue8m0 = scale_fmt == "ue8m0"
     config = dict(tiny_deepseek_v3_config() if config is None else config)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        if ue8m0:
+            config["quantization_config"]["scale_fmt"] = scale_fmt
     else:
         config.pop("quantization_config", None)
     out = Path(path)
@@ -489,7 +528,7 @@ def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, A
     for name, spec in deepseek_v3_tensor_specs(config).items():
         draw = torch.randn(spec.shape, generator=gen, dtype=torch.float32) * spec.std + spec.mean
         if fp8 and spec.fp8:
-            w_fp8, w_scale = per_block(draw)
+            w_fp8, w_scale = per_block(draw, ue8m0=ue8m0)
             tensors[name] = w_fp8
             tensors[name + SCALE_SUFFIX] = w_scale
         else:

@@ -14,6 +14,10 @@ the PyTorch reference on CPU).
 Shapes the GEMM kernels take (and hence the layer): ``K % 16 == 0`` and ``N % 8 == 0`` (16-byte rows);
 N and K need not be multiples of 128 (the last scale block is partial). Anything else is refused at
 construction with a ``ValueError``.
+
+UE8M0 (DeepSeek-V3.1, ``quantization_config.scale_fmt = "ue8m0"``): ``ue8m0=True`` quantizes the
+activations with power-of-two scales, and ``load_fp8_`` (like the checkpoint loaders) refuses weight scales
+that are not positive powers of two (``check_ue8m0_scales``); the scales stay fp32 tensors either way.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from moe_fp8.quant import per_block, per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div
 from moe_fp8.validation import K_ALIGN, N_ALIGN
 
-__all__ = ["Fp8Linear", "Fp8MLP", "check_fp8_linear_shape"]
+__all__ = ["Fp8Linear", "Fp8MLP", "check_fp8_linear_shape", "check_ue8m0_scales"]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -45,6 +49,25 @@ def check_fp8_linear_shape(in_features: int, out_features: int, name: str = "Fp8
     if not _is_int(out_features) or out_features <= 0 or out_features % N_ALIGN != 0:
         raise ValueError(f"{name}: out_features (N) must be a positive multiple of {N_ALIGN} for the FP8 GEMM "
                          f"(bf16 output rows of 16-byte multiples), got {out_features!r}")
+
+
+def check_ue8m0_scales(scale: Tensor, name: str) -> None:
+    """Raise ``ValueError`` unless every entry of ``scale`` is a positive, finite power of two (a UE8M0
+    value): what ``quantization_config.scale_fmt = "ue8m0"`` promises for ``weight_scale_inv``."""
+    s = scale.detach().float()
+    mantissa, _ = torch.frexp(s)
+    bad = ~((mantissa == 0.5) & (s > 0) & s.isfinite())
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name}: scale_fmt 'ue8m0' needs positive power-of-two scales, but {int(bad.sum())} of "
+                         f"{s.numel()} are not (e.g. {name}{list(idx)} = {s[idx].item()!r}): these are not UE8M0 "
+                         "scales; use a layer built with ue8m0=False for them")
+
+
+def _bool_arg(owner: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {name} must be a bool, got {value!r}")
+    return value
 
 
 def _frozen(t: Tensor) -> nn.Parameter:
@@ -69,6 +92,7 @@ class Fp8Linear(nn.Module):
     Args:
         in_features: K, a positive multiple of 16. out_features: N, a positive multiple of 8.
         bias: add a ``bfloat16 [N]`` bias.
+        ue8m0: power-of-two activation scales, and power-of-two weight scales required (DeepSeek-V3.1).
         device: where to allocate the parameters (``"meta"`` to allocate nothing).
 
     Parameters start as zeros with unit scales; fill them from a checkpoint
@@ -78,12 +102,13 @@ class Fp8Linear(nn.Module):
     bf16 (FP32 accumulation) and other dtypes are cast from it.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, ue8m0: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         check_fp8_linear_shape(in_features, out_features)
         self.in_features = in_features
         self.out_features = out_features
+        self.ue8m0 = _bool_arg("Fp8Linear", "ue8m0", ue8m0)
         self.weight = _frozen(torch.zeros((out_features, in_features), dtype=_FP8, device=device))
         self.weight_scale_inv = _frozen(torch.ones(
             (ceil_div(out_features, GROUP_K), ceil_div(in_features, GROUP_K)), dtype=torch.float32, device=device))
@@ -93,14 +118,15 @@ class Fp8Linear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> Fp8Linear:
-        """Quantize a bf16 / fp16 / fp32 ``nn.Linear`` per 128×128 block (``moe_fp8.quant.per_block``),
-        on the linear's device. The bias (if any) is kept in bf16."""
+    def from_float(cls, linear: nn.Linear, *, ue8m0: bool = False) -> Fp8Linear:
+        """Quantize a bf16 / fp16 / fp32 ``nn.Linear`` per 128×128 block (``moe_fp8.quant.per_block``,
+        power-of-two scales with ``ue8m0``), on the linear's device. The bias (if any) is kept in bf16."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float expects a torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device)
-        w_fp8, w_scale = per_block(w.contiguous())
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, ue8m0=ue8m0,
+                     device=w.device)
+        w_fp8, w_scale = per_block(w.contiguous(), ue8m0=ue8m0)
         with torch.no_grad():
             module.weight.copy_(w_fp8)
             module.weight_scale_inv.copy_(w_scale)
@@ -109,19 +135,23 @@ class Fp8Linear(nn.Module):
         return module
 
     @classmethod
-    def from_fp8(cls, weight: Tensor, weight_scale_inv: Tensor, bias: Tensor | None = None) -> Fp8Linear:
+    def from_fp8(cls, weight: Tensor, weight_scale_inv: Tensor, bias: Tensor | None = None, *,
+                 ue8m0: bool = False) -> Fp8Linear:
         """Wrap existing block-FP8 tensors (e.g. a ``shard_fp8_linear`` shard); they are copied."""
         if not isinstance(weight, Tensor) or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', weight)!r}")
         n, k = weight.shape
-        module = cls(k, n, bias=bias is not None, device=weight.device)
+        module = cls(k, n, bias=bias is not None, ue8m0=ue8m0, device=weight.device)
         module.load_fp8_(weight, weight_scale_inv, bias)
         return module
 
     @torch.no_grad()
     def load_fp8_(self, weight: Tensor, weight_scale_inv: Tensor, bias: Tensor | None = None) -> None:
         """Copy ``weight`` (fp8 [N, K]), ``weight_scale_inv`` (fp32 [ceil(N/128), ceil(K/128)]) and ``bias``
-        into the parameters; shapes and dtypes must match exactly (no conversion)."""
+        into the parameters; shapes and dtypes must match exactly (no conversion). With ``ue8m0`` the scales
+        must be powers of two (``check_ue8m0_scales``)."""
+        if self.ue8m0 and isinstance(weight_scale_inv, Tensor):
+            check_ue8m0_scales(weight_scale_inv, "weight_scale_inv")
         for name, src, dst in (("weight", weight, self.weight), ("weight_scale_inv", weight_scale_inv,
                                                                  self.weight_scale_inv)):
             if not isinstance(src, Tensor) or src.dtype != dst.dtype or src.shape != dst.shape:
@@ -145,13 +175,13 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flatten_tokens(x, self.in_features, "Fp8Linear")
-        x_fp8, x_scale = per_token_group(x2)
+        x_fp8, x_scale = per_token_group(x2, ue8m0=self.ue8m0)
         out = self.forward_fp8(x_fp8, x_scale)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, block=({GROUP_K}, {GROUP_K})")
+                f"bias={self.bias is not None}, block=({GROUP_K}, {GROUP_K})" + (", ue8m0=True" if self.ue8m0 else ""))
 
 
 class Fp8MLP(nn.Module):
@@ -160,28 +190,31 @@ class Fp8MLP(nn.Module):
     Args:
         hidden_size: H (a positive multiple of 16). intermediate_size: I (a positive multiple of 128, so the
             fused ``[gate | up]`` weight's halves each own whole scale blocks and can be loaded / split separately).
+        ue8m0: power-of-two activation (and weight) scales, as ``Fp8Linear``.
 
     Parameters: ``gate_up_proj`` (``Fp8Linear`` H → 2I, rows ``[gate | up]``) and ``down_proj`` (I → H).
     Forward: one quantization of x, GEMM → fused SiLU·mul + quantization → GEMM.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, device: torch.device | str | None = None, *,
+                 ue8m0: bool = False) -> None:
         super().__init__()
         if not _is_int(intermediate_size) or intermediate_size <= 0 or intermediate_size % GROUP_K != 0:
             raise ValueError(f"Fp8MLP: intermediate_size must be a positive multiple of {GROUP_K} (gate and up "
                              f"halves on scale-block boundaries), got {intermediate_size!r}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Fp8Linear(hidden_size, 2 * intermediate_size, device=device)
-        self.down_proj = Fp8Linear(intermediate_size, hidden_size, device=device)
+        self.ue8m0 = _bool_arg("Fp8MLP", "ue8m0", ue8m0)
+        self.gate_up_proj = Fp8Linear(hidden_size, 2 * intermediate_size, ue8m0=ue8m0, device=device)
+        self.down_proj = Fp8Linear(intermediate_size, hidden_size, ue8m0=ue8m0, device=device)
 
     def forward_fp8(self, x_fp8: Tensor, x_scale: Tensor) -> Tensor:
         """``x_fp8 [M, H]``, ``x_scale [M, ceil(H/128)]`` → ``bfloat16 [M, H]``."""
         h = self.gate_up_proj.forward_fp8(x_fp8, x_scale)  # [M, 2I] bf16
-        y_fp8, y_scale = silu_mul_per_token_group(h)
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=self.ue8m0)
         return self.down_proj.forward_fp8(y_fp8, y_scale)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = _flatten_tokens(x, self.hidden_size, "Fp8MLP")
-        x_fp8, x_scale = per_token_group(x2)
+        x_fp8, x_scale = per_token_group(x2, ue8m0=self.ue8m0)
         return self.forward_fp8(x_fp8, x_scale).view(x.shape).to(x.dtype)

@@ -14,6 +14,18 @@ Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
 Every step is a public ``moe_fp8`` op, so the layer runs on the Hopper kernels where they exist and on
 the PyTorch reference elsewhere (CPU included).
 
+Decode workspace. The masked path writes its four ``[E_local, T, ·]`` intermediates into a
+``MaskedWorkspace`` the layer owns: allocated once per (device, GEMM output dtype, max_m =
+``masked_max_tokens``) on first use, then reused by every masked forward of at most ``max_m`` tokens
+(eager calls and every captured CUDA graph alike), so a graph captures no allocation of those buffers
+and all graphs share one copy. Warm up once before capturing so the workspace comes from the ordinary
+allocator pool rather than the first graph's. Larger masked batches (only under capture or an explicit
+``path="masked"``) allocate per call, as the ops do.
+
+UE8M0. ``ue8m0=True`` (DeepSeek-V3.1 checkpoints, ``quantization_config.scale_fmt = "ue8m0"``) quantizes
+the activations with power-of-two scales (both quantizations of the forward, shared experts included);
+the loaders check that the weights' scales are powers of two too.
+
 Parallelism. Expert parallel: ``expert_map`` (global id → local id, -1 = not on this rank) selects the
 experts a rank holds; token copies routed elsewhere contribute nothing here. Tensor parallel: the
 weights hold a shard of ``I`` (``shard_moe_weights``). Either way the output of one rank is a partial
@@ -23,7 +35,10 @@ shard them too (``shard_fp8_linear``) or give them to one rank only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,10 +48,11 @@ from moe_fp8.layers.linear import Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
 from moe_fp8.quant import per_token_group, silu_mul_per_token_group
-from moe_fp8.utils import GROUP_K, ceil_div
+from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
-__all__ = ["MASKED_MAX_ROWS", "PATHS", "Fp8FusedMoE", "default_masked_max_tokens"]
+__all__ = ["MASKED_MAX_ROWS", "PATHS", "STAGES", "Fp8FusedMoE", "MaskedBuffers", "MaskedWorkspace", "StageTimer",
+           "default_masked_max_tokens"]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -58,6 +74,117 @@ def default_masked_max_tokens(num_local_experts: int) -> int:
     return max(64, MASKED_MAX_ROWS // max(num_local_experts, 1))
 
 PATHS = ("auto", "contiguous", "masked")
+# Stages of one forward, in order, as ``Fp8FusedMoE.stage_hook`` sees them ("shared" only with shared experts).
+STAGES = ("routing", "quant", "dispatch", "shared", "gemm1", "act_quant", "gemm2", "combine")
+
+
+class MaskedBuffers(NamedTuple):
+    """The masked path's intermediates for one batch of ``m`` tokens (views into a ``MaskedWorkspace``)."""
+
+    a_fp8: Tensor  # dispatch output, float8_e4m3fn [E, m, H]
+    a_scale: Tensor  # its scales, float32 [E, m, ceil(H/128)], 3-D TMA layout
+    h: Tensor  # GEMM1 output, [E, m, 2I]
+    y_fp8: Tensor  # SiLU·mul + quant output, float8_e4m3fn [E, m, I]
+    y_scale: Tensor  # its scales, float32 [E, m, I/128], 3-D TMA layout
+    y: Tensor  # GEMM2 output, [E, m, H]
+
+
+class MaskedWorkspace:
+    """Persistent buffers of ``Fp8FusedMoE``'s masked path for batches of up to ``max_m`` tokens.
+
+    Each step of the path reads one buffer and writes another, and no intermediate is read two steps
+    later, so two byte regions used in turn hold all four (a ping-pong):
+
+    - region P: dispatch output ``a_fp8 [E, m, H]`` (dead once GEMM1 has read it), then the SiLU·mul
+      output ``y_fp8 [E, m, I]``;
+    - region Q: GEMM1 output ``h [E, m, 2I]`` (dead once SiLU·mul has read it), then the GEMM2 output
+      ``y [E, m, H]``;
+    - scales: ``a_scale`` then ``y_scale``, in the 3-D TMA layout.
+
+    For a DeepSeek-V3 EP rank (E 32, H 7168, I 2048, max_m 512) that is 340 MiB instead of the 501 MiB
+    of four separate buffers. ``views(m)`` gives the tensors of an ``m``-token batch (``m <= max_m``):
+    contiguous ``[E, m, ·]`` views from the start of each region (cached per ``m``), so the GEMMs see
+    the same shapes and pointers every time ``m`` repeats.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, max_m: int,
+                 device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.max_m, self.device, self.out_dtype = max_m, torch.device(device), out_dtype
+        e, h, i = num_experts, hidden_size, intermediate_size
+        out_bytes = torch.empty((), dtype=out_dtype).element_size()
+        self._p = torch.empty(e * max_m * max(h, i), dtype=torch.uint8, device=self.device)
+        self._q = torch.empty(e * max_m * max(2 * i, h) * out_bytes, dtype=torch.uint8, device=self.device)
+        kg = max(ceil_div(h, GROUP_K), ceil_div(i, GROUP_K))
+        self._s = torch.empty(e * kg * get_tma_aligned_m(max_m), dtype=torch.float32, device=self.device)
+        self._views: dict[int, MaskedBuffers] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self._p, self._q, self._s))
+
+    def _rows(self, region: Tensor, dtype: torch.dtype, m: int, cols: int) -> Tensor:
+        n = self.num_experts * m * cols
+        return region.view(dtype)[:n].view(self.num_experts, m, cols)
+
+    def _scales(self, m: int, cols: int) -> Tensor:
+        kg, m_pad = ceil_div(cols, GROUP_K), get_tma_aligned_m(m)
+        grid = self._s[:self.num_experts * kg * m_pad].view(self.num_experts, kg, m_pad)
+        return grid[:, :, :m].transpose(1, 2)  # the layout of empty_scale_tma(m, kg, groups=E)
+
+    def views(self, m: int) -> MaskedBuffers:
+        """The intermediates of an ``m``-token batch, ``0 <= m <= max_m``."""
+        bufs = self._views.get(m)
+        if bufs is None:
+            if not 0 <= m <= self.max_m:
+                raise ValueError(f"MaskedWorkspace holds batches of up to {self.max_m} tokens, got {m}")
+            h, i, fp8 = self.hidden_size, self.intermediate_size, torch.float8_e4m3fn
+            bufs = self._views[m] = MaskedBuffers(
+                a_fp8=self._rows(self._p, fp8, m, h), a_scale=self._scales(m, h),
+                h=self._rows(self._q, self.out_dtype, m, 2 * i),
+                y_fp8=self._rows(self._p, fp8, m, i), y_scale=self._scales(m, i),
+                y=self._rows(self._q, self.out_dtype, m, h))
+        return bufs
+
+
+class StageTimer:
+    """Per-stage time of ``Fp8FusedMoE`` forwards: set it as ``layer.stage_hook``.
+
+    Each forward calls it with ``"start"`` and then with each name of ``STAGES`` it runs, right after that
+    stage's work is enqueued; it records a CUDA event on the current stream (a ``perf_counter`` reading
+    on CPU). ``stages_us()`` (synchronizes) gives, per stage, the time from the previous mark to its own,
+    so the stages of one forward add up to the whole forward as the GPU ran it: host gaps (a sync, launch
+    overhead the GPU waits on) land in the stage that caused them. Several forwards are kept, one list each.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.forwards: list[list[tuple[str, object]]] = []
+
+    def __call__(self, stage: str) -> None:
+        if stage == "start":
+            self.forwards.append([])
+        elif not self.forwards:
+            raise RuntimeError(f"StageTimer: stage {stage!r} before 'start'")
+        if self.cuda:
+            mark: object = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        self.forwards[-1].append((stage, mark))
+
+    def stages_us(self) -> list[dict[str, float]]:
+        """Microseconds of each stage, one dict per recorded forward (in stage order)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        result = []
+        for marks in self.forwards:
+            times = {}
+            for (_, prev), (name, cur) in itertools.pairwise(marks):
+                times[name] = (prev.elapsed_time(cur) * 1e3 if isinstance(prev, torch.cuda.Event)
+                               else (cur - prev) * 1e6)
+            result.append(times)
+        return result
 
 
 def _stream_capturing(t: Tensor) -> bool:
@@ -103,8 +230,15 @@ class Fp8FusedMoE(nn.Module):
         expert_map: optional global → local map ``[E]`` (tensor or ints): the experts of this rank get local
             ids ``0..E_local-1``, the others -1.
         masked_max_tokens: batches of at most this many tokens take the masked path under ``path="auto"``
-            (default ``default_masked_max_tokens(E_local)``, measured; see ``MASKED_MAX_ROWS``).
+            (default ``default_masked_max_tokens(E_local)``, measured; see ``MASKED_MAX_ROWS``); also the
+            capacity of the persistent decode workspace (``MaskedWorkspace``): give at least the largest
+            batch a CUDA graph is captured for, so every graph shares it.
+        ue8m0: quantize activations with power-of-two (UE8M0) scales, as DeepSeek-V3.1 checkpoints
+            (``quantization_config.scale_fmt = "ue8m0"``) expect; their weight scales are powers of two too.
         device: where to allocate the parameters (``"meta"`` allocates nothing).
+
+    ``stage_hook``: None, or a callable (``StageTimer``) called with ``"start"`` and each name of ``STAGES``
+    as the forward enqueues it (benchmarks; it adds one attribute test per stage when None).
 
     Parameters (DeepSeek-V3 names, stacked over local experts):
         ``w13_weight`` fp8 ``[E_local, 2I, H]`` (rows ``[gate | up]``), ``w13_weight_scale_inv`` fp32
@@ -120,7 +254,7 @@ class Fp8FusedMoE(nn.Module):
                  use_correction_bias: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None,
                  expert_map: Tensor | Sequence[int] | None = None,
-                 masked_max_tokens: int | None = None,
+                 masked_max_tokens: int | None = None, ue8m0: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_experts", num_experts, 1), ("hidden_size", hidden_size, 1),
@@ -154,6 +288,12 @@ class Fp8FusedMoE(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
+        if not isinstance(ue8m0, bool):
+            raise ValueError(f"Fp8FusedMoE: ue8m0 must be a bool, got {ue8m0!r}")
+        self.ue8m0 = ue8m0
+        self.stage_hook: Callable[[str], None] | None = None
+        # (device, GEMM output dtype, max_m) -> MaskedWorkspace; see the module doc and _workspace.
+        self._workspaces: dict[tuple[torch.device, torch.dtype, int], MaskedWorkspace] = {}
 
         self._expert_map_host = _parse_expert_map(expert_map, num_experts)
         if self._expert_map_host is None:
@@ -179,7 +319,7 @@ class Fp8FusedMoE(nn.Module):
 
         if num_shared_experts > 0:
             shared_i = shared_intermediate_size or num_shared_experts * intermediate_size
-            self.shared_experts: Fp8MLP | None = Fp8MLP(hidden_size, shared_i, device=device)
+            self.shared_experts: Fp8MLP | None = Fp8MLP(hidden_size, shared_i, ue8m0=ue8m0, device=device)
         elif shared_intermediate_size:
             raise ValueError("Fp8FusedMoE: shared_intermediate_size given without num_shared_experts")
         else:
@@ -233,43 +373,110 @@ class Fp8FusedMoE(nn.Module):
         if router_logits.device != hidden.device:
             raise ValueError(f"Fp8FusedMoE: router_logits on {router_logits.device}, hidden on {hidden.device}")
         chosen = self.choose_path(t, hidden, path)
+        mark = self.stage_hook
+        if mark is not None:
+            mark("start")
 
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
             n_group=self.n_group, topk_group=self.topk_group,
             e_score_correction_bias=self.e_score_correction_bias,
             routed_scaling_factor=self.routed_scaling_factor)
-        x_fp8, x_scale = per_token_group(hidden)
-        shared = None if self.shared_experts is None else self.shared_experts.forward_fp8(x_fp8, x_scale)
+        if mark is not None:
+            mark("routing")
+        x_fp8, x_scale = per_token_group(hidden, ue8m0=self.ue8m0)
+        if mark is not None:
+            mark("quant")
         if chosen == "contiguous":
-            y, row_map = self._experts_contiguous(x_fp8, x_scale, topk_ids)
+            y, row_map, shared = self._experts_contiguous(x_fp8, x_scale, topk_ids, mark)
         else:
-            y, row_map = self._experts_masked(x_fp8, x_scale, topk_ids)
+            y, row_map, shared = self._experts_masked(x_fp8, x_scale, topk_ids, mark)
         out = combine(y, row_map, topk_weights, shared)
-        return out.to(hidden.dtype)
+        if mark is not None:
+            mark("combine")
+        return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
 
-    def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _run_shared(self, x_fp8: Tensor, x_scale: Tensor, mark: Callable[[str], None] | None) -> Tensor | None:
+        # NOTE: enqueued after the dispatch, not before it: the contiguous dispatch waits for the host
+        # (M_total), and this way that sync does not wait for the shared experts' GEMMs, which then run
+        # while the host prepares the routed GEMMs' launches instead of leaving the GPU idle.
+        if self.shared_experts is None:
+            return None
+        shared = self.shared_experts.forward_fp8(x_fp8, x_scale)
+        if mark is not None:
+            mark("shared")
+        return shared
+
+    def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor,
+                            mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, self.num_local_experts,
                                                              self.expert_map)
+        if mark is not None:
+            mark("dispatch")
+        shared = self._run_shared(x_fp8, x_scale, mark)
         h = fp8_grouped_gemm_contiguous(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, m_indices)
-        y_fp8, y_scale = silu_mul_per_token_group(h)
+        if mark is not None:
+            mark("gemm1")
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=self.ue8m0)
+        if mark is not None:
+            mark("act_quant")
         y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, m_indices)
-        return y, row_map
+        if mark is not None:
+            mark("gemm2")
+        return y, row_map, shared
 
-    def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _workspace(self, device: torch.device, num_tokens: int) -> MaskedWorkspace | None:
+        """The persistent masked workspace for a batch of ``num_tokens`` on ``device``, or None where the
+        batch is larger than its capacity (``masked_max_tokens``) or the forward is being compiled (the
+        compiled graph allocates its own intermediates)."""
+        max_m = self.masked_max_tokens
+        if num_tokens > max_m or num_tokens == 0 or torch.compiler.is_compiling():
+            return None
+        key = (device, torch.bfloat16, max_m)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            # Workspaces of another device belong to weights that have moved: drop them. Same-device ones
+            # (another max_m) are kept, since a CUDA graph captured earlier may still write into them.
+            self._workspaces = {k: v for k, v in self._workspaces.items() if k[0] == device}
+            ws = self._workspaces[key] = MaskedWorkspace(self.num_local_experts, self.hidden_size,
+                                                         self.intermediate_size, max_m, device)
+        return ws
+
+    def release_workspaces(self) -> None:
+        """Free the persistent decode workspaces (they are reallocated on the next masked forward). Only
+        safe once no captured CUDA graph that used them will be replayed."""
+        self._workspaces = {}
+
+    def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor,
+                        mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         t = x_fp8.shape[0]
         # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
         # masked layout never drops one (the result equals the contiguous path's).
         max_m = t
         # Host-side hint only (mean copies per global expert): it may change speed, never the result.
         expected_m = max(1, ceil_div(t * self.top_k, self.num_experts))
-        a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, self.num_local_experts, max_m,
-                                                        self.expert_map)
-        h = fp8_grouped_gemm_masked(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, masked_m, expected_m)
-        y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
+        ws = self._workspace(x_fp8.device, t)
+        bufs = ws.views(t) if ws is not None else None
+        a, a_scale, masked_m, row_map = dispatch_masked(
+            x_fp8, x_scale, topk_ids, self.num_local_experts, max_m, self.expert_map,
+            out=None if bufs is None else bufs.a_fp8, out_scale=None if bufs is None else bufs.a_scale)
+        if mark is not None:
+            mark("dispatch")
+        shared = self._run_shared(x_fp8, x_scale, mark)
+        h = fp8_grouped_gemm_masked(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, masked_m, expected_m,
+                                    out=None if bufs is None else bufs.h)
+        if mark is not None:
+            mark("gemm1")
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=self.ue8m0, masked_m=masked_m,
+                                                  out=None if bufs is None else bufs.y_fp8,
+                                                  out_scale=None if bufs is None else bufs.y_scale)
+        if mark is not None:
+            mark("act_quant")
         y = fp8_grouped_gemm_masked(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, masked_m,
-                                    expected_m)
-        return y, row_map
+                                    expected_m, out=None if bufs is None else bufs.y)
+        if mark is not None:
+            mark("gemm2")
+        return y, row_map, shared
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}", f"local={self.num_local_experts}",
