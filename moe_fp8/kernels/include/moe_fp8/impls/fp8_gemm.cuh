@@ -164,7 +164,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
                 for (uint32_t kb_iter = 0; kb_iter < kNumKBlocks; ++kb_iter) {
-                    const uint32_t kb = tile.k_block(kb_iter, kNumKBlocks);
+                    const uint32_t kb = tile.k_reverse ? kNumKBlocks - 1 - kb_iter : kb_iter;
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
                     ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // measured, even with the wgmmas removed), so each block's B scales are loaded one block
         // earlier; only the first block of a tile waits.
         // k-block of the i-th issue (the producer walks K in the same order)
-        auto k_block = [&](uint32_t i) { return tile.k_block(i, kNumKBlocks); };
+        auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
         float b_lo_next = ptx::ldg_f32(tile_w_scale + k_block(0));
         float b_hi_next = two_blocks ? ptx::ldg_f32(tile_w_scale_hi + k_block(0)) : b_lo_next;
 

@@ -17,13 +17,6 @@ struct Tile {
     uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
     uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
-    uint32_t k_start;   // first k-block of the walk (see kRotateK)
-
-    // k-block of the i-th step of this tile's K walk (producer and consumers walk the same order)
-    __device__ __forceinline__ uint32_t k_block(uint32_t i, uint32_t num_k_blocks) const {
-        const uint32_t kb = k_start + (k_reverse ? num_k_blocks - 1 - i : i);
-        return kb >= num_k_blocks ? kb - num_k_blocks : kb;
-    }
 };
 
 // NOTE: consecutive waves of a persistent GEMM share operands (the same band of A rows, say), but a
@@ -34,19 +27,6 @@ struct Tile {
 #define MOE_FP8_SERPENTINE_K 1  // -DMOE_FP8_SERPENTINE_K=0 restores plain order (for measurements)
 #endif
 constexpr bool kSerpentineK = MOE_FP8_SERPENTINE_K;
-
-// NOTE: with one or two m-blocks (small M, decode) every CTA of a wave reads the same A rows, and
-// reading them in lockstep makes all CTAs hit the same few L2 lines at once. Starting each n-block's
-// K walk at a different k-block spreads those reads over the whole (L2-resident) A.
-#ifndef MOE_FP8_ROTATE_K
-#define MOE_FP8_ROTATE_K 1  // -DMOE_FP8_ROTATE_K=0: every tile starts at k-block 0 (for measurements)
-#endif
-constexpr bool kRotateK = MOE_FP8_ROTATE_K;
-
-template <uint32_t kNumNBlocks, uint32_t kNumKBlocks>
-__device__ __forceinline__ uint32_t rotated_k_start(uint32_t n_block, uint32_t num_m_blocks) {
-    return kRotateK && num_m_blocks <= 2 ? n_block * kNumKBlocks / kNumNBlocks % kNumKBlocks : 0;
-}
 
 // Linear tile index -> (m_block, n_block) in groups of kGroupM m-blocks walked M-fastest, so the
 // CTAs in flight at once share a few B (weight) columns and a band of A rows in L2.
@@ -71,7 +51,6 @@ struct NormalScheduler {
     static constexpr uint32_t kMulticast = kMulticast_;
     static constexpr bool kMulticastOnA = kMulticastOnA_;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
-    static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
     int32_t iter = -1;
 
@@ -96,8 +75,6 @@ struct NormalScheduler {
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
         t.k_reverse = kSerpentineK && (iter & 1);
-        // both CTAs of a multicast pair walk K in one order (they share every load)
-        t.k_start = rotated_k_start<kNumNBlocks, kNumKBlocks>(kMulticastOnA ? un * kMulticast : t.n_block, num_m_blocks);
         return true;
     }
 };
@@ -134,7 +111,6 @@ struct ContiguousScheduler {
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
             t.k_reverse = kSerpentineK && (iter & 1);
-            t.k_start = 0;  // segments of 128+ rows: many m-blocks share the wave
             return true;
         }
     }
@@ -181,7 +157,6 @@ struct MaskedScheduler {
         t.scale_m0 = t.m_block * BLOCK_M;
         t.scale_k0 = group * kNumKBlocks;
         t.k_reverse = kSerpentineK && (iter & 1);
-        t.k_start = rotated_k_start<kNumNBlocks, kNumKBlocks>(t.n_block, ceil_div(group_rows, BLOCK_M));
         return true;
     }
 };
