@@ -234,11 +234,7 @@ class Fp8FusedMoE(nn.Module):
             raise ValueError(f"Fp8FusedMoE: router_logits on {router_logits.device}, hidden on {hidden.device}")
         chosen = self.choose_path(t, hidden, path)
 
-        topk_weights, topk_ids = select_experts(
-            router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
-            n_group=self.n_group, topk_group=self.topk_group,
-            e_score_correction_bias=self.e_score_correction_bias,
-            routed_scaling_factor=self.routed_scaling_factor)
+        topk_weights, topk_ids = self.route(router_logits)
         x_fp8, x_scale = per_token_group(hidden)
         shared = None if self.shared_experts is None else self.shared_experts.forward_fp8(x_fp8, x_scale)
         if chosen == "contiguous":
@@ -247,6 +243,15 @@ class Fp8FusedMoE(nn.Module):
             y, row_map = self._experts_masked(x_fp8, x_scale, topk_ids)
         out = combine(y, row_map, topk_weights, shared)
         return out.to(hidden.dtype)
+
+    def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``router_logits [T, E]`` → ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``: the experts
+        ``forward`` sends each token to (global ids) and their combine weights, under this layer's routing."""
+        return select_experts(
+            router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
+            n_group=self.n_group, topk_group=self.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor)
 
     def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
         a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, self.num_local_experts,
