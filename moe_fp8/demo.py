@@ -172,7 +172,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"          transformers DeepseekV3ForCausalLM with {m['fp8_linears']} Fp8Linear/Fp8MLP and "
         f"{m['moe_blocks']} Fp8FusedMoE blocks from moe_fp8" + (f"; checkpoint kept in {m['checkpoint']}"
                                                                   if m["checkpoint"] else ""),
-        f"device    {r['device']} ({r['device_name']}); backend: {r['backend']}",
+        f"device    {r['device']}" + (f" ({r['device_name']})" if r["device_name"] != r["device"] else "")
+        + f"; backend: {r['backend']}",
     ]
     if "moe_path" in r:
         lines.append(f"MoE path  {r['moe_path']['prompt']} for the prompt ({g['batch'] * g['prompt_tokens']} tokens), "

@@ -57,7 +57,7 @@ def test_demo_text(run, capsys):
     text = demo.format_report(report)
     lines = text.splitlines()
     assert lines[0].startswith("model     DeepSeek-V3 architecture, random block-FP8 weights: 2 layers (1 dense, 1 MoE")
-    assert "device    cpu (cpu); backend: reference for every op" in lines
+    assert "device    cpu; backend: reference for every op" in lines
     assert any(ln.startswith("logits    calc_diff vs the bf16 model on the dequantized weights: ") and "bound 0.002" in ln
                for ln in lines)
     assert any(ln.startswith("generate  2 × 3 tokens after 6 prompt tokens in ") and "tokens/s" in ln for ln in lines)
