@@ -5,17 +5,17 @@ Each kind of benchmark is one module that defines ``KIND = BenchKind(...)`` and 
 (``--shapes``, ``--json``, ``--csv``, ``--plot``, ``--out-dir``), a progress bar, ratio tables and
 the DESIGN §7 record, and ``moe-fp8 bench all`` runs it with the others. Adding a kind::
 
-    # benchmarks/moe_data.py
+    # benchmarks/quant.py
     KIND = BenchKind(
-        name="moe-data", help="quantization, routing, dispatch / combine",
-        tables={"quant": ("torch_copy",), "combine": ("torch_copy",)},   # row kind -> baselines
+        name="quant", help="activation quantization vs a copy of the same bytes",
+        tables={"quant": ("torch_copy",)},   # row kind -> baselines
         default_shapes=lambda: [(4096, 7168), (64, 7168)],
         parse_shape=lambda text: parse_ints(text, 2, "T,H"), shape_help="T,H",
         run=run,   # run(shapes, args, step) -> (rows, notes); call step(label) after each shape
-        op="per_token_group_quant",
+        metric="gbps", op="per_token_group_quant",
     )
     # benchmarks/__init__.py
-    KINDS["moe-data"] = "moe_fp8.benchmarks.moe_data:KIND"
+    KINDS["quant"] = "moe_fp8.benchmarks.quant:KIND"
 
 This module imports nothing heavy: the kind modules load when a benchmark runs (or its parser is
 built), so a broken driver cannot take ``moe-fp8 info`` down with it.
@@ -39,6 +39,7 @@ Rows = list[dict[str, Any]]
 KINDS: dict[str, str] = {
     "gemm": "moe_fp8.benchmarks.gemm:KIND",
     "grouped": "moe_fp8.benchmarks.grouped:KIND",
+    "moe-data": "moe_fp8.benchmarks.moe_data:KIND",
     "moe": "moe_fp8.benchmarks.moe:KIND",
 }
 

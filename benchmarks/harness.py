@@ -123,9 +123,11 @@ def ratio_table(rows: list[dict[str, Any]], ours: str, baselines: Iterable[str],
     by_shape: dict[str, dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_shape.setdefault(json.dumps(r["shape"]), {})[r["impl"]] = r
-    head = ["shape", f"{ours} us", f"{ours} {metric}", f"{ours} GB/s"]
+    unit = {"tflops": "TFLOPS", "gbps": "GB/s"}.get(metric, metric)
+    with_gbps = metric != "gbps"  # else the GB/s column would be the metric column again
+    head = ["shape", f"{ours} us", f"{ours} {unit}", *([f"{ours} GB/s"] if with_gbps else [])]
     for b in baselines:
-        head += [f"{b} {metric}", f"x {b}"]
+        head += [f"{b} {unit}", f"x {b}"]
     head += list(extra_cols or {})
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     logs: dict[str, list[float]] = {b: [] for b in baselines}
@@ -134,7 +136,7 @@ def ratio_table(rows: list[dict[str, Any]], ours: str, baselines: Iterable[str],
             continue
         o = impls[ours]
         shape = "×".join(str(v) for v in json.loads(key).values())
-        cells = [shape, f"{o['us']:.1f}", f"{o[metric] or 0:.0f}", f"{o['gbps']:.0f}"]
+        cells = [shape, f"{o['us']:.1f}", f"{o[metric] or 0:.0f}", *([f"{o['gbps']:.0f}"] if with_gbps else [])]
         for b in baselines:
             if b in impls and impls[b]["us"]:
                 ratio = impls[b]["us"] / o["us"]

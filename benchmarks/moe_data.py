@@ -1,17 +1,30 @@
-"""MoE data path bench: quantization, SiLU·mul+quant, routing, dispatch (contiguous / masked), combine,
-and one DeepSeek-V3 decode step of all of them — our Triton kernels against a device copy of the same
-bytes (``torch_copy``, the bandwidth ceiling) and against ``moe_fp8.reference`` on the GPU
-(``torch_reference``: what plain PyTorch gives).
+"""``moe-fp8 bench moe-data``: the MoE data path — quantization, SiLU·mul+quant, routing, dispatch
+(contiguous / masked), combine, and one decode step of all of them — our Triton kernels against a
+device copy of the same bytes (``torch_copy``, the bandwidth ceiling: ``x torch_copy`` is our fraction
+of it) and against ``moe_fp8.reference`` on the GPU (``torch_reference``: what plain PyTorch gives).
 
-``python -m moe_fp8.benchmarks.moe_data --out-dir DIR`` writes ``DIR/<device>-moe-data.json`` (DESIGN §7
-rows; ``gbps`` counts the bytes the op must read and write once) and ``DIR/<device>-moe-data.md``.
-Every row of ours is also checked against the reference once (bit for bit; SiLU·mul+quant within its
-documented tolerance); a mismatch is reported.
+Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepSeek-V3 sizes (hidden
+7168, 256 experts, top-8 in 8 groups of which 4 are kept, expert intermediate 2048):
+
+- quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; routing ``T × 256``;
+  dispatch_contiguous and combine of ``T × 8`` token copies;
+- masked forms (SiLU·mul+quant and dispatch_masked): a decode batch (T ≤ 256) over all 256 experts
+  with ``max_m = T``; a small prefill (T ≤ 4096) on one expert-parallel rank of 8 (32 local experts, all
+  T × 8 copies local, ``max_m = T / 2``); none above (the layer uses the contiguous path there);
+- the decode step (T ≤ 256): quant → route → dispatch_masked → SiLU·mul+quant on ``[E, max_m, 2I]`` →
+  combine, under a CUDA graph (``moe_fp8``) and eagerly (``moe_fp8_eager``).
+
+``gbps`` counts the bytes the op must read and write once. Every row of ours is also checked against
+the reference once (bit for bit; SiLU·mul+quant within its documented tolerance); a mismatch is a
+note under the tables.
+``python -m moe_fp8.benchmarks.moe_data ARGS`` = ``moe-fp8 bench moe-data ARGS``; ``--smoke`` (tiny
+sizes, one untimed call per row, CPU allowed) checks the driver without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import time
@@ -21,44 +34,49 @@ from typing import Any
 
 import torch
 
-from .harness import REPO, bench_us, device_slug, git_commit, measure_ceilings, ratio_table, row, write_record
+from . import BenchKind, Step, parse_ints
+from .harness import REPO, bench_us, git_commit, ratio_table, row
 
-KIND = "moe-data"
-BASELINES = ("torch_copy", "torch_reference")
-
-# DeepSeek-V3: hidden 7168, 256 routed experts, top-8 in 8 groups (4 kept), expert intermediate 2048.
-HIDDEN, EXPERTS, TOP_K, INTER, N_GROUP, TOPK_GROUP, SCALING = 7168, 256, 8, 2048, 8, 4, 2.5
-QUANT_SHAPES = [(16384, 7168), (4096, 7168), (128, 7168), (16384, 2048)]
-SILU_SHAPES = [(16384, 2 * INTER), (4096, 2 * INTER), (1024, 2 * INTER)]
-SILU_MASKED = [(EXPERTS, 128, 2 * INTER, 128 * TOP_K), (32, 1024, 2 * INTER, 8192)]  # G, max_m, 2I, pairs
-ROUTING_TOKENS = [16384, 4096, 128]
-DISPATCH_TOKENS = [16384, 4096]
-DISPATCH_MASKED = [(128, EXPERTS, 128), (4096, 32, 2048)]  # tokens, local experts, max_m (EP 8 for 32)
-COMBINE_TOKENS = [16384, 4096, 128]
-DECODE = {"t": 128, "e": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": INTER, "max_m": 128}
-
-# --smoke: tiny shapes, any device, one untimed-quality call per row (checks the driver, not speed).
-DEV = "cuda"
-_bench: Callable[[Callable[[], Any]], float] = bench_us
+NAME = "moe-data"
+OPS = ("quant", "silu_mul_quant", "routing", "dispatch", "combine", "decode")
+DEFAULT_TOKENS = (16384, 4096, 1024, 128)
+DECODE_MAX_TOKENS = 256  # token counts up to this are decode batches (masked over all experts, decode step)
+MASKED_MAX_TOKENS = 4096  # above this the layer never takes the masked path
+EP = 8  # expert-parallel ranks of the small-prefill masked cases
 
 
-def _smoke_setup() -> None:
-    global DEV, _bench, HIDDEN, EXPERTS, INTER, N_GROUP, TOPK_GROUP, DECODE
-    global QUANT_SHAPES, SILU_SHAPES, SILU_MASKED, ROUTING_TOKENS, DISPATCH_TOKENS, DISPATCH_MASKED, COMBINE_TOKENS
-    DEV = "cuda" if torch.cuda.is_available() else "cpu"
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    experts: int
+    inter: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    scaling: float = 2.5
 
-    def once(fn: Callable[[], Any]) -> float:
-        start = time.perf_counter()
+
+DSV3 = Sizes(hidden=7168, experts=256, inter=2048, top_k=8, n_group=8, topk_group=4)
+SMOKE = Sizes(hidden=256, experts=16, inter=128, top_k=8, n_group=4, topk_group=2)
+SMOKE_TOKENS = (8,)
+
+
+class Bench:
+    """Where and how to time: ``device``, ``time_us(fn)`` and the model ``sizes``."""
+
+    def __init__(self, sizes: Sizes, smoke: bool) -> None:
+        self.sizes = sizes
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.smoke = smoke
+
+    def time_us(self, fn: Callable[[], Any]) -> float:
+        if not self.smoke and self.device == "cuda":
+            return bench_us(fn)
+        start = time.perf_counter()  # --smoke or no GPU: one call, wall clock
         fn()
-        if DEV == "cuda":
+        if self.device == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e6
-    _bench = once
-    HIDDEN, EXPERTS, INTER, N_GROUP, TOPK_GROUP = 256, 16, 128, 4, 2
-    QUANT_SHAPES, SILU_SHAPES = [(8, 256)], [(8, 2 * INTER)]
-    SILU_MASKED = [(EXPERTS, 4, 2 * INTER, 32)]
-    ROUTING_TOKENS, DISPATCH_TOKENS, DISPATCH_MASKED, COMBINE_TOKENS = [8], [8], [(8, EXPERTS, 4)], [8]
-    DECODE = {"t": 8, "e": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": INTER, "max_m": 4}
 
 
 class Case:
@@ -116,150 +134,160 @@ def _scale_bytes(rows: int, cols: int) -> int:
 
 
 # ============================================================================================
-# Cases
+# Cases of one token count
 # ============================================================================================
 
-def quant_cases() -> list[Case]:
+def _masked_layouts(t: int, sz: Sizes) -> list[tuple[int, int]]:
+    """``(experts, max_m)`` of the masked cases at ``t`` tokens (see the module docstring)."""
+    if t <= DECODE_MAX_TOKENS:
+        return [(sz.experts, t)]
+    if t <= MASKED_MAX_TOKENS:
+        return [(sz.experts // EP, t // 2)]
+    return []
+
+
+def quant_cases(t: int, b: Bench) -> list[Case]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import randn
 
-    cases = []
-    for m, k in QUANT_SHAPES:
-        x = randn((m, k), seed=m + k, device=DEV)
-        cases.append(Case("quant", {"m": m, "k": k}, m * k * 3 + _scale_bytes(m, k),
-                          lambda x=x: moe_fp8.quant.per_token_group(x), lambda x=x: ref.per_token_group_quant(x),
-                          _check_all()))
-    return cases
+    k = b.sizes.hidden
+    x = randn((t, k), seed=t + k, device=b.device)
+    return [Case("quant", {"m": t, "k": k}, t * k * 3 + _scale_bytes(t, k),
+                 lambda: moe_fp8.quant.per_token_group(x), lambda: ref.per_token_group_quant(x), _check_all())]
 
 
-def silu_cases() -> list[Case]:
+def silu_cases(t: int, b: Bench) -> list[Case]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import draw_group_sizes, randn
 
-    cases = []
-    for m, two_i in SILU_SHAPES:
-        h = randn((m, two_i), seed=m, device=DEV, dtype=torch.float32).mul(2).bfloat16()
-        cases.append(Case("silu_mul_quant", {"m": m, "two_i": two_i, "groups": 1, "max_m": m},
-                          m * two_i * 2 + m * two_i // 2 + _scale_bytes(m, two_i // 2),
-                          lambda h=h: moe_fp8.quant.silu_mul_per_token_group(h),
-                          lambda h=h: ref.silu_mul_per_token_group_quant(h), _silu_close()))
-    for g, max_m, two_i, pairs in SILU_MASKED:
-        sizes = [min(s, max_m) for s in draw_group_sizes(g, pairs // g, seed=g)]
-        masked_m = torch.tensor(sizes, dtype=torch.int32, device=DEV)
-        h = randn((g, max_m, two_i), seed=g, device=DEV)
+    two_i, dev = 2 * b.sizes.inter, b.device
+    h = randn((t, two_i), seed=t, device=dev, dtype=torch.float32).mul(2).bfloat16()
+    cases = [Case("silu_mul_quant", {"m": t, "two_i": two_i, "groups": 1, "max_m": t},
+                  t * two_i * 2 + t * two_i // 2 + _scale_bytes(t, two_i // 2),
+                  lambda: moe_fp8.quant.silu_mul_per_token_group(h),
+                  lambda: ref.silu_mul_per_token_group_quant(h), _silu_close())]
+    for g, max_m in _masked_layouts(t, b.sizes):
+        # t · top_k token copies spread over the g experts, each capped at max_m
+        sizes = [min(s, max_m) for s in draw_group_sizes(g, max(1, t * b.sizes.top_k // g), seed=g)]
+        masked_m = torch.tensor(sizes, dtype=torch.int32, device=dev)
+        hm = randn((g, max_m, two_i), seed=g, device=dev)
         rows = sum(sizes)
-        valid = torch.arange(max_m, device=DEV)[None, :] < masked_m[:, None]
+        valid = torch.arange(max_m, device=dev)[None, :] < masked_m[:, None]
         cases.append(Case("silu_mul_quant", {"m": rows, "two_i": two_i, "groups": g, "max_m": max_m},
                           rows * two_i * 2 + rows * two_i // 2 + _scale_bytes(rows, two_i // 2),
-                          lambda h=h, mm=masked_m: moe_fp8.quant.silu_mul_per_token_group(h, masked_m=mm),
-                          lambda h=h, mm=masked_m: ref.silu_mul_per_token_group_quant(h, masked_m=mm),
+                          lambda hm=hm, mm=masked_m: moe_fp8.quant.silu_mul_per_token_group(hm, masked_m=mm),
+                          lambda hm=hm, mm=masked_m: ref.silu_mul_per_token_group_quant(hm, masked_m=mm),
                           _silu_close({0: valid})))
     return cases
 
 
-def routing_cases() -> list[Case]:
+def _routing_kwargs(sz: Sizes) -> dict[str, Any]:
+    return dict(scoring_func="sigmoid", n_group=sz.n_group, topk_group=sz.topk_group,
+                routed_scaling_factor=sz.scaling)
+
+
+def routing_cases(t: int, b: Bench) -> list[Case]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import make_routing_inputs
 
-    kw = dict(scoring_func="sigmoid", n_group=N_GROUP, topk_group=TOPK_GROUP, routed_scaling_factor=SCALING)
-    cases = []
-    for t in ROUTING_TOKENS:
-        logits, bias = make_routing_inputs(t, EXPERTS, seed=t, device=DEV, with_bias=True)
+    sz = b.sizes
+    kw = _routing_kwargs(sz)
+    logits, bias = make_routing_inputs(t, sz.experts, seed=t, device=b.device, with_bias=True)
 
-        def ids_only(got: Any, want: Any) -> str | None:  # renormalized weights: sum order (see tests)
-            return None if torch.equal(got[1], want[1]) else "topk_ids differ from the reference"
-        cases.append(Case("routing", {"t": t, "e": EXPERTS, "top_k": TOP_K}, t * EXPERTS * 4 + t * TOP_K * 8,
-                          lambda lg=logits, b=bias: moe_fp8.layers.select_experts(lg, TOP_K, e_score_correction_bias=b,
-                                                                                   **kw),
-                          lambda lg=logits, b=bias: ref.select_experts(lg, TOP_K, e_score_correction_bias=b, **kw),
-                          ids_only))
-    return cases
+    def ids_only(got: Any, want: Any) -> str | None:  # renormalized weights: sum order (see tests)
+        return None if torch.equal(got[1], want[1]) else "topk_ids differ from the reference"
+    return [Case("routing", {"t": t, "e": sz.experts, "top_k": sz.top_k}, t * sz.experts * 4 + t * sz.top_k * 8,
+                 lambda: moe_fp8.layers.select_experts(logits, sz.top_k, e_score_correction_bias=bias, **kw),
+                 lambda: ref.select_experts(logits, sz.top_k, e_score_correction_bias=bias, **kw), ids_only)]
 
 
-def _dispatch_bytes(t: int, kept: int) -> int:
+def _dispatch_bytes(t: int, kept: int, sz: Sizes) -> int:
     """Read each token row (FP8 + scales) once, write each kept copy, ids in, row map out."""
-    return t * HIDDEN + _scale_bytes(t, HIDDEN) + kept * HIDDEN + _scale_bytes(kept, HIDDEN) + t * TOP_K * 12
+    h = sz.hidden
+    return t * h + _scale_bytes(t, h) + kept * h + _scale_bytes(kept, h) + t * sz.top_k * 12
 
 
-def dispatch_cases() -> list[Case]:
+def dispatch_cases(t: int, b: Bench) -> list[Case]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import make_dispatch_inputs
 
-    cases = []
-    for t in DISPATCH_TOKENS:
-        d = make_dispatch_inputs(t, HIDDEN, EXPERTS, TOP_K, seed=t, device=DEV)
-        want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, EXPERTS)
-        rows = want[2] >= 0
-        cases.append(Case("dispatch_contiguous", {"t": t, "hidden": HIDDEN, "e": EXPERTS, "top_k": TOP_K},
-                          _dispatch_bytes(t, t * TOP_K) + want[2].numel() * 4,
-                          lambda d=d: moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, EXPERTS),
-                          lambda d=d: ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, EXPERTS),
-                          _check_all({0: rows, 1: rows})))
-    for t, e, max_m in DISPATCH_MASKED:
-        d = make_dispatch_inputs(t, HIDDEN, e, TOP_K, seed=t, device=DEV)
-        want = ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m)
-        valid = torch.arange(max_m, device=DEV)[None, :] < want[2][:, None]
-        kept = int(want[2].sum())
-        cases.append(Case("dispatch_masked", {"t": t, "hidden": HIDDEN, "e": e, "top_k": TOP_K, "max_m": max_m},
-                          _dispatch_bytes(t, kept),
-                          lambda d=d, e=e, mm=max_m: moe_fp8.layers.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids,
-                                                                                    e, mm),
-                          lambda d=d, e=e, mm=max_m: ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, mm),
+    sz, dev = b.sizes, b.device
+    d = make_dispatch_inputs(t, sz.hidden, sz.experts, sz.top_k, seed=t, device=dev)
+    want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, sz.experts)
+    rows = want[2] >= 0
+    cases = [Case("dispatch_contiguous", {"t": t, "hidden": sz.hidden, "e": sz.experts, "top_k": sz.top_k},
+                  _dispatch_bytes(t, t * sz.top_k, sz) + want[2].numel() * 4,
+                  lambda: moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, sz.experts),
+                  lambda: ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, sz.experts),
+                  _check_all({0: rows, 1: rows}))]
+    for e, max_m in _masked_layouts(t, sz):
+        dm = make_dispatch_inputs(t, sz.hidden, e, sz.top_k, seed=t, device=dev)
+        want = ref.dispatch_masked(dm.x_fp8, dm.x_scale, dm.topk_ids, e, max_m)
+        valid = torch.arange(max_m, device=dev)[None, :] < want[2][:, None]
+        cases.append(Case("dispatch_masked",
+                          {"t": t, "hidden": sz.hidden, "e": e, "top_k": sz.top_k, "max_m": max_m},
+                          _dispatch_bytes(t, int(want[2].sum()), sz),
+                          lambda dm=dm, e=e, mm=max_m: moe_fp8.layers.dispatch_masked(dm.x_fp8, dm.x_scale,
+                                                                                      dm.topk_ids, e, mm),
+                          lambda dm=dm, e=e, mm=max_m: ref.dispatch_masked(dm.x_fp8, dm.x_scale, dm.topk_ids, e, mm),
                           _check_all({0: valid, 1: valid})))
     return cases
 
 
-def combine_cases() -> list[Case]:
+def combine_cases(t: int, b: Bench) -> list[Case]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import make_dispatch_inputs, randn
 
-    cases = []
-    for t in COMBINE_TOKENS:
-        d = make_dispatch_inputs(t, 128, EXPERTS, TOP_K, seed=t, device=DEV)
-        row_map = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, EXPERTS)[3]
-        y = randn((int(row_map.max()) + 1, HIDDEN), seed=t, device=DEV)
-        shared = randn((t, HIDDEN), seed=t + 1, device=DEV)
-        cases.append(Case("combine", {"t": t, "hidden": HIDDEN, "top_k": TOP_K},
-                          t * TOP_K * HIDDEN * 2 + 2 * t * HIDDEN * 2 + t * TOP_K * 12,
-                          lambda y=y, rm=row_map, w=d.topk_weights, s=shared: moe_fp8.layers.combine(y, rm, w, s),
-                          lambda y=y, rm=row_map, w=d.topk_weights, s=shared: ref.combine(y, rm, w, s),
-                          _check_all()))
-    return cases
+    sz, dev = b.sizes, b.device
+    d = make_dispatch_inputs(t, 128, sz.experts, sz.top_k, seed=t, device=dev)
+    row_map = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, sz.experts)[3]
+    y = randn((int(row_map.max()) + 1, sz.hidden), seed=t, device=dev)
+    shared = randn((t, sz.hidden), seed=t + 1, device=dev)
+    return [Case("combine", {"t": t, "hidden": sz.hidden, "top_k": sz.top_k},
+                 t * sz.top_k * sz.hidden * 2 + 2 * t * sz.hidden * 2 + t * sz.top_k * 12,
+                 lambda: moe_fp8.layers.combine(y, row_map, d.topk_weights, shared),
+                 lambda: ref.combine(y, row_map, d.topk_weights, shared), _check_all())]
+
+
+CASES: dict[str, Callable[[int, Bench], list[Case]]] = {
+    "quant": quant_cases, "silu_mul_quant": silu_cases, "routing": routing_cases, "dispatch": dispatch_cases,
+    "combine": combine_cases,
+}
 
 
 # ============================================================================================
 # Decode step: quant + route + dispatch_masked + SiLU·mul+quant on [E, max_m, 2I] + combine
 # ============================================================================================
 
-def decode_step_rows(notes: list[str]) -> list[dict[str, Any]]:
+def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]:
     import moe_fp8
     from moe_fp8 import reference as ref
     from moe_fp8.testing import make_routing_inputs, randn
 
-    t, e, max_m, inter = DECODE["t"], DECODE["e"], DECODE["max_m"], DECODE["inter"]
-    x = randn((t, HIDDEN), seed=0, device=DEV)
-    logits, bias = make_routing_inputs(t, e, seed=1, device=DEV, with_bias=True)
-    h = randn((e, max_m, 2 * inter), seed=2, device=DEV)  # stands in for GEMM 1's output
-    y = randn((e, max_m, HIDDEN), seed=3, device=DEV)  # stands in for GEMM 2's output
-    shared = randn((t, HIDDEN), seed=4, device=DEV)
-    kw = dict(scoring_func="sigmoid", n_group=N_GROUP, topk_group=TOPK_GROUP, e_score_correction_bias=bias,
-              routed_scaling_factor=SCALING)
+    sz, dev = b.sizes, b.device
+    e, max_m, inter, hidden, top_k = sz.experts, t, sz.inter, sz.hidden, sz.top_k
+    x = randn((t, hidden), seed=0, device=dev)
+    logits, bias = make_routing_inputs(t, e, seed=1, device=dev, with_bias=True)
+    h = randn((e, max_m, 2 * inter), seed=2, device=dev)  # stands in for GEMM 1's output
+    y = randn((e, max_m, hidden), seed=3, device=dev)  # stands in for GEMM 2's output
+    shared = randn((t, hidden), seed=4, device=dev)
+    kw = dict(_routing_kwargs(sz), e_score_correction_bias=bias)
 
     def ours():
         x_fp8, x_scale = moe_fp8.quant.per_token_group(x)
-        w, ids = moe_fp8.layers.select_experts(logits, TOP_K, **kw)
+        w, ids = moe_fp8.layers.select_experts(logits, top_k, **kw)
         _, _, masked_m, row_map = moe_fp8.layers.dispatch_masked(x_fp8, x_scale, ids, e, max_m)
         moe_fp8.quant.silu_mul_per_token_group(h, masked_m=masked_m)
         return w, ids, masked_m, row_map, moe_fp8.layers.combine(y, row_map, w, shared)
 
     def reference():
         x_fp8, x_scale = ref.per_token_group_quant(x)
-        w, ids = ref.select_experts(logits, TOP_K, **kw)
+        w, ids = ref.select_experts(logits, top_k, **kw)
         _, _, masked_m, row_map = ref.dispatch_masked(x_fp8, x_scale, ids, e, max_m)
         ref.silu_mul_per_token_group_quant(h, masked_m=masked_m)
         return w, ids, masked_m, row_map, ref.combine(y, row_map, w, shared)
@@ -270,9 +298,9 @@ def decode_step_rows(notes: list[str]) -> list[dict[str, Any]]:
     same = (_same(ids, r_ids) and _same(masked_m, r_masked_m) and _same(row_map, r_row_map)
             and _same(out, ref.combine(y, r_row_map, w, shared)))
     if not same:
-        notes.append("decode step: an output differs from the reference")
+        notes.append(f"decode step {t} tokens: an output differs from the reference")
     replay = ours  # without a GPU (--smoke on CPU) there is no graph to capture
-    if DEV == "cuda":
+    if dev == "cuda":
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile everything outside the capture
@@ -283,14 +311,15 @@ def decode_step_rows(notes: list[str]) -> list[dict[str, Any]]:
             ours()
         replay = graph.replay
     rows_used = int(r_masked_m.sum())
-    nbytes = (t * HIDDEN * 3 + t * e * 4 + _dispatch_bytes(t, rows_used)
-              + rows_used * (2 * inter * 2 + inter) + rows_used * HIDDEN * 2 + 2 * t * HIDDEN * 2)
-    shape = dict(DECODE)
-    result = [row("decode_step", shape, "moe_fp8", _bench(replay), 0, nbytes),
-              row("decode_step", shape, "moe_fp8_eager", _bench(ours), 0, nbytes),
-              row("decode_step", shape, "torch_reference", _bench(reference), 0, nbytes)]
-    notes.append(f"decode step (CUDA graph): {result[0]['us']} us (target <= 40 us), eager {result[1]['us']} us, "
-                 f"reference {result[2]['us']} us")
+    nbytes = (t * hidden * 3 + t * e * 4 + _dispatch_bytes(t, rows_used, sz)
+              + rows_used * (2 * inter * 2 + inter) + rows_used * hidden * 2 + 2 * t * hidden * 2)
+    shape = {"t": t, "e": e, "top_k": top_k, "hidden": hidden, "inter": inter, "max_m": max_m}
+    result = [row("decode_step", shape, "moe_fp8", b.time_us(replay), 0, nbytes),
+              row("decode_step", shape, "moe_fp8_eager", b.time_us(ours), 0, nbytes),
+              row("decode_step", shape, "torch_reference", b.time_us(reference), 0, nbytes)]
+    how = "CUDA graph" if dev == "cuda" else "no GPU: no graph"
+    notes.append(f"decode step {t} tokens ({how}): {result[0]['us']} us (target <= 40 us at 128 tokens), "
+                 f"eager {result[1]['us']} us, reference {result[2]['us']} us")
     return result
 
 
@@ -298,7 +327,7 @@ def decode_step_rows(notes: list[str]) -> list[dict[str, Any]]:
 # Driver
 # ============================================================================================
 
-def run_case(case: Case, notes: list[str]) -> list[dict[str, Any]]:
+def run_case(case: Case, b: Bench, notes: list[str]) -> list[dict[str, Any]]:
     label = f"{case.kind} {case.shape}"
     try:
         got = case.ours()
@@ -306,93 +335,129 @@ def run_case(case: Case, notes: list[str]) -> list[dict[str, Any]]:
             problem = case.check(got, case.reference())
             if problem:
                 notes.append(f"{label}: {problem}")
-        ours_us = _bench(case.ours)
+        ours_us = b.time_us(case.ours)
     except Exception as exc:  # record, do not hide
         notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         return []
     # A copy with the same total traffic: nbytes/2 read + nbytes/2 written.
-    src = torch.empty(max(case.nbytes // 2, 1), dtype=torch.uint8, device=DEV)
+    src = torch.empty(max(case.nbytes // 2, 1), dtype=torch.uint8, device=b.device)
     dst = torch.empty_like(src)
     rows = [row(case.kind, case.shape, "moe_fp8", ours_us, 0, case.nbytes),
-            row(case.kind, case.shape, "torch_copy", _bench(lambda: dst.copy_(src)), 0, case.nbytes)]
+            row(case.kind, case.shape, "torch_copy", b.time_us(lambda: dst.copy_(src)), 0, case.nbytes)]
     if case.reference is not None:
         try:
-            rows.append(row(case.kind, case.shape, "torch_reference", _bench(case.reference), 0, case.nbytes))
+            rows.append(row(case.kind, case.shape, "torch_reference", b.time_us(case.reference), 0, case.nbytes))
         except Exception as exc:
             notes.append(f"{label} reference: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     return rows
 
 
-def backends_used() -> dict[str, str]:
+def backends_used(device: str) -> dict[str, str]:
     import moe_fp8
 
     ops = ("per_token_group_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
            "dispatch_masked", "combine")
-    return {op: moe_fp8.backend(op) for op in ops}
+    return {op: moe_fp8.backend(op, device) for op in ops}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_fp8.benchmarks.moe_data")
-    p.add_argument("--out-dir", type=Path, default=REPO / "docs" / "benchmarks")
-    p.add_argument("--kinds", nargs="*", default=["quant", "silu_mul_quant", "routing", "dispatch", "combine", "decode"],
-                   help="subset to run")
-    p.add_argument("--quant-tile", type=int, default=None,
-                   help="override configs.QUANT_TILE_ELEMS (elements per quantization tile) to tune")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, one call per row, CPU allowed (CI)")
-    args = p.parse_args(argv)
-    if args.smoke:
-        _smoke_setup()
-    if args.quant_tile:
+def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
+        step: Step | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every op of ``--ops`` (default all) at every token count; rows and notes (mismatches, decode step)."""
+    smoke = bool(getattr(args, "smoke", False))
+    ops = list(getattr(args, "ops", None) or OPS)
+    if getattr(args, "quant_tile", None):
         from moe_fp8.kernels.triton import configs
 
         configs.QUANT_TILE_ELEMS = configs.QUANT_SILU_TILE_ELEMS = args.quant_tile
         configs.quant_config.cache_clear()
-    used = backends_used()
-    ceilings = measure_ceilings() if not args.smoke else {"copy_gbps": 1.0}
-    makers = {"quant": quant_cases, "silu_mul_quant": silu_cases, "routing": routing_cases,
-              "dispatch": dispatch_cases, "combine": combine_cases}
+    if smoke and getattr(args, "shapes", None) is None:
+        shapes = [(t,) for t in SMOKE_TOKENS]
+    b = Bench(SMOKE if smoke else DSV3, smoke)
+    used = backends_used(b.device)
+    distinct = set(used.values())
+    notes = [f"backends: {distinct.pop()} for every op" if len(distinct) == 1 else f"backends: {used}"]
     rows: list[dict[str, Any]] = []
-    notes: list[str] = [f"backends: {used}"]
-    for kind in args.kinds:
-        if kind == "decode":
-            rows += decode_step_rows(notes)
-            print(notes[-1], flush=True)
-            continue
-        for case in makers[kind]():
-            rows += run_case(case, notes)
-            print(f"{case.kind} {case.shape} done", flush=True)
-            torch.cuda.empty_cache()
-    extra = {"backends": used, "quant_tile_elems": args.quant_tile}
-    name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
-    if DEV == "cuda":
-        path = write_record(KIND, rows, ceilings, args.out_dir, extra=extra)
-    else:  # --smoke without a GPU: same record, device "cpu"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        path = args.out_dir / f"{DEV}-{KIND}.json"
-        path.write_text(json.dumps({"device": DEV, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-                                    "ceilings": ceilings, "rows": rows, **extra}, indent=1) + "\n")
-    copy = ceilings["copy_gbps"]
-    tables = []
-    for kind in ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine",
-                 "decode_step"):
+    for (t,) in shapes:
+        for op in ops:
+            if op == "decode":
+                if t <= DECODE_MAX_TOKENS:
+                    rows += decode_step_rows(t, b, notes)
+                continue
+            for case in CASES[op](t, b):
+                rows += run_case(case, b, notes)
+            if b.device == "cuda":
+                torch.cuda.empty_cache()
+        if step is not None:
+            step(f"{t} tokens")
+    return rows, notes
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--smoke", action="store_true",
+                   help=f"tiny model sizes (default {SMOKE_TOKENS[0]} tokens), one untimed call per row: checks the "
+                        "driver, not speed")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=None, metavar="OP",
+                   help=f"subset of ops to time: {', '.join(OPS)} (default: all)")
+    p.add_argument("--quant-tile", type=int, default=None, metavar="ELEMS",
+                   help="override configs.QUANT_TILE_ELEMS (elements per quantization tile) to tune it")
+
+
+TABLES = {kind: ("torch_copy", "torch_reference") for kind in
+          ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine")}
+TABLES["decode_step"] = ("moe_fp8_eager", "torch_reference")
+
+KIND = BenchKind(
+    name=NAME,
+    help="MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine, decode step) vs copy and PyTorch",
+    tables=TABLES,
+    default_shapes=lambda: [(t,) for t in DEFAULT_TOKENS],
+    parse_shape=lambda text: parse_ints(text, 1, "T"),
+    shape_help="T (tokens)",
+    run=run,
+    metric="gbps",
+    op="per_token_group_quant",
+    add_args=_add_args,
+)
+
+
+def smoke(out_dir: Path, shapes: list[tuple[int, ...]] | None = None, ops: list[str] | None = None) -> Path:
+    """``--smoke``: run the driver at tiny sizes on whatever device there is (CPU: the reference ops), one
+    untimed call per row; print the tables and write ``<device>-moe-data.json`` to ``out_dir``."""
+    args = argparse.Namespace(smoke=True, ops=ops, quant_tile=None, shapes=shapes)
+    rows, notes = run(shapes or [(t,) for t in SMOKE_TOKENS], args)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for kind, baselines in TABLES.items():
         kind_rows = [r for r in rows if r["kind"] == kind]
         if kind_rows:
-            base = ["moe_fp8_eager", "torch_reference"] if kind == "decode_step" else list(BASELINES)
-            table = ratio_table(kind_rows, "moe_fp8", base, metric="gbps",
-                                extra_cols={"of copy BW": lambda r: f"{r['gbps'] / copy:.0%}"})
-            tables.append(f"## {kind}\n\n{table}")
-    md = "\n".join([
-        "# MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine)", "",
-        f"- device: {name}", f"- commit: `{git_commit()}`", f"- date: {datetime.date.today().isoformat()}",
-        "- command: `python -m moe_fp8.benchmarks.moe_data`"
-        " (timings: `triton.testing.do_bench` medians, L2 flushed; GB/s = bytes the op must move once)",
-        f"- ceilings: {ceilings}", "", *[f"- {n}" for n in notes], "", *tables, ""])
-    md_path = args.out_dir / f"{device_slug(name) if DEV == 'cuda' else DEV}-{KIND}.md"
-    md_path.write_text(md)
-    print("\n" + md)
-    print(f"wrote {path} and {md_path}")
-    return 0
+            print(f"\n## {kind}\n\n{ratio_table(kind_rows, 'moe_fp8', baselines, metric='gbps')}")
+    print("\n" + "\n".join(notes))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{'cpu' if device == 'cpu' else 'smoke'}-{NAME}.json"
+    path.write_text(json.dumps({"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+                                "ceilings": {}, "rows": rows, "backends": backends_used(Bench(SMOKE, True).device),
+                                "smoke": True}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moe_fp8.benchmarks.moe_data ARGS`` = ``moe-fp8 bench moe-data ARGS``; with ``--smoke``
+    (and optionally ``--out-dir DIR``, ``--ops``), the driver check of ``smoke()``."""
+    argv = list(argv or [])
+    if "--smoke" in argv:
+        p = argparse.ArgumentParser(prog="python -m moe_fp8.benchmarks.moe_data --smoke")
+        p.add_argument("--smoke", action="store_true")
+        p.add_argument("--out-dir", type=Path, default=REPO / "out")
+        p.add_argument("--ops", nargs="+", choices=OPS, default=None)
+        a = p.parse_args(argv)
+        smoke(a.out_dir, ops=a.ops)
+        return 0
+    from moe_fp8.cli import main as cli_main
+
+    return cli_main(["bench", NAME, *argv])
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -26,7 +26,10 @@ built with ``ue8m0=True`` (power-of-two activation scales; weight scales checked
 or 160, runs in FP8 with a partial last scale block). Single process: no tensor / expert parallelism here.
 
 ``load_reference_model`` builds the same model with plain transformers modules and weights dequantized
-to ``dtype`` (fp32 by default): the baseline the tests compare logits against.
+to ``dtype`` (fp32 by default): the baseline the tests compare logits against. ``compare_logits`` does that
+comparison (DESIGN §6 ``calc_diff``) end to end and with the reference forced onto the experts our layers
+chose (``reference_logits``): a quantized model legitimately routes a few near-tie tokens differently,
+and one flipped expert moves a token's logits far more than the FP8 error does.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
-__all__ = ["Fp8DeepseekV3MoE", "LoadReport", "load_model", "load_reference_model", "patch_model"]
+__all__ = ["Fp8DeepseekV3MoE", "LoadReport", "LogitComparison", "compare_logits", "load_model", "load_reference_model",
+           "patch_model", "reference_logits"]
 
 logger = logging.getLogger("moe_fp8")
 Tensor = torch.Tensor
@@ -127,11 +131,14 @@ class Fp8DeepseekV3MoE(nn.Module):
             num_shared_experts=shared, masked_max_tokens=masked_max_tokens, ue8m0=ue8m0, device=device)
         self.path = path
 
+    def router_logits(self, x: Tensor) -> Tensor:
+        """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on; the gate weight is kept fp32)."""
+        return F.linear(x.float(), self.gate.weight)
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
-        router_logits = F.linear(x.float(), self.gate.weight)
-        return self.experts(x, router_logits, path=self.path).view(shape)
+        return self.experts(x, self.router_logits(x), path=self.path).view(shape)
 
 
 # ==============================================================================================
@@ -382,3 +389,105 @@ def load_reference_model(path: str | os.PathLike, *, device: torch.device | str 
     if still_meta:
         raise ValueError(f"not filled from the checkpoint: {still_meta[:8]}")
     return model.eval()
+
+
+# ==============================================================================================
+# comparing with the reference model
+# ==============================================================================================
+
+def _reference_moe_blocks(reference: nn.Module) -> list[nn.Module]:
+    moe_cls = _transformers().models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
+    return [layer.mlp for layer in reference.get_submodule("model").layers if isinstance(layer.mlp, moe_cls)]
+
+
+@torch.no_grad()
+def reference_logits(reference: nn.Module, input_ids: Tensor, routed_ids: list[Tensor] | None = None, *,
+                     zero_moe: bool = False) -> Tensor:
+    """``reference(input_ids).logits`` (``reference`` from ``load_reference_model``), optionally with each MoE
+    block's experts forced to ``routed_ids[i]`` (``[T, top_k]`` global ids, one per MoE block in layer order;
+    the combine weights stay transformers' formula on its own router scores) and with ``zero_moe`` every MoE
+    block's output zeroed (to show what the MoE layers contribute)."""
+    config = reference.config
+    queue = list(routed_ids) if routed_ids is not None else None
+    handles = []
+
+    def force(mod: nn.Module, args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        logits, _, _ = out
+        ids = queue.pop(0).long().to(logits.device)
+        weights = logits.sigmoid().gather(1, ids)
+        if getattr(config, "norm_topk_prob", True):
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * config.routed_scaling_factor, ids
+
+    try:
+        for block in _reference_moe_blocks(reference):
+            if queue is not None:
+                handles.append(block.gate.register_forward_hook(force))
+            if zero_moe:
+                handles.append(block.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)))
+        device = next(reference.parameters()).device
+        return reference(input_ids.to(device)).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclasses.dataclass
+class LogitComparison:
+    """``compare_logits``' result, over ``routing_choices`` token→expert choices of our MoE layers:
+
+    - ``diff``: ``calc_diff`` of the logits, end to end;
+    - ``diff_same_routing``: the same with the reference on the experts our layers chose — the FP8 error
+      itself (DESIGN §6 bound 2e-3);
+    - ``routing_differs``: our choices the reference model, on its own hidden states, did not make (near
+      ties tipped by the FP8 rounding upstream: what separates ``diff`` from ``diff_same_routing``);
+    - ``router_disagrees``: our choices transformers' router, given *our* hidden states, does not make
+      (0 unless our routing is wrong).
+    """
+
+    diff: float
+    diff_same_routing: float
+    routing_choices: int
+    routing_differs: int
+    router_disagrees: int
+
+
+def _not_chosen(ids: Tensor, other: Tensor) -> int:
+    """How many entries of ``ids [T, k]`` are absent from the same token's row of ``other [T, k]``."""
+    return int((ids.long().cpu()[:, :, None] != other.long().cpu()[:, None, :]).all(-1).sum())
+
+
+@torch.no_grad()
+def compare_logits(model: nn.Module, reference: nn.Module, input_ids: Tensor) -> LogitComparison:
+    """Compare a patched model (``load_model``) with ``reference`` (``load_reference_model`` of the same
+    checkpoint) on one forward of ``input_ids [B, S]``; see ``LogitComparison``."""
+    from moe_fp8.utils import calc_diff
+
+    blocks = [m for m in model.modules() if isinstance(m, Fp8DeepseekV3MoE)]
+    ref_blocks = _reference_moe_blocks(reference)
+    inputs: list[Tensor] = []
+    handles = [b.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+               for b in blocks]
+    try:
+        ours = model(input_ids.to(next(model.parameters()).device)).logits.float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+    routed, disagrees = [], 0
+    for block, ref_block, x in zip(blocks, ref_blocks, inputs, strict=True):
+        ids = block.experts.route(block.router_logits(x.contiguous()))[1].long().cpu()
+        disagrees += _not_chosen(ids, ref_block.gate(x.to(ref_block.gate.weight.device))[2])
+        routed.append(ids)
+    ref_ids: list[Tensor] = []  # the reference's own choices on its own forward
+    handles = [b.gate.register_forward_hook(lambda mod, args, out: ref_ids.append(out[2])) for b in ref_blocks]
+    try:
+        plain = reference_logits(reference, input_ids).float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+    return LogitComparison(
+        diff=calc_diff(ours, plain),
+        diff_same_routing=calc_diff(ours, reference_logits(reference, input_ids, routed).float().cpu()),
+        routing_choices=sum(ids.numel() for ids in routed),
+        routing_differs=sum(_not_chosen(a, b) for a, b in zip(routed, ref_ids, strict=True)),
+        router_disagrees=disagrees)

@@ -315,8 +315,14 @@ def _select_uncached(op: str, device: torch.device, forced: str | None, strict: 
         why = "; ".join(f"{n}: {r}" for n, r in missed)
         if (strict or "").strip().lower() in _TRUE:
             raise BackendError(f"{ENV_STRICT}=1: {op} on {device} would fall back to backend {name!r} ({why})")
-        once = (op, device, name)
+        # A backend missing on the whole device (no JIT compiler, Triton not importable) makes every op
+        # fall back for one cause: warn once per device and cause, not once per op (nine warnings).
+        # An op without a kernel in an available backend is its own cause: once per op.
+        unavailable = tuple(n for n, _ in missed if not _probe(n, device).ok)
+        once = (device, unavailable) if unavailable else (op, device, name)
         if once not in _logged:
             _logged.add(once)
-            logger.warning("moe_fp8: %s on %s falls back to backend %r (%s)", op, device, name, why)
+            also = (f"; every other op that {' / '.join(unavailable)} would run falls back too, without another "
+                    f"warning (`moe-fp8 info` shows why; {ENV_STRICT}=1 makes it an error)" if unavailable else "")
+            logger.warning("moe_fp8: %s on %s falls back to backend %r (%s)%s", op, device, name, why, also)
     return name, fn

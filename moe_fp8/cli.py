@@ -6,8 +6,10 @@ argparse sub-parser, one function to run it, and one entry in the dict.
 - ``info``: the environment the kernels would run in — one paste is a complete bug report. It never
   raises on a machine without a GPU, driver, compiler or half-written package: every probe is
   wrapped and a failure is shown as ``unavailable: <error>`` in its own section.
-- ``bench {gemm,grouped,all,plot}``: time our kernels against torch baselines (kinds registered in
-  ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
+- ``demo``: a small DeepSeek-V3 (random block-FP8 weights) run through transformers on our layers:
+  tokens/s, the backend, and the logit error against the bf16 model (``moe_fp8.demo``).
+- ``bench {gemm,grouped,moe-data,moe,all,plot}``: time our kernels against torch baselines (kinds
+  registered in ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
 - ``warmup --model DIR``: precompile every kernel variant a model needs (``moe_fp8.warmup``).
 - ``quantize SRC DST``: bf16 checkpoint → DeepSeek-style block FP8 (``moe_fp8.convert``).
 
@@ -44,7 +46,9 @@ ENV_VARS = (
     "MOE_FP8_JIT_COMPILER",
     "MOE_FP8_JIT_DEBUG",
     "MOE_FP8_NUM_SMS",
+    "MOE_FP8_GEMM_DEFINES",
     "MOE_FP8_COMMIT",
+    "TRITON_INTERPRET",
     "CUDA_HOME",
     "CUDA_PATH",
     "CUDA_VISIBLE_DEVICES",
@@ -605,6 +609,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# demo
+# --------------------------------------------------------------------------------------------
+
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=_positive_int, default=3, metavar="N",
+                   help="decoder layers, the first dense and the others MoE (default 3)")
+    p.add_argument("--tokens", type=_positive_int, default=16, metavar="N",
+                   help="new tokens to generate per sequence (default 16)")
+    p.add_argument("--batch", type=_positive_int, default=2, metavar="B", help="sequences (default 2)")
+    p.add_argument("--prompt-len", type=_positive_int, default=16, metavar="N", help="prompt tokens (default 16)")
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
+    p.add_argument("--save", type=Path, metavar="DIR", help="keep the generated FP8 checkpoint in DIR")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from moe_fp8 import demo
+    from moe_fp8.progress import Progress
+
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise CliError(f"--device {args.device}: no CUDA GPU is visible; use --device cpu (the PyTorch reference "
+                       f"ops: slower, same numbers); `moe-fp8 info` shows what torch and the driver see")
+    if importlib.util.find_spec("transformers") is None:
+        raise CliError("the demo runs transformers' DeepseekV3ForCausalLM: pip install 'moe-fp8[transformers]'")
+    with Progress(5, "demo", enabled=not args.no_progress) as progress:
+        report = demo.run_demo(layers=args.layers, tokens=args.tokens, batch=args.batch, prompt_len=args.prompt_len,
+                               device=args.device, seed=args.seed, save=args.save,
+                               on_phase=lambda name: progress.update(1, name))
+    print(json.dumps(report, indent=2) if args.json else demo.format_report(report))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # warmup
 # --------------------------------------------------------------------------------------------
 
@@ -695,7 +737,7 @@ def _device(text: str) -> str:
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:N)") from None
     if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"quantize runs on cpu or cuda, not {device.type}")
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, not {device.type}")
     return text
 
 
@@ -821,6 +863,10 @@ def explain_error(exc: BaseException) -> str | None:
         return f"{exc}\n  fix: unset MOE_FP8_BACKEND / MOE_FP8_STRICT, or see `moe-fp8 info` for why a backend is missing"
     if isinstance(exc, (JitCacheError, CheckpointError, ModelConfigError, CudaError)):
         return str(exc)
+    from moe_fp8.demo import DemoError
+
+    if isinstance(exc, DemoError):
+        return f"{exc}\n  this is a bug: please report it with the output of `moe-fp8 info`"
     return None
 
 
@@ -834,6 +880,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "info": Command("versions, GPUs, JIT compilers, cache and backends (paste into bug reports)",
                     _add_info_args, cmd_info),
+    "demo": Command("run a small DeepSeek-V3 on moe_fp8's layers: tokens/s, backend, logit error vs bf16",
+                    _add_demo_args, cmd_demo),
     "bench": Command("time our kernels against torch baselines; tables, JSON / CSV records, plots",
                      _add_bench_args, cmd_bench),
     "warmup": Command("precompile every kernel variant a model needs into the JIT cache (no GPU needed)",

@@ -210,6 +210,10 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
             out.append(GemmShape("shared_experts.down_proj", h, s_tp))
         i_tp = _split("moe_intermediate_size", moe_inter, tp, "--tp")
         if i_tp % GROUP_K:
+            if tp == 1:  # no smaller --tp to suggest: the model itself is outside what the MoE layer runs
+                raise ModelConfigError(f"moe_intermediate_size = {moe_inter} is not a multiple of {GROUP_K}: "
+                                       f"Fp8FusedMoE (fused gate/up, {GROUP_K}-wide scale blocks) cannot run this "
+                                       f"model's experts")
             raise ModelConfigError(f"moe_intermediate_size/tp = {moe_inter}/{tp} = {i_tp} is not a multiple of "
                                    f"{GROUP_K} (expert weight-scale blocks would straddle ranks); use a smaller --tp")
         local = _split("the routed expert count", n_experts, ep, "--ep")

@@ -51,7 +51,7 @@ if has grouped && python3 -c "import moe_fp8.benchmarks.grouped" 2>/dev/null; th
   pack
 fi
 if has moe-data; then
-  python3 -m moe_fp8.benchmarks.moe_data --out-dir "$OUT" 2>&1 | tee "$OUT/bench_moe-data.txt" | tail -n 40
+  moe-fp8 bench moe-data --out-dir "$OUT" --no-progress 2>&1 | tee "$OUT/bench_moe-data.txt" | tail -n 40
   pack
 fi
 if has moe; then

@@ -1,10 +1,11 @@
 """Turn the archive of one `scripts/gpu_check.sh` run into the committed records in docs/benchmarks/.
 
-    python scripts/record_gpu_check.py RUN_DIR --commit SHA
+    python scripts/record_gpu_check.py RUN_DIR --commit SHA [--no-plots]
 
-RUN_DIR is the unpacked `gpu_check/` folder. Writes `<device>-gemm.{json,md}`,
-`<device>-grouped.{json,md}` and `<device>-gpu-check.md` (environment, GPU test summary, JIT
-timings) for whichever steps the run contains, each naming the commit and device measured.
+RUN_DIR is the unpacked `gpu_check/` folder. Writes `<device>-<kind>.{json,md,png}` for each bench kind
+the run contains (gemm, grouped, moe-data, moe; the PNG is `moe-fp8 bench plot` of the record, linked
+from the .md; `--no-plots` skips it, matplotlib is needed otherwise) and `<device>-gpu-check.md`
+(environment, GPU test summary, JIT timings), each naming the commit and device measured.
 """
 
 from __future__ import annotations
@@ -32,15 +33,26 @@ def _header(title: str, device: str, commit: str, date: str, command: str, timin
     return f"# {title}\n\n- device: {device}\n- commit: `{commit}`\n- date: {date}\n- command: `{command}`{timing}\n\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run", type=Path)
     p.add_argument("--commit", required=True)
-    args = p.parse_args()
-    run, commit = args.run, args.commit
+    p.add_argument("--no-plots", action="store_true", help="do not (re)draw <device>-<kind>.png")
+    p.add_argument("--docs", type=Path, default=DOCS, help=argparse.SUPPRESS)  # tests write elsewhere
+    args = p.parse_args(argv)
+    run, commit, docs = args.run, args.commit, args.docs
+    plot_record = None
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401  (plot_record imports it only when drawing)
+
+            from moe_fp8.benchmarks.plot import plot_record
+        except ImportError as e:
+            raise SystemExit(f"plots need moe_fp8 and matplotlib ({e}): pip install -e '.[plots]', "
+                             "or pass --no-plots") from None
     device = _device(run)
     slug = "h100" if "H100" in device else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    DOCS.mkdir(parents=True, exist_ok=True)
+    docs.mkdir(parents=True, exist_ok=True)
     date = "unknown"
     titles = {"gemm": "FP8 block-scaled GEMM", "grouped": "Grouped FP8 GEMMs (contiguous, masked)",
               "moe-data": "MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine)",
@@ -52,12 +64,17 @@ def main() -> None:
         record = json.loads(src.read_text())
         record["commit"] = commit
         date = record["date"]
-        (DOCS / src.name).write_text(json.dumps(record, indent=1) + "\n")
+        (docs / src.name).write_text(json.dumps(record, indent=1) + "\n")
+        figure = ""
+        if plot_record is not None:
+            png = plot_record(record, docs / f"{slug}-{kind}.png")
+            figure = f"![{title}: throughput per shape, ours vs baselines, under the measured ceilings]({png.name})\n\n"
+            print("wrote", png)
         table = _strip_progress((run / f"bench_{kind}.txt").read_text())
-        (DOCS / f"{slug}-{kind}.md").write_text(
+        (docs / f"{slug}-{kind}.md").write_text(
             _header(title, device, commit, date, f"bash scripts/gpu_check.sh {kind}",
-                    " (timings: `triton.testing.do_bench` medians, L2 flushed)") + table)
-        print("wrote", DOCS / f"{slug}-{kind}.md")
+                    " (timings: `triton.testing.do_bench` medians, L2 flushed)") + figure + table)
+        print("wrote", docs / f"{slug}-{kind}.md")
     parts = [_header("GPU check: tests and JIT timings", device, commit, date,
                      "bash scripts/gpu_check.sh tests smoke"),
              "## Environment\n\n```\n" + re.sub(r"^# commit .*", f"# commit {commit}", (run / "info.txt").read_text().strip())
@@ -67,8 +84,8 @@ def main() -> None:
         parts.append(f"## GPU tests\n\n`python -m pytest -m \"gpu or hopper\" tests/`: **{tail.strip('= ')}**\n")
     if (run / "jit_smoke.txt").exists():
         parts.append("## JIT runtime\n" + (run / "jit_smoke.txt").read_text().split("\n", 2)[-1].strip() + "\n")
-    (DOCS / f"{slug}-gpu-check.md").write_text("\n".join(parts))
-    print("wrote", DOCS / f"{slug}-gpu-check.md")
+    (docs / f"{slug}-gpu-check.md").write_text("\n".join(parts))
+    print("wrote", docs / f"{slug}-gpu-check.md")
 
 
 if __name__ == "__main__":

@@ -291,3 +291,25 @@ def test_missing_compiler_falls_back_once_unless_forced(monkeypatch, caplog):
     with pytest.raises(BackendError, match=r"MOE_FP8_BACKEND=hopper but backend 'hopper' cannot run fp8_gemm "
                                            r"on cuda:0: no JIT compiler found"):
         backends.select("fp8_gemm", CUDA0)
+
+
+def test_missing_compiler_is_one_warning_for_all_ops(monkeypatch, caplog):
+    """A Hopper GPU without a JIT compiler: every op falls back (GEMMs to reference, the data path to Triton),
+    and the user reads one warning naming the cause, not one per op."""
+    fake_cuda(monkeypatch, compilers=[FakeCompiler("nvcc", "", False, "not on PATH"),
+                                      FakeCompiler("nvrtc", "", False, "libnvrtc not found")])
+    with caplog.at_level(logging.WARNING, logger="moe_fp8"):
+        chosen = {op: backends.select(op, CUDA0)[0] for op in backends.known_ops()}
+    assert chosen["fp8_gemm"] == chosen["fp8_grouped_gemm_masked"] == "reference"
+    assert chosen["per_token_group_quant"] == chosen["combine"] == "portable"
+    (rec,) = [r for r in caplog.records if r.name == "moe_fp8"]
+    msg = rec.getMessage()
+    assert "hopper: no JIT compiler found (nvcc: not on PATH; nvrtc: libnvrtc not found)" in msg
+    assert "every other op that hopper would run falls back too, without another warning" in msg
+    assert "MOE_FP8_STRICT=1 makes it an error" in msg
+    # forced: an error naming the cause, for a GEMM and for a data-path op alike
+    monkeypatch.setenv(ENV_BACKEND, "hopper")
+    for op in ("fp8_gemm", "per_token_group_quant"):
+        with pytest.raises(BackendError, match=rf"MOE_FP8_BACKEND=hopper but backend 'hopper' cannot run {op} "
+                                               r"on cuda:0: no JIT compiler found"):
+            backends.select(op, CUDA0)

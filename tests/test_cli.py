@@ -21,8 +21,8 @@ SECTIONS = ("Versions", "System", "GPUs", "JIT compilers", "JIT cache", "Backend
 JSON_KEYS = {"moe_fp8", "python", "system", "torch", "triton", "cuda_bindings", "packages", "gpus",
              "jit_compilers", "cache", "backends", "ops", "env"}
 ENV_VARS = {"MOE_FP8_BACKEND", "MOE_FP8_STRICT", "MOE_FP8_CACHE_DIR", "MOE_FP8_JIT_COMPILER",
-            "MOE_FP8_JIT_DEBUG", "MOE_FP8_NUM_SMS", "MOE_FP8_COMMIT", "CUDA_HOME", "CUDA_PATH",
-            "CUDA_VISIBLE_DEVICES"}
+            "MOE_FP8_JIT_DEBUG", "MOE_FP8_NUM_SMS", "MOE_FP8_GEMM_DEFINES", "MOE_FP8_COMMIT", "TRITON_INTERPRET",
+            "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES"}
 PACKAGE_DIR = os.path.abspath(next(iter(moe_fp8.__path__)))
 
 
@@ -214,3 +214,23 @@ def test_bench_rejects_unknown_kind() -> None:
 
     with pytest.raises(SystemExit):
         cli.main(["bench", "nonsense"])
+
+
+def test_every_env_var_the_code_reads_is_reported_and_documented():
+    """Each MOE_FP8_* name in the package's Python sources is in `moe-fp8 info` and in README's table."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for folder in ("moe_fp8", "benchmarks", "integrations"):
+        for path in (root / folder).rglob("*.py"):
+            names |= set(re.findall(r"[\"'](MOE_FP8_[A-Z0-9_]+)[\"']", path.read_text()))
+    assert {"MOE_FP8_BACKEND", "MOE_FP8_CACHE_DIR", "MOE_FP8_GEMM_DEFINES"} <= names
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("## Environment variables"):]
+    table = table[:table.index("\n## ", 1)]
+    documented = set(re.findall(r"^\| `([A-Z0-9_]+)` \|", table, re.MULTILINE))
+    assert names <= set(cli.ENV_VARS), names - set(cli.ENV_VARS)
+    assert names <= documented, names - documented
+    assert documented <= set(cli.ENV_VARS), documented - set(cli.ENV_VARS)

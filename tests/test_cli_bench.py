@@ -228,3 +228,142 @@ def test_broken_kind_does_not_break_other_commands(capsys, monkeypatch):
     capsys.readouterr()
     assert cli.main(["bench", "broken"]) == 1
     assert "bench broken is unavailable: ModuleNotFoundError" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# bench moe-data: the real driver through the command line (CPU: reference ops, one call per row)
+# --------------------------------------------------------------------------------------------
+
+def _cpu_as_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(cli, "_check_bench_device", lambda op: "reference")
+    monkeypatch.setattr(harness, "measure_ceilings",
+                        lambda: {"copy_gbps": 3000.0, "fp8_pertensor_tflops": 1250.0, "bf16_tflops": 700.0})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv("MOE_FP8_COMMIT", "abc1234")
+
+
+def test_moe_data_kind_shapes_and_layouts():
+    from moe_fp8.benchmarks import moe_data
+
+    kind = B.load_kind("moe-data")
+    assert kind.metric == "gbps" and kind.op == "per_token_group_quant"
+    assert kind.default_shapes() == [(16384,), (4096,), (1024,), (128,)]
+    assert kind.parse_shape("4096") == (4096,)
+    with pytest.raises(ValueError, match="is not T"):
+        kind.parse_shape("4096,7168")
+    # decode batches over all experts, small prefill on one EP rank, none for large prefill
+    assert moe_data._masked_layouts(128, moe_data.DSV3) == [(256, 128)]
+    assert moe_data._masked_layouts(4096, moe_data.DSV3) == [(32, 2048)]
+    assert moe_data._masked_layouts(16384, moe_data.DSV3) == []
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bench_moe_data_through_the_cli(tmp_path, capsys, monkeypatch):
+    _cpu_as_gpu(monkeypatch)
+    argv = ["bench", "moe-data", "--smoke", "--shapes", "8", "--json", str(tmp_path / "all.json"),
+            "--csv", str(tmp_path / "all.csv"), "--out-dir", str(tmp_path / "records")]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["[1/2] bench: ceilings (copy, FP8 and bf16 matmul)", "[2/2] bench: moe-data 8 tokens"]
+    for kind in ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine"):
+        assert f"## {kind} (reference backend; x B = B's time / ours)" in out
+        assert "| moe_fp8 GB/s | torch_copy GB/s | x torch_copy | torch_reference GB/s |" in out
+    assert "## decode_step" in out and "| moe_fp8_eager GB/s | x moe_fp8_eager |" in out
+    assert "backends: reference for every op" in out and "differs" not in out
+    record = json.loads((tmp_path / "records" / "h100-moe-data.json").read_text())
+    assert record["commit"] == "abc1234" and record["backend"] == "reference"
+    kinds = {r["kind"] for r in record["rows"]}
+    assert kinds == {"quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine",
+                     "decode_step"}
+    assert all(r["us"] > 0 and r["gbps"] is not None for r in record["rows"])
+    assert json.loads((tmp_path / "all.json").read_text())["rows"] == record["rows"]
+    assert len(list(csv.DictReader((tmp_path / "all.csv").open()))) == len(record["rows"])
+    # --ops narrows the run
+    assert cli.main(["bench", "moe-data", "--smoke", "--ops", "quant", "--no-record", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "## quant" in out and "## routing" not in out and "## decode_step" not in out
+    # `python -m moe_fp8.benchmarks.moe_data ARGS` is `moe-fp8 bench moe-data ARGS` (gpu_check.sh used it)
+    from moe_fp8.benchmarks import moe_data
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    assert moe_data.main(["--out-dir", "x"]) == 0 and calls == [["bench", "moe-data", "--out-dir", "x"]]
+
+
+def test_bench_all_includes_moe_data(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_check_bench_device", lambda op: seen.append(op) or "hopper")
+    monkeypatch.setattr(harness, "measure_ceilings", lambda: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        cli.main(["bench", "all", "--no-record", "--no-progress"])
+    assert "per_token_group_quant" in seen and len(seen) == len(B.KINDS) == 4
+
+
+# --------------------------------------------------------------------------------------------
+# plot layout rules
+# --------------------------------------------------------------------------------------------
+
+def test_plot_labels_show_only_varying_shape_keys():
+    from moe_fp8.benchmarks.plot import _shape_labels
+
+    moe = [{"tokens": t, "experts": 256, "hidden": 7168, "path": p} for t, p in ((8, "masked"), (8192, "contiguous"))]
+    assert _shape_labels(moe) == (["8×masked", "8192×contiguous"], "tokens×path   (experts=256, hidden=7168)")
+    gemm = [{"m": 4096, "n": 2112, "k": 7168}, {"m": 4096, "n": 7168, "k": 2048}]
+    assert _shape_labels(gemm) == (["2112×7168", "7168×2048"], "n×k   (m=4096)")
+    assert _shape_labels([{"t": 128, "e": 256}]) == (["128"], "t   (e=256)")
+
+
+@needs_matplotlib
+def test_plot_panel_log_axis_and_shapes_without_throughput():
+    from matplotlib.figure import Figure
+
+    from moe_fp8.benchmarks.plot import _colors, _draw
+
+    def rows(t, gbps_ours, gbps_base):
+        shape = {"tokens": t, "experts": 256}
+        return {"moe_fp8": harness.row("moe_layer", shape, "moe_fp8", 10.0, 0, gbps_ours * 1e4),
+                "moe_fp8_graph": harness.row("moe_layer", shape, "moe_fp8_graph", 5.0, 0, gbps_ours * 2e4),
+                "torch_bf16": harness.row("moe_layer", shape, "torch_bf16", 20.0, 0, gbps_base * 2e4)}
+    shapes = {"a": rows(1, 0, 0), "b": rows(8, 1000, 20), "c": rows(64, 2500, 1000)}
+    impls = ["moe_fp8", "moe_fp8_graph", "torch_bf16"]
+    colors = _colors(impls)
+    assert colors["moe_fp8"] == "#d62728" and colors["moe_fp8_graph"] == "#ff7f0e" and colors["torch_bf16"] == "#1f77b4"
+    ax = Figure().subplots()
+    _draw(ax, "moe_layer", True, shapes, impls, colors, {"copy_gbps": 3000.0})
+    assert ax.get_yscale() == "log"  # 20 .. 3000 GB/s
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "64"]
+    assert ax.get_xlabel() == "tokens   (experts=256)\nnot shown (no GB/s counted): 1"
+    assert ax.get_ylim()[1] > 3000
+
+
+# --------------------------------------------------------------------------------------------
+# scripts/record_gpu_check.py writes records, tables and plots
+# --------------------------------------------------------------------------------------------
+
+@needs_matplotlib
+def test_record_gpu_check_writes_json_md_and_png(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("record_gpu_check",
+                                                  Path(__file__).resolve().parents[1] / "scripts" / "record_gpu_check.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    run = tmp_path / "gpu_check"
+    run.mkdir()
+    (run / "info.txt").write_text("# commit deadbeef\nname, driver_version\nNVIDIA H100 80GB HBM3, 570.1\n")
+    rows = [harness.row("quant", {"m": m, "k": 7168}, impl, us, 0, m * 7168 * 3)
+            for m in (128, 4096) for impl, us in (("moe_fp8", 20.0), ("torch_copy", 10.0))]
+    (run / "h100-moe-data.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "commit": "x",
+                                                        "date": "2026-11-23", "ceilings": {"copy_gbps": 3000.0},
+                                                        "rows": rows}))
+    (run / "bench_moe-data.txt").write_text("[1/2] bench: ceilings\n## quant\n| table |\n")
+    docs = tmp_path / "docs"
+    script.main([str(run), "--commit", "abc1234", "--docs", str(docs)])
+    assert json.loads((docs / "h100-moe-data.json").read_text())["commit"] == "abc1234"
+    md = (docs / "h100-moe-data.md").read_text()
+    assert "](h100-moe-data.png)" in md and "## quant\n| table |" in md and "[1/2]" not in md
+    _png(docs / "h100-moe-data.png")
+    assert (docs / "h100-gpu-check.md").exists()
+    (docs / "h100-moe-data.png").unlink()
+    script.main([str(run), "--commit", "abc1234", "--docs", str(docs), "--no-plots"])
+    assert not (docs / "h100-moe-data.png").exists() and ".png)" not in (docs / "h100-moe-data.md").read_text()

@@ -68,3 +68,18 @@ def test_build_into_unwritable_cache_raises_jit_cache_error(tmp_path, monkeypatc
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(blocker / "cache"))  # root ignores chmod; a file does not
     with pytest.raises(JitCacheError, match=r"is not writable .* set MOE_FP8_CACHE_DIR to a writable directory"):
         build("cache_probe", 'extern "C" __global__ void k() {}\n')
+
+
+def test_forced_backend_that_cannot_run_is_one_message(monkeypatch, capsys):
+    """MOE_FP8_BACKEND=hopper on a machine where it cannot run: the command fails with the cause and the fix
+    (unset, the same machine falls back with one warning instead: test_backends.py)."""
+    from moe_fp8 import backends
+
+    monkeypatch.setenv("MOE_FP8_BACKEND", "hopper")
+    backends.clear_cache()
+    assert cli.main(["demo", "--device", "cpu", "--layers", "1", "--tokens", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "moe-fp8 demo: error: MOE_FP8_BACKEND=hopper but backend 'hopper' cannot run per_block_quant on cpu: "
+        "needs a CUDA device, got cpu",
+        "  fix: unset MOE_FP8_BACKEND / MOE_FP8_STRICT, or see `moe-fp8 info` for why a backend is missing"]

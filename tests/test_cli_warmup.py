@@ -72,6 +72,8 @@ def test_deepseek_v3_shapes_per_rank():
 @pytest.mark.parametrize("cfg,tp,ep,match", [
     (DEEPSEEK_V3, 3, 1, r"num_attention_heads = 128 does not split over --tp 3"),
     (DEEPSEEK_V3, 32, 1, r"moe_intermediate_size/tp = 2048/32 = 64 is not a multiple of 128"),
+    ({**DEEPSEEK_V3, "moe_intermediate_size": 100}, 1, 1,
+     r"moe_intermediate_size = 100 is not a multiple of 128: Fp8FusedMoE .* cannot run this model's experts"),
     (DEEPSEEK_V3, 1, 3, r"routed expert count = 256 does not split over --ep 3"),
     ({**DEEPSEEK_V3, "quantization_config": {"weight_block_size": [1, 128]}}, 1, 1, r"\[128, 128\] blocks only"),
     ({k: v for k, v in DEEPSEEK_V3.items() if k != "hidden_size"}, 1, 1, r"config.json has no hidden_size"),

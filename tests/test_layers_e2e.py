@@ -84,32 +84,6 @@ class RoutingRecorder:
         self.inputs.clear(), self.ids.clear(), self.paths.clear()
 
 
-def forced_routing_logits(reference, input_ids, routed_ids, zero_moe=False):
-    """Reference logits with each MoE layer's experts forced to ``routed_ids`` (one [T, top_k] per MoE layer);
-    the weights are transformers' own formula on its own router scores."""
-    handles, queue = [], list(routed_ids)
-    config = reference.config
-    for layer in reference.model.layers:
-        if not isinstance(layer.mlp, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE):
-            continue
-
-        def force(mod, args, out):
-            logits, _, _ = out
-            ids = queue.pop(0).long().to(logits.device)
-            weights = logits.sigmoid().gather(1, ids)
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * config.routed_scaling_factor
-            return logits, weights, ids
-
-        handles.append(layer.mlp.gate.register_forward_hook(force))
-        if zero_moe:
-            handles.append(layer.mlp.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)))
-    try:
-        return reference(input_ids).logits
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def _sorted(ids: torch.Tensor) -> torch.Tensor:
     return ids.long().sort(dim=-1).values
 
@@ -125,10 +99,10 @@ def check_against_reference(ours, reference, input_ids, recorder) -> float:
         _, _, ref_ids = reference.model.layers[i].mlp.gate(x.float().cpu())
         assert torch.equal(_sorted(ref_ids), _sorted(ids.cpu())), f"layer {i}: routing differs from transformers' router"
     # 2. numerics with the same routing
-    ref_logits = forced_routing_logits(reference, input_ids, recorder.ids)
+    ref_logits = hf.reference_logits(reference, input_ids, recorder.ids)
     diff = calc_diff(logits, ref_logits)
     assert diff < MODEL_DIFF, f"logits calc_diff {diff:.2e} vs fp32 transformers model"
-    without_moe = forced_routing_logits(reference, input_ids, recorder.ids, zero_moe=True)
+    without_moe = hf.reference_logits(reference, input_ids, recorder.ids, zero_moe=True)
     assert calc_diff(without_moe, ref_logits) > 10 * MODEL_DIFF  # the MoE layers matter to the logits
     return diff
 
@@ -157,6 +131,18 @@ def test_logits_match_fp32_transformers_model(ours, reference, monkeypatch):
     single = input_ids[:1, :6]  # 6 tokens: the masked (decode) path through the whole model
     check_against_reference(ours, reference, single, recorder)
     assert recorder.paths == ["masked", "masked"]
+
+
+def test_compare_logits_matches_the_step_by_step_check(ours, reference, monkeypatch):
+    """``compare_logits`` (what ``moe-fp8 demo`` reports) agrees with the checks above on the same input."""
+    recorder = RoutingRecorder(ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = check_against_reference(ours, reference, input_ids, recorder)
+    report = hf.compare_logits(ours, reference, input_ids)
+    assert report.routing_choices == 2 * 16 * 4 * 2  # tokens x top-4 x 2 MoE layers
+    assert report.router_disagrees == 0 and 0 <= report.routing_differs <= report.routing_choices
+    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
+    assert report.diff == pytest.approx(calc_diff(ours(input_ids).logits.float(), reference(input_ids).logits))
 
 
 @torch.no_grad()

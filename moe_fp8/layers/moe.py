@@ -377,11 +377,7 @@ class Fp8FusedMoE(nn.Module):
         if mark is not None:
             mark("start")
 
-        topk_weights, topk_ids = select_experts(
-            router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
-            n_group=self.n_group, topk_group=self.topk_group,
-            e_score_correction_bias=self.e_score_correction_bias,
-            routed_scaling_factor=self.routed_scaling_factor)
+        topk_weights, topk_ids = self.route(router_logits)
         if mark is not None:
             mark("routing")
         x_fp8, x_scale = per_token_group(hidden, ue8m0=self.ue8m0)
@@ -395,6 +391,15 @@ class Fp8FusedMoE(nn.Module):
         if mark is not None:
             mark("combine")
         return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+    def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``router_logits [T, E]`` → ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``: the experts
+        ``forward`` sends each token to (global ids) and their combine weights, under this layer's routing."""
+        return select_experts(
+            router_logits, self.top_k, scoring_func=self.scoring_func, renormalize=self.renormalize,
+            n_group=self.n_group, topk_group=self.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor)
 
     def _run_shared(self, x_fp8: Tensor, x_scale: Tensor, mark: Callable[[str], None] | None) -> Tensor | None:
         # NOTE: enqueued after the dispatch, not before it: the contiguous dispatch waits for the host
