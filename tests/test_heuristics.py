@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from moe_fp8.kernels.heuristics import (
     BLOCK_MS,
     BLOCK_NS,
-    WAVE_BLOCK_NS,
     MAX_SMEM_BYTES,
     TWO_WG_STAGES,
+    WAVE_BLOCK_NS,
     GemmDesc,
     estimate_ns,
     get_config,

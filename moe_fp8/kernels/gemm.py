@@ -45,7 +45,7 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
-# Measurement switches of the kernel headers (e.g. "MOE_FP8_ORDERED_ISSUE=0 MOE_FP8_SERPENTINE_K=0"),
+# Measurement switches of the kernel headers (e.g. "MOE_FP8_SERPENTINE_K=0"),
 # read once per process; for A/B timing runs only, never needed in use.
 ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
 
