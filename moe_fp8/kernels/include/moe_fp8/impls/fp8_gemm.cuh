@@ -2,8 +2,9 @@
 //
 // Roles (warp specialisation): warpgroups 0 .. kNumMathWGs-1 run wgmma on 64-row slices of the
 // tile and promote each 128-K partial sum on CUDA cores (x_scale[row] · w_scale[n-block]); the last
-// warpgroup is the producer, of which one thread issues the TMA loads of A, B and A's scales into
-// a kNumStages ring (full / empty mbarriers). The grid is persistent; `Scheduler` decides the tile
+// warpgroup is the producer: one thread issues the TMA loads of A, B and A's scales into a
+// kNumStages ring (full / empty mbarriers), and its warps 1-3 copy each finished bf16 tile from
+// shared memory to global memory while the math warpgroups start the next tile. The grid is persistent; `Scheduler` decides the tile
 // order and which rows each tile may read and write (normal, contiguous-grouped, masked-grouped).
 #pragma once
 
@@ -19,7 +20,11 @@ namespace moe_fp8 {
 
 constexpr uint32_t kBlockK = 128;  // == scale granularity: one promotion per K block
 constexpr uint32_t kWgmmaK = 32;   // K of one fp8 wgmma
-constexpr uint32_t kBarEpilogue = 1;  // named barrier of the math warpgroups (0 is __syncthreads)
+// Named barriers (0 is __syncthreads) between the math warpgroups and the store warps: the staging
+// tile is full (math -> store warps) / has been copied out (store warps -> math).
+constexpr uint32_t kBarStagingFull = 1;
+constexpr uint32_t kBarStagingEmpty = 2;
+constexpr uint32_t kNumStoreThreads = 96;  // warps 1-3 of the producer warpgroup
 
 // Shared-memory layout of one kernel variant; the host passes the total it computed as
 // kSmemBytes and the kernel checks it covers this layout (one formula, checked on both sides).
@@ -150,10 +155,24 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     Scheduler scheduler(shape_m, grouped_layout, num_groups);
     sched::Tile tile;
 
+    // NOTE: the epilogue is split: math warpgroups write the bf16 tile into shared memory and go on
+    // to the next tile's mainloop; warps 1-3 of the producer warpgroup (idle otherwise) copy it out
+    // with the bounded stores, so global-store time leaves the tensor cores' critical path.
+    constexpr uint32_t kNumStagingThreads = kNumMathThreads + kNumStoreThreads;
     if (warpgroup == kNumMathWGs) {
-        // ---- producer: one thread issues every TMA load ----
         ptx::setmaxnreg_dec<40>();
-        if (threadIdx.x % 128 == 0) {
+        if (threadIdx.x % 128 >= 32) {
+            // ---- store warps: copy each staged tile out (same tile sequence as the math warpgroups) ----
+            const uint32_t store_idx = threadIdx.x % 128 - 32;
+            ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);  // the staging tile starts empty
+            while (scheduler.next(tile)) {
+                ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
+                epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
+                                                                             tile.n_block * BLOCK_N, store_idx);
+                ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);
+            }
+        } else if (threadIdx.x % 128 == 0) {
+            // ---- producer: one thread issues every TMA load ----
             ptx::tma_prefetch_desc(&tmap_a);
             ptx::tma_prefetch_desc(&tmap_b);
             ptx::tma_prefetch_desc(&tmap_sa);
@@ -341,12 +360,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             }
         }
 
-        // ---- epilogue: stage bf16 in smem, then bounded 16-byte stores ----
-        ptx::named_barrier_sync(kBarEpilogue, kNumMathThreads);  // the previous tile's copy-out is done
+        // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
+        ptx::named_barrier_sync(kBarStagingEmpty, kNumStagingThreads);
         epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
-        ptx::named_barrier_sync(kBarEpilogue, kNumMathThreads);
-        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumMathThreads>(smem_d, out, tile.row0, tile.row_end, n0,
-                                                                    threadIdx.x);
+        ptx::named_barrier_arrive(kBarStagingFull, kNumStagingThreads);
     }
     }
     // no CTA may exit while its peer can still multicast into it or arrive on its barriers

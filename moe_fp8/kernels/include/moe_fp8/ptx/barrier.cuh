@@ -56,6 +56,12 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_thr
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
 }
 
+// Arrive without waiting: the arriving thread's prior shared-memory writes are visible to the
+// threads that complete the barrier with named_barrier_sync.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t num_threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
