@@ -36,7 +36,16 @@ from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
-__all__ = ["MASKED_MAX_ROWS", "PATHS", "Fp8FusedMoE", "default_masked_max_tokens"]
+__all__ = [
+    "MASKED_MAX_ROWS",
+    "PATHS",
+    "Fp8FusedMoE",
+    "choose_dispatch_path",
+    "default_masked_max_tokens",
+    "experts_contiguous",
+    "experts_masked",
+    "grouped_experts_masked",
+]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -83,6 +92,75 @@ def _parse_expert_map(expert_map: Tensor | Sequence[int] | None, num_experts: in
     if not local:
         raise ValueError("expert_map gives this rank no experts (all -1)")
     return values
+
+
+def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor | None = None,
+                         path: str = "auto") -> str:
+    """The dispatch layout for a batch of ``num_tokens`` tokens: ``"contiguous"`` or ``"masked"``.
+
+    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream) or under
+    ``torch.compile`` (the contiguous layout's size is data-dependent and needs a host sync), else masked
+    for ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during
+    capture raises; an explicit ``"masked"`` / ``"contiguous"`` is returned as given.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    capturing = hidden is not None and _stream_capturing(hidden)
+    if path == "contiguous" and capturing:
+        raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
+                         "to size its layout); use path='masked' or 'auto'")
+    if path != "auto":
+        return path
+    if capturing or torch.compiler.is_compiling() or num_tokens <= masked_max_tokens:
+        return "masked"
+    return "contiguous"
+
+
+def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                       w2: Tensor, w2_scale: Tensor, num_local_experts: int,
+                       expert_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Routed experts on the contiguous layout (prefill): dispatch → GEMM (w13) → SiLU·mul + quant → GEMM (w2).
+
+    ``x_fp8 [T, H]`` / ``x_scale [T, ceil(H/128)]`` (``per_token_group``), ``topk_ids [T, top_k]`` (global ids
+    when ``expert_map`` is given), weights as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). Returns
+    ``(y [M_total, H] bf16, row_map [T, top_k])`` for ``combine``. Syncs with the host (see ``dispatch_contiguous``).
+    """
+    a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts, expert_map)
+    h = fp8_grouped_gemm_contiguous(a, a_scale, w13, w13_scale, m_indices)
+    y_fp8, y_scale = silu_mul_per_token_group(h)
+    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices)
+    return y, row_map
+
+
+def experts_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                   w2: Tensor, w2_scale: Tensor, num_local_experts: int, num_experts: int,
+                   expert_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Routed experts on the masked layout (decode; no host sync, CUDA-graph safe): ``dispatch_masked`` with
+    ``max_m = T`` then ``grouped_experts_masked``. Arguments as ``experts_contiguous`` plus ``num_experts``
+    (global E, for the ``expected_m`` hint). Returns ``(y [E_local, T, H] bf16, row_map [T, top_k])``."""
+    t = x_fp8.shape[0]
+    # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
+    # masked layout never drops one (the result equals the contiguous path's).
+    max_m = t
+    # Host-side hint only (mean copies per global expert): it may change speed, never the result.
+    expected_m = max(1, ceil_div(t * topk_ids.shape[1], num_experts))
+    a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, num_local_experts, max_m, expert_map)
+    y = grouped_experts_masked(a, a_scale, masked_m, expected_m, w13, w13_scale, w2, w2_scale)
+    return y, row_map
+
+
+def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, expected_m: int, w13: Tensor,
+                           w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, out: Tensor | None = None) -> Tensor:
+    """The expert MLPs on an already dispatched masked batch: GEMM (w13) → SiLU·mul + quant → GEMM (w2).
+
+    ``a_fp8 [E_local, max_m, H]``, ``a_scale [E_local, max_m, ceil(H/128)]`` (3-D TMA layout), ``masked_m``
+    int32 ``[E_local]`` on the device, ``expected_m`` a host hint. Returns ``out`` (or a new tensor)
+    ``bf16 [E_local, max_m, H]``; rows ``>= masked_m[e]`` are unspecified. No host sync. Engines whose
+    all-to-all delivers this layout (vLLM's batched format) call it directly.
+    """
+    h = fp8_grouped_gemm_masked(a_fp8, a_scale, w13, w13_scale, masked_m, expected_m)
+    y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
+    return fp8_grouped_gemm_masked(y_fp8, y_scale, w2, w2_scale, masked_m, expected_m, out)
 
 
 class Fp8FusedMoE(nn.Module):
@@ -197,23 +275,9 @@ class Fp8FusedMoE(nn.Module):
         return ids
 
     def choose_path(self, num_tokens: int, hidden: Tensor | None = None, path: str = "auto") -> str:
-        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``.
-
-        ``"auto"``: masked while a CUDA graph is being captured or under ``torch.compile`` (the contiguous
-        layout's size is data-dependent and needs a host sync), else masked for ``num_tokens <=
-        masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during capture raises.
-        """
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        capturing = hidden is not None and _stream_capturing(hidden)
-        if path == "contiguous" and capturing:
-            raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
-                             "to size its layout); use path='masked' or 'auto'")
-        if path != "auto":
-            return path
-        if capturing or torch.compiler.is_compiling() or num_tokens <= self.masked_max_tokens:
-            return "masked"
-        return "contiguous"
+        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``
+        (``choose_dispatch_path`` with this layer's ``masked_max_tokens``)."""
+        return choose_dispatch_path(num_tokens, self.masked_max_tokens, hidden, path)
 
     def forward(self, hidden: Tensor, router_logits: Tensor, *, path: str = "auto") -> Tensor:
         """``hidden [T, H]`` (bf16/fp16/fp32, contiguous) and ``router_logits [T, E]`` → ``[T, H]`` in hidden's dtype.
@@ -249,27 +313,13 @@ class Fp8FusedMoE(nn.Module):
         return out.to(hidden.dtype)
 
     def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
-        a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, self.num_local_experts,
-                                                             self.expert_map)
-        h = fp8_grouped_gemm_contiguous(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, m_indices)
-        y_fp8, y_scale = silu_mul_per_token_group(h)
-        y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, m_indices)
-        return y, row_map
+        return experts_contiguous(x_fp8, x_scale, topk_ids, self.w13_weight, self.w13_weight_scale_inv,
+                                  self.w2_weight, self.w2_weight_scale_inv, self.num_local_experts, self.expert_map)
 
     def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
-        t = x_fp8.shape[0]
-        # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
-        # masked layout never drops one (the result equals the contiguous path's).
-        max_m = t
-        # Host-side hint only (mean copies per global expert): it may change speed, never the result.
-        expected_m = max(1, ceil_div(t * self.top_k, self.num_experts))
-        a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, self.num_local_experts, max_m,
-                                                        self.expert_map)
-        h = fp8_grouped_gemm_masked(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, masked_m, expected_m)
-        y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
-        y = fp8_grouped_gemm_masked(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, masked_m,
-                                    expected_m)
-        return y, row_map
+        return experts_masked(x_fp8, x_scale, topk_ids, self.w13_weight, self.w13_weight_scale_inv,
+                              self.w2_weight, self.w2_weight_scale_inv, self.num_local_experts, self.num_experts,
+                              self.expert_map)
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}", f"local={self.num_local_experts}",
