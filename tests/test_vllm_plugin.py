@@ -237,6 +237,12 @@ def test_linear_bias_and_unloaded_scales(vllm_config: VllmConfig, quant_config: 
     x = randn((9, 384), seed=6)
     out, _ = layer(x)
     assert calc_diff(out, x.float() @ _dq(w, s).t() + bias.float()) < LAYER_DIFF
+    assert layer(torch.empty((0, 384), dtype=torch.bfloat16))[0].shape == (0, 256)   # empty batch
+    # MLA reads kv_b_proj's weights back through vLLM's generic path (apply() on an identity matrix):
+    # exact up to the GEMM's bf16 output rounding.
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+    w_back = get_and_maybe_dequant_weights(layer)
+    assert w_back.shape == (256, 384) and calc_diff(w_back, _dq(w, s)) < SAME_INPUT_DIFF
     unloaded.weight.weight_loader(unloaded.weight, w)   # scale never loaded: refused, named
     with pytest.raises(ValueError, match="weight_scale_inv of linear layer 'col2'"):
         unloaded.quant_method.process_weights_after_loading(unloaded)
