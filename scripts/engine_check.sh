@@ -74,7 +74,9 @@ run_check() {  # run_check ENGINE MODULE TEST_FILE...
   {
     echo "# $engine integration check (CPU)"
     echo
-    echo "Written by \`bash scripts/engine_check.sh $engine\`; do not edit by hand."
+    echo "Written by \`bash scripts/engine_check.sh $engine\`; do not edit by hand. Without a GPU the engine's"
+    echo "layers, loaders and MoE forward run on CPU and moe_fp8's ops on their PyTorch reference backend;"
+    echo "the engine's own GPU kernels, multi-process parallelism and CUDA graphs are not exercised."
     echo
     echo "| | |"
     echo "|---|---|"
