@@ -51,8 +51,22 @@ from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
-__all__ = ["MASKED_MAX_ROWS", "PATHS", "STAGES", "Fp8FusedMoE", "MaskedBuffers", "MaskedWorkspace", "StageTimer",
-           "default_masked_max_tokens"]
+__all__ = [
+    "MASKED_MAX_ROWS",
+    "PATHS",
+    "STAGES",
+    "Fp8FusedMoE",
+    "MaskedBuffers",
+    "MaskedWorkspace",
+    "StageTimer",
+    "choose_dispatch_path",
+    "default_masked_max_tokens",
+    "experts_contiguous",
+    "experts_masked",
+    "grouped_experts_contiguous",
+    "grouped_experts_masked",
+    "masked_expected_m",
+]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -212,6 +226,112 @@ def _parse_expert_map(expert_map: Tensor | Sequence[int] | None, num_experts: in
     return values
 
 
+def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor | None = None,
+                         path: str = "auto") -> str:
+    """The dispatch layout for a batch of ``num_tokens`` tokens: ``"contiguous"`` or ``"masked"``.
+
+    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream) or under
+    ``torch.compile`` (the contiguous layout's size is data-dependent and needs a host sync), else masked
+    for ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during
+    capture raises; an explicit ``"masked"`` / ``"contiguous"`` is returned as given.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    capturing = hidden is not None and _stream_capturing(hidden)
+    if path == "contiguous" and capturing:
+        raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
+                         "to size its layout); use path='masked' or 'auto'")
+    if path != "auto":
+        return path
+    if capturing or torch.compiler.is_compiling() or num_tokens <= masked_max_tokens:
+        return "masked"
+    return "contiguous"
+
+
+def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The masked GEMMs' ``expected_m`` hint: mean copies per global expert (speed only, never the result)."""
+    return max(1, ceil_div(num_tokens * top_k, num_experts))
+
+
+def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,
+                               w2: Tensor, w2_scale: Tensor, *, ue8m0: bool = False,
+                               mark: Callable[[str], None] | None = None) -> Tensor:
+    """The expert MLPs on a dispatched contiguous batch: GEMM (w13) → SiLU·mul + quant → GEMM (w2).
+
+    ``a_fp8 [M_total, H]`` / ``a_scale`` and ``m_indices`` as ``dispatch_contiguous`` returns them; weights
+    as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). Returns ``y [M_total, H]`` bf16. ``mark(stage)``
+    is called after each stage (``StageTimer``).
+    """
+    h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices)
+    if mark is not None:
+        mark("gemm1")
+    y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0)
+    if mark is not None:
+        mark("act_quant")
+    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices)
+    if mark is not None:
+        mark("gemm2")
+    return y
+
+
+def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, expected_m: int, w13: Tensor,
+                           w13_scale: Tensor, w2: Tensor, w2_scale: Tensor, out: Tensor | None = None, *,
+                           ue8m0: bool = False, mark: Callable[[str], None] | None = None,
+                           bufs: MaskedBuffers | None = None) -> Tensor:
+    """The expert MLPs on an already dispatched masked batch: GEMM (w13) → SiLU·mul + quant → GEMM (w2).
+
+    ``a_fp8 [E_local, max_m, H]``, ``a_scale [E_local, max_m, ceil(H/128)]`` (3-D TMA layout), ``masked_m``
+    int32 ``[E_local]`` on the device, ``expected_m`` a host hint. Returns ``out`` (or ``bufs.y``, or a new
+    tensor) ``bf16 [E_local, max_m, H]``; rows ``>= masked_m[e]`` are unspecified. No host sync. ``bufs``:
+    a ``MaskedWorkspace`` view to write the intermediates into (CUDA-graph decode). Engines whose
+    all-to-all delivers this layout (vLLM's batched format) call it directly.
+    """
+    h = fp8_grouped_gemm_masked(a_fp8, a_scale, w13, w13_scale, masked_m, expected_m,
+                                out=None if bufs is None else bufs.h)
+    if mark is not None:
+        mark("gemm1")
+    y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0, masked_m=masked_m,
+                                              out=None if bufs is None else bufs.y_fp8,
+                                              out_scale=None if bufs is None else bufs.y_scale)
+    if mark is not None:
+        mark("act_quant")
+    if out is None and bufs is not None:
+        out = bufs.y
+    y = fp8_grouped_gemm_masked(y_fp8, y_scale, w2, w2_scale, masked_m, expected_m, out)
+    if mark is not None:
+        mark("gemm2")
+    return y
+
+
+def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                       w2: Tensor, w2_scale: Tensor, num_local_experts: int,
+                       expert_map: Tensor | None = None, *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """Routed experts on the contiguous layout (prefill): ``dispatch_contiguous`` then
+    ``grouped_experts_contiguous``.
+
+    ``x_fp8 [T, H]`` / ``x_scale`` (``per_token_group``), ``topk_ids [T, top_k]`` (global ids when
+    ``expert_map`` is given). Returns ``(y [M_total, H] bf16, row_map [T, top_k])`` for ``combine``. Syncs
+    with the host (see ``dispatch_contiguous``).
+    """
+    a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts, expert_map)
+    return grouped_experts_contiguous(a, a_scale, m_indices, w13, w13_scale, w2, w2_scale, ue8m0=ue8m0), row_map
+
+
+def experts_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
+                   w2: Tensor, w2_scale: Tensor, num_local_experts: int, num_experts: int,
+                   expert_map: Tensor | None = None, *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+    """Routed experts on the masked layout (decode; no host sync, CUDA-graph safe): ``dispatch_masked`` with
+    ``max_m = T`` then ``grouped_experts_masked``. Arguments as ``experts_contiguous`` plus ``num_experts``
+    (global E, for the ``expected_m`` hint). Returns ``(y [E_local, T, H] bf16, row_map [T, top_k])``."""
+    t = x_fp8.shape[0]
+    # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
+    # masked layout never drops one (the result equals the contiguous path's).
+    a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, num_local_experts, t, expert_map)
+    y = grouped_experts_masked(a, a_scale, masked_m, masked_expected_m(t, topk_ids.shape[1], num_experts),
+                               w13, w13_scale, w2, w2_scale, ue8m0=ue8m0)
+    return y, row_map
+
+
 class Fp8FusedMoE(nn.Module):
     """Block-FP8 MoE layer: routing, dispatch, two grouped GEMMs with fused SiLU·mul, combine, shared experts.
 
@@ -337,23 +457,9 @@ class Fp8FusedMoE(nn.Module):
         return ids
 
     def choose_path(self, num_tokens: int, hidden: Tensor | None = None, path: str = "auto") -> str:
-        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``.
-
-        ``"auto"``: masked while a CUDA graph is being captured or under ``torch.compile`` (the contiguous
-        layout's size is data-dependent and needs a host sync), else masked for ``num_tokens <=
-        masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during capture raises.
-        """
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        capturing = hidden is not None and _stream_capturing(hidden)
-        if path == "contiguous" and capturing:
-            raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
-                             "to size its layout); use path='masked' or 'auto'")
-        if path != "auto":
-            return path
-        if capturing or torch.compiler.is_compiling() or num_tokens <= self.masked_max_tokens:
-            return "masked"
-        return "contiguous"
+        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``
+        (``choose_dispatch_path`` with this layer's ``masked_max_tokens``)."""
+        return choose_dispatch_path(num_tokens, self.masked_max_tokens, hidden, path)
 
     def forward(self, hidden: Tensor, router_logits: Tensor, *, path: str = "auto") -> Tensor:
         """``hidden [T, H]`` (bf16/fp16/fp32, contiguous) and ``router_logits [T, E]`` → ``[T, H]`` in hidden's dtype.
@@ -419,15 +525,8 @@ class Fp8FusedMoE(nn.Module):
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)
-        h = fp8_grouped_gemm_contiguous(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, m_indices)
-        if mark is not None:
-            mark("gemm1")
-        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=self.ue8m0)
-        if mark is not None:
-            mark("act_quant")
-        y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, m_indices)
-        if mark is not None:
-            mark("gemm2")
+        y = grouped_experts_contiguous(a, a_scale, m_indices, self.w13_weight, self.w13_weight_scale_inv,
+                                       self.w2_weight, self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark)
         return y, row_map, shared
 
     def _workspace(self, device: torch.device, num_tokens: int) -> MaskedWorkspace | None:
@@ -455,11 +554,7 @@ class Fp8FusedMoE(nn.Module):
     def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor,
                         mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         t = x_fp8.shape[0]
-        # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
-        # masked layout never drops one (the result equals the contiguous path's).
-        max_m = t
-        # Host-side hint only (mean copies per global expert): it may change speed, never the result.
-        expected_m = max(1, ceil_div(t * self.top_k, self.num_experts))
+        max_m = t  # see experts_masked
         ws = self._workspace(x_fp8.device, t)
         bufs = ws.views(t) if ws is not None else None
         a, a_scale, masked_m, row_map = dispatch_masked(
@@ -468,19 +563,9 @@ class Fp8FusedMoE(nn.Module):
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)
-        h = fp8_grouped_gemm_masked(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, masked_m, expected_m,
-                                    out=None if bufs is None else bufs.h)
-        if mark is not None:
-            mark("gemm1")
-        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=self.ue8m0, masked_m=masked_m,
-                                                  out=None if bufs is None else bufs.y_fp8,
-                                                  out_scale=None if bufs is None else bufs.y_scale)
-        if mark is not None:
-            mark("act_quant")
-        y = fp8_grouped_gemm_masked(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, masked_m,
-                                    expected_m, out=None if bufs is None else bufs.y)
-        if mark is not None:
-            mark("gemm2")
+        y = grouped_experts_masked(a, a_scale, masked_m, masked_expected_m(t, self.top_k, self.num_experts),
+                                   self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
+                                   self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark, bufs=bufs)
         return y, row_map, shared
 
     def extra_repr(self) -> str:
