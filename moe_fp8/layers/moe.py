@@ -297,7 +297,7 @@ def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, exp
         mark("act_quant")
     if out is None and bufs is not None:
         out = bufs.y
-    y = fp8_grouped_gemm_masked(y_fp8, y_scale, w2, w2_scale, masked_m, expected_m, out)
+    y = fp8_grouped_gemm_masked(y_fp8, y_scale, w2, w2_scale, masked_m, expected_m, out=out)
     if mark is not None:
         mark("gemm2")
     return y
