@@ -36,7 +36,7 @@ from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
-__all__ = ["MASKED_MAX_ROWS", "PATHS", "Fp8FusedMoE", "default_masked_max_tokens"]
+__all__ = ["MASKED_MAX_ROWS", "PATHS", "Fp8FusedMoE", "choose_path", "default_masked_max_tokens", "run_experts"]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -63,6 +63,71 @@ PATHS = ("auto", "contiguous", "masked")
 def _stream_capturing(t: Tensor) -> bool:
     # torch.cuda.is_current_stream_capturing raises on CPU-only builds: ask only for CUDA tensors.
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def choose_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor | None = None, path: str = "auto") -> str:
+    """The dispatch layout for a batch of ``num_tokens`` tokens: ``"contiguous"`` or ``"masked"``.
+
+    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream) or under
+    ``torch.compile`` (the contiguous layout's size is data-dependent and needs a host sync), else masked
+    for ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during
+    capture raises. Shared by ``Fp8FusedMoE`` and the engine integrations.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    capturing = hidden is not None and _stream_capturing(hidden)
+    if path == "contiguous" and capturing:
+        raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
+                         "to size its layout); use path='masked' or 'auto'")
+    if path != "auto":
+        return path
+    if capturing or torch.compiler.is_compiling() or num_tokens <= masked_max_tokens:
+        return "masked"
+    return "contiguous"
+
+
+def run_experts(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13_weight: Tensor,
+                w13_weight_scale_inv: Tensor, w2_weight: Tensor, w2_weight_scale_inv: Tensor, *,
+                path: str, expert_map: Tensor | None = None,
+                expected_m: int | None = None) -> tuple[Tensor, Tensor]:
+    """The routed-expert part of the MoE forward, on already quantized tokens; ``combine`` finishes it.
+
+    Args:
+        x_fp8, x_scale: ``per_token_group(hidden)``: fp8 ``[T, H]``, fp32 ``[T, ceil(H/128)]``.
+        topk_ids: int ``[T, top_k]``: local expert ids, or global ids mapped through ``expert_map``.
+        w13_weight, w13_weight_scale_inv, w2_weight, w2_weight_scale_inv: the stacked local experts, in
+            ``Fp8FusedMoE``'s layout (``E_local`` = ``w13_weight.shape[0]``).
+        path: ``"contiguous"`` (prefill) or ``"masked"`` (decode, CUDA-graph safe); see ``choose_path``.
+        expert_map: optional int ``[num_ids]``: id → local id, -1 = the copy is not computed here.
+        expected_m: masked path's host hint (copies per expert); default ``ceil(T·top_k / num_ids)``.
+            It may change speed, never the result.
+
+    Returns ``(y, row_map)``: expert outputs (``[M_total, H]`` or ``[E_local, T, H]``, bf16) and the
+    ``[T, top_k]`` row of each token copy (-1 = not computed here), the inputs of ``combine``.
+    """
+    num_local_experts = w13_weight.shape[0]
+    if path == "contiguous":
+        a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts,
+                                                             expert_map)
+        h = fp8_grouped_gemm_contiguous(a, a_scale, w13_weight, w13_weight_scale_inv, m_indices)
+        y_fp8, y_scale = silu_mul_per_token_group(h)
+        y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2_weight, w2_weight_scale_inv, m_indices)
+        return y, row_map
+    if path != "masked":
+        raise ValueError(f"run_experts: path must be 'contiguous' or 'masked', got {path!r}")
+    t, top_k = topk_ids.shape
+    # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
+    # masked layout never drops one (the result equals the contiguous path's).
+    max_m = t
+    if expected_m is None:
+        num_ids = num_local_experts if expert_map is None else expert_map.shape[0]
+        expected_m = max(1, ceil_div(t * top_k, num_ids))
+    a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, num_local_experts, max_m,
+                                                    expert_map)
+    h = fp8_grouped_gemm_masked(a, a_scale, w13_weight, w13_weight_scale_inv, masked_m, expected_m)
+    y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
+    y = fp8_grouped_gemm_masked(y_fp8, y_scale, w2_weight, w2_weight_scale_inv, masked_m, expected_m)
+    return y, row_map
 
 
 def _parse_expert_map(expert_map: Tensor | Sequence[int] | None, num_experts: int) -> list[int] | None:
@@ -197,23 +262,9 @@ class Fp8FusedMoE(nn.Module):
         return ids
 
     def choose_path(self, num_tokens: int, hidden: Tensor | None = None, path: str = "auto") -> str:
-        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``.
-
-        ``"auto"``: masked while a CUDA graph is being captured or under ``torch.compile`` (the contiguous
-        layout's size is data-dependent and needs a host sync), else masked for ``num_tokens <=
-        masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during capture raises.
-        """
-        if path not in PATHS:
-            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        capturing = hidden is not None and _stream_capturing(hidden)
-        if path == "contiguous" and capturing:
-            raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
-                             "to size its layout); use path='masked' or 'auto'")
-        if path != "auto":
-            return path
-        if capturing or torch.compiler.is_compiling() or num_tokens <= self.masked_max_tokens:
-            return "masked"
-        return "contiguous"
+        """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``
+        (module-level ``choose_path`` with this layer's ``masked_max_tokens``)."""
+        return choose_path(num_tokens, self.masked_max_tokens, hidden, path)
 
     def forward(self, hidden: Tensor, router_logits: Tensor, *, path: str = "auto") -> Tensor:
         """``hidden [T, H]`` (bf16/fp16/fp32, contiguous) and ``router_logits [T, E]`` → ``[T, H]`` in hidden's dtype.
@@ -249,27 +300,15 @@ class Fp8FusedMoE(nn.Module):
         return out.to(hidden.dtype)
 
     def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
-        a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, self.num_local_experts,
-                                                             self.expert_map)
-        h = fp8_grouped_gemm_contiguous(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, m_indices)
-        y_fp8, y_scale = silu_mul_per_token_group(h)
-        y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, m_indices)
-        return y, row_map
+        return run_experts(x_fp8, x_scale, topk_ids, self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
+                           self.w2_weight_scale_inv, path="contiguous", expert_map=self.expert_map)
 
     def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor) -> tuple[Tensor, Tensor]:
-        t = x_fp8.shape[0]
-        # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
-        # masked layout never drops one (the result equals the contiguous path's).
-        max_m = t
         # Host-side hint only (mean copies per global expert): it may change speed, never the result.
-        expected_m = max(1, ceil_div(t * self.top_k, self.num_experts))
-        a, a_scale, masked_m, row_map = dispatch_masked(x_fp8, x_scale, topk_ids, self.num_local_experts, max_m,
-                                                        self.expert_map)
-        h = fp8_grouped_gemm_masked(a, a_scale, self.w13_weight, self.w13_weight_scale_inv, masked_m, expected_m)
-        y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
-        y = fp8_grouped_gemm_masked(y_fp8, y_scale, self.w2_weight, self.w2_weight_scale_inv, masked_m,
-                                    expected_m)
-        return y, row_map
+        expected_m = max(1, ceil_div(x_fp8.shape[0] * self.top_k, self.num_experts))
+        return run_experts(x_fp8, x_scale, topk_ids, self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
+                           self.w2_weight_scale_inv, path="masked", expert_map=self.expert_map,
+                           expected_m=expected_m)
 
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}", f"local={self.num_local_experts}",
