@@ -3,7 +3,7 @@
 # on CPU, and record the result under docs/engines/ (commit it: it names the engine version and our commit).
 #
 #   bash scripts/engine_check.sh sglang    # VENV (default .venv/sglang) gets moe-fp8[sglang] (sglang==<pin>,
-#                                          # with the CUDA torch SGLang pins), runs tests/test_sglang_plugin.py,
+#                                          # with the CUDA torch SGLang pins), runs tests/test_sglang_*.py,
 #                                          # writes docs/engines/sglang-cpu-check.md
 #
 # PYTHON picks the interpreter for a new virtualenv (default python3.11). The run needs PyPI (or a mirror)
@@ -14,12 +14,14 @@ engine=${1:-}
 PYTHON=${PYTHON:-python3.11}
 commit="$(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- . 2>/dev/null || echo -dirty)"
 
-# record ENGINE TEST_FILE REPORT: run the test file in $VENV and write REPORT (markdown).
+# record NAME REPORT TEST_FILE...: run the test files in $VENV and write REPORT (markdown).
 record() {
-  local name=$1 tests=$2 report=$3 status
+  local name=$1 report=$2 status
+  shift 2
+  local tests="$*"
   local log
   log=$(mktemp)
-  "$VENV/bin/python" -m pytest -v -p no:cacheprovider --disable-warnings "$tests" >"$log" 2>&1
+  "$VENV/bin/python" -m pytest -v -p no:cacheprovider --disable-warnings "$@" >"$log" 2>&1
   status=$?
   mkdir -p "$(dirname "$report")"
   {
@@ -38,7 +40,7 @@ print(f"- Python: {sys.version.split()[0]}")
 EOF
     echo "- moe_fp8 commit: $commit"
     echo "- date: $(date -u +%Y-%m-%d)"
-    echo "- result: $(tail -n 1 "$log" | sed 's/=//g; s/^ *//; s/ *$//') (pytest exit status $status)"
+    echo "- result: $(grep -E '^=+ .*(passed|failed|error).* in ' "$log" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//') (pytest exit status $status)"
     echo
     echo "\`\`\`text"
     echo "\$ python -m pytest -v -p no:cacheprovider --disable-warnings $tests"
@@ -58,7 +60,7 @@ case "$engine" in
     # The [sglang] extra pins the tested release; SGLang brings its own (CUDA) torch, which our
     # loose torch requirement accepts, so pip does not replace it.
     "$VENV/bin/python" -m pip install -q -e ".[sglang]" pytest || exit 1
-    record SGLang tests/test_sglang_plugin.py docs/engines/sglang-cpu-check.md
+    record SGLang docs/engines/sglang-cpu-check.md tests/test_sglang_plugin.py tests/test_sglang_config.py
     ;;
   *)
     echo "usage: bash scripts/engine_check.sh sglang" >&2
