@@ -2,7 +2,7 @@
 # Test moe_fp8's integration with a serving engine against the engine version pinned in pyproject.toml,
 # in a virtualenv of its own, and write the result to docs/engines/<engine>-cpu-check.md.
 #
-#   bash scripts/engine_check.sh vllm            # venv: $ENGINE_VENV, else ~/.cache/moe_fp8/engine-venvs/vllm-<version>
+#   bash scripts/engine_check.sh vllm|sglang     # venv: $ENGINE_VENV, else ~/.cache/moe_fp8/engine-venvs/vllm-<version>
 #   ENGINE_VENV=/path/to/venv bash scripts/engine_check.sh vllm
 #
 # The venv is created if missing and gets the pinned engine (which brings its own torch), then this
@@ -15,7 +15,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 
 usage() {
-  echo "usage: bash scripts/engine_check.sh vllm" >&2
+  echo "usage: bash scripts/engine_check.sh vllm|sglang" >&2
   exit 2
 }
 
@@ -100,5 +100,6 @@ run_check() {  # run_check ENGINE MODULE TEST_FILE...
 
 case "${1:-}" in
   vllm) run_check vllm vllm tests/test_vllm_plugin.py tests/test_vllm_plugin_cpu.py ;;
+  sglang) run_check sglang sglang tests/test_sglang_plugin.py tests/test_sglang_config.py ;;
   *) usage ;;
 esac
