@@ -163,9 +163,8 @@ def _dedup(cands: list[tuple[dict[str, Any], Any, Callable[[], Any]]]) -> list:
     return out
 
 
-QUANT_KNOBS = [{}, {"tile_elems": 4096, "num_warps": 8}, {"tile_elems": 4096, "num_warps": 4},
-               {"tile_elems": 8192, "num_warps": 8}, {"tile_elems": 1024, "num_warps": 4},
-               {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16}]
+QUANT_KNOBS = [{}, {"tile_elems": 4096, "num_warps": 8}, {"tile_elems": 1024, "num_warps": 4},
+               {"tile_elems": 1024, "num_warps": 2}, {"tile_elems": 2048, "num_warps": 8}]
 
 
 def quant_cases() -> list[Case]:
@@ -181,11 +180,10 @@ def quant_cases() -> list[Case]:
     return cases
 
 
-SILU_KNOBS = [{}, {"tile_elems": 4096, "num_warps": 8}, {"tile_elems": 4096, "num_warps": 4},
-              {"tile_elems": 8192, "num_warps": 8}, {"tile_elems": 1024, "num_warps": 4},
-              {"tile_elems": 2048, "num_warps": 8}]
-SILU_MASKED_KNOBS = [{}, {"programs_per_sm": 2}, {"programs_per_sm": 32}, {"tile_elems": 1024, "num_warps": 4},
-                     {"tile_elems": 4096, "num_warps": 8}, {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16},
+SILU_KNOBS = [{}, {"tile_elems": 2048, "num_warps": 4}, {"tile_elems": 4096, "num_warps": 8},
+              {"tile_elems": 1024, "num_warps": 2}, {"tile_elems": 2048, "num_warps": 8}]
+SILU_MASKED_KNOBS = [{}, {"programs_per_sm": 8}, {"programs_per_sm": 32}, {"programs_per_sm": 64},
+                     {"tile_elems": 2048, "num_warps": 4}, {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16},
                      {"tile_elems": 1024, "num_warps": 2, "max_block_g": 4}]
 
 
@@ -216,7 +214,7 @@ def silu_cases() -> list[Case]:
 
 
 ROUTING_KNOBS = [{}, {"block_t": 1, "num_warps": 1}, {"block_t": 1, "num_warps": 2}, {"block_t": 1, "num_warps": 4},
-                 {"block_t": 2, "num_warps": 2}, {"block_t": 4, "num_warps": 4}, {"block_t": 4, "num_warps": 8},
+                 {"block_t": 2, "num_warps": 2}, {"block_t": 2, "num_warps": 1}, {"block_t": 4, "num_warps": 4},
                  {"block_t": 8, "num_warps": 8}]
 
 
@@ -239,8 +237,9 @@ def routing_cases() -> list[Case]:
     return cases
 
 
-DISPATCH_KNOBS = [{}, {"block_t": 1}, {"block_t": 2}, {"block_t": 8}, {"block_k": 1024}, {"block_k": 4096},
-                  {"block_t": 2, "block_k": 4096, "num_warps": 8}, {"block_t": 1, "block_k": 8192, "num_warps": 8}]
+DISPATCH_KNOBS = [{}, {"block_t": 1}, {"block_t": 4}, {"block_t": 2, "block_k": 2048, "num_warps": 4},
+                  {"block_k": 1024}, {"block_k": 8192, "num_warps": 8}, {"block_t": 1, "block_k": 4096, "num_warps": 8},
+                  {"block_t": 1, "block_k": 1024, "num_warps": 2}]
 
 
 def _dispatch_bytes(t: int, kept: int) -> int:
@@ -271,7 +270,7 @@ def dispatch_cases() -> list[Case]:
         want = ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m)
         valid = torch.arange(max_m, device=DEV)[None, :] < want[2][:, None]
         cands = []
-        for knobs in [{}, {"single_program": True}, {"single_program": False}, *DISPATCH_KNOBS[1:]]:
+        for knobs in [{}, {"fused": True}, {"fused": False}, *DISPATCH_KNOBS[1:]]:
             cfg = C.dispatch_config(t, TOP_K, HIDDEN, e, **knobs)
             cands.append((knobs, cfg, lambda d=d, e=e, mm=max_m, cfg=cfg: D.dispatch_masked(
                 d.x_fp8, d.x_scale, d.topk_ids, e, mm, None, config=cfg)))
@@ -281,8 +280,8 @@ def dispatch_cases() -> list[Case]:
     return cases
 
 
-COMBINE_KNOBS = [{}, {"block_t": 1}, {"block_t": 2}, {"block_h": 2048}, {"block_h": 512},
-                 {"block_t": 2, "block_h": 2048, "num_warps": 8}]
+COMBINE_KNOBS = [{}, {"block_t": 2}, {"block_t": 4}, {"block_h": 2048}, {"block_h": 512},
+                 {"block_h": 2048, "num_warps": 8}, {"block_h": 512, "num_warps": 2}]
 
 
 def combine_cases() -> list[Case]:
@@ -343,6 +342,17 @@ def _cfg_json(cfg: Any) -> Any:
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
 
 
+def _error_line(exc: BaseException) -> str:
+    """``Type: message``, whole first meaningful line. A Triton ``CompilationError`` starts with
+    ``at L:C:`` and the source; its cause (e.g. ``AssertionError('Mismatched type ...')``) is on the
+    last line, so both are kept."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and text.startswith("at ") and text.endswith(":"):
+        text = f"{text} {lines[-1]}"
+    return f"{type(exc).__name__}: {text}"
+
+
 def _short(knobs: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in knobs.items()) or "(default)"
 
@@ -398,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     problem = case.check(got, want) or "ok"
                     us, graph_us, host_us = time_eager(fn), time_graph(fn), time_host(fn)
                 except Exception as exc:  # record, do not hide
-                    problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    problem = _error_line(exc)
                     us = graph_us = host_us = None
                 gpu = graph_us or us
                 r = {"kind": case.kind, "shape": case.shape, "knobs": knobs, "config": _cfg_json(cfg), "us": us,

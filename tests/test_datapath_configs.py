@@ -21,19 +21,26 @@ def test_quant_config(rows, k_groups, group_size, groups, masked):
     assert cfg.gs_p2 >= group_size and cfg.block_g <= max(1, k_groups * 2)
     assert cfg.block_r * cfg.block_g * cfg.gs_p2 <= max(C.QUANT_TILE_ELEMS, cfg.gs_p2)
     row_blocks = -(-max(rows, 1) // cfg.block_r)
-    assert 1 <= cfg.row_programs <= row_blocks
     if not masked:
         assert cfg.row_programs == row_blocks  # one row block per program: no loop
-    else:  # a fixed number of programs per (column block, group), about 8 per SM in all
+    else:  # flat valid rows of all groups: a fixed number of programs per column block
         col_blocks = -(-k_groups // cfg.block_g)
-        assert cfg.row_programs * col_blocks * groups <= max(8 * 132, col_blocks * groups)
+        assert 1 <= cfg.row_programs <= -(-max(rows, 1) * groups // cfg.block_r)
+        assert cfg.row_programs * col_blocks <= max(C.PROGRAMS_PER_SM * 132, col_blocks)
 
 
-def test_quant_config_decode_buffer_launches_few_programs():
-    """[256 experts, max_m 128, I 2048]: ~1 program per (expert, column block), not one per row block."""
-    cfg = C.quant_config(128, 16, 128, 256, masked=True, num_sms=132)
+def test_quant_config_decode_buffer_launches_a_fixed_grid():
+    """[256 experts, max_m 128, I 2048]: PROGRAMS_PER_SM per SM and column block stride over the flat
+    valid rows — neither one program per (expert, row block) nor one per expert."""
+    cfg = C.quant_config(128, 16, 128, 256, masked=True, num_sms=132, silu=True)
     col_blocks = -(-16 // cfg.block_g)
-    assert cfg.row_programs * col_blocks * 256 <= 2048
+    assert cfg.row_programs == C.PROGRAMS_PER_SM * 132 // col_blocks
+    assert cfg.block_r * cfg.block_g * cfg.gs_p2 == C.QUANT_SILU_TILE_ELEMS
+
+
+def test_quant_config_small_inputs_use_more_smaller_tiles():
+    assert C.quant_config(128, 56, 128, num_sms=132).block_r == 1  # decode: 896 one-row tiles
+    assert C.quant_config(16384, 56, 128, num_sms=132).block_r == 2  # prefill: the 2048-element tile
 
 
 @pytest.mark.parametrize(("t", "e", "k", "n_group"), [(1, 256, 8, 8), (128, 256, 8, 8), (16384, 256, 8, 8),
@@ -48,16 +55,20 @@ def test_routing_config(t, e, k, n_group):
 
 def test_dispatch_and_combine_configs():
     d = C.dispatch_config(128, 8, 7168, 256)
-    assert d.e_p2 == 256 and d.block_k == 2048 and d.block_k % 128 == 0
+    assert d.e_p2 == 256 and d.block_k == 2048 and d.block_k % 128 == 0 and d.e_block * 512 >= 256
     assert C.dispatch_config(3, 2, 16, 5).block_k == 16  # small rows: one column block
     c = C.combine_config(128, 7168)
     assert c.block_h == 1024 and is_pow2(c.block_t)
 
 
-def test_dispatch_routes_decode_in_one_program_and_prefill_in_chunks():
-    assert C.dispatch_config(128, 8, 7168, 256).single_program  # DeepSeek-V3 decode step: one launch
-    assert not C.dispatch_config(16384, 8, 7168, 256).single_program
-    assert not C.dispatch_config(128, 8, 7168, 256, single_program=False).single_program
+def test_dispatch_fuses_decode_and_chunks_prefill():
+    d = C.dispatch_config(128, 8, 7168, 256)  # DeepSeek-V3 decode step: one launch, 512 programs
+    assert d.fused and d.block_t == 1 and d.block_k == 2048
+    assert not C.dispatch_config(16384, 8, 7168, 256).fused
+    assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
+    p = C.dispatch_config(4096, 8, 7168, 32)  # sweep winner of the chunked scatter
+    assert (p.block_t, p.block_k, p.num_warps) == (2, 4096, 8)
+    assert C.combine_config(16384, 7168).block_t == 1  # sweep winner at every size
 
 
 def test_routing_config_keeps_a_decode_token_in_one_warp():

@@ -82,13 +82,13 @@ def check_contiguous_bound(got, want, align_m: int) -> None:
     assert_same_bits(out_scale[:m_total][rows], r_scale[rows], "dispatched scales")
 
 
-@pytest.mark.parametrize("single_program", [True, False])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
-def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, single_program):
+def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fused):
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
-    cfg = dispatch_config(t, k, h, e, single_program=single_program, block_t=2, block_k=128)
+    cfg = dispatch_config(t, k, h, e, fused=fused, block_t=2, block_k=128)
     got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, config=cfg)
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
     for align_m in (128, 16):
@@ -101,15 +101,29 @@ def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, sin
         check_contiguous_bound(got, want, align_m)
 
 
-def test_dispatch_single_program_chunks():
-    """More pairs than one chunk of the single-program router: the counts carry across chunks."""
-    d = make_dispatch_inputs(300, 128, 16, 4, seed=9, device=DEVICE, skew=2.0)
-    cfg = dispatch_config(300, 4, 128, 16, single_program=True)
-    assert cfg.single_program and cfg.chunk < 300 * 4
-    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 16, 64, None, config=cfg)
-    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 16, 64), 64)
-    got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 16, None, 128, config=cfg)
-    check_contiguous(got, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 16))
+@pytest.mark.parametrize("block_t", [1, 4])
+def test_dispatch_fused_ranks_across_chunks_and_programs(block_t):
+    """Fused masked dispatch with more earlier pairs than one rank chunk, several column blocks and
+    more expert slices (masked_m) than token programs."""
+    d = make_dispatch_inputs(300, 384, 64, 4, seed=9, device=DEVICE, skew=2.0)
+    cfg = dispatch_config(300, 4, 384, 64, fused=True, block_t=block_t, block_k=128)
+    assert cfg.fused and cfg.rank_chunk < 300 * 4 and cfg.e_block < 64
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 64, 40, None, config=cfg)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 64, 40), 40)
+    d = make_dispatch_inputs(2, 128, 512, 8, seed=3, device=DEVICE)  # 1 program of pairs, 512 experts
+    cfg = dispatch_config(2, 8, 128, 512, fused=True)
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 512, 4, None, config=cfg)
+    check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 512, 4), 4)
+
+
+def test_dispatch_contiguous_m_indices_many_segments():
+    """m_indices from segment starts: several row blocks, experts in more than one E chunk, empty
+    experts between full ones, and the sync=False padding tail."""
+    d = make_dispatch_inputs(200, 128, 300, 2, seed=5, device=DEVICE, skew=3.0)
+    want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 300, None, 16)
+    check_contiguous(dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 300, None, 16), want)
+    got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 300, None, 16, sync=False)
+    check_contiguous_bound(got, want, 16)
 
 
 def test_dispatch_int64_ids_strided_scales_and_persistent_buffers():

@@ -148,3 +148,17 @@ def test_public_select_experts_runs_the_triton_kernel(monkeypatch):
     want = ref.select_experts(logits, 8, scoring_func="sigmoid", n_group=8, topk_group=4,
                               e_score_correction_bias=bias, routed_scaling_factor=2.5)
     check_routing(got, want, True)
+
+
+@pytest.mark.parametrize(("block_t", "num_warps"), [(2, 2), (2, 1), (4, 4)])
+def test_select_experts_multi_token_programs(block_t, num_warps):
+    """Several tokens per program (the sweep's configs; block_t=2 with 2 warps once picked wrong ids on
+    an H100 when the key tile was flattened with tl.reshape — the picks now reduce the 3-D tile)."""
+    from moe_fp8.kernels.triton.configs import routing_config
+
+    logits, bias = make_routing_inputs(7, 256, seed=11, device=DEVICE, with_bias=True)
+    cfg = routing_config(7, 256, 8, 8, block_t=block_t, num_warps=num_warps)
+    got = routing.select_experts(logits, 8, "sigmoid", True, 8, 4, bias, 2.5, config=cfg)
+    want = ref.select_experts(logits, 8, scoring_func="sigmoid", renormalize=True, n_group=8, topk_group=4,
+                              e_score_correction_bias=bias, routed_scaling_factor=2.5)
+    check_routing(got, want, True)

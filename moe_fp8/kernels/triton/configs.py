@@ -24,17 +24,25 @@ from moe_fp8.utils import get_num_sms
 MAX_GRID_YZ = 65535
 
 # ---- quantization (per_token_group_quant, silu_mul_per_token_group_quant) ----
-# Elements of one tile: 2048 fp32 values is 16 per thread at 4 warps, which keeps the SiLU variant
-# (gate, up, y and a few masks live at once) within 128 registers. Measured at 2048 on an H100
-# (81% of copy BW at 16384×7168); the sweep tries 4096 / 8192 at 8 warps for the mid sizes.
+# Elements of one tile: 2048 fp32 values is 16 per thread at 4 warps. H100 sweep (gpu3): quant is
+# best at 2048 from 4096 rows up (81% of copy BW at 16384×7168); SiLU·mul+quant at 1024 (one row
+# of 8 groups) at every unmasked size (1024..16384 rows).
 QUANT_TILE_ELEMS = 2048
-QUANT_SILU_TILE_ELEMS = 2048
+QUANT_SILU_TILE_ELEMS = 1024
+# Small inputs (decode): halve the rows of a tile while fewer than this many tiles per SM exist
+# (128×7168 quant: 896 one-row tiles beat 448 two-row ones, 7.2 vs 7.7 us).
+QUANT_MIN_TILES_PER_SM = 8
 # Warps per program: tiles of >= QUANT_WARPS_8_FROM elements use 8, smaller ones 4.
 QUANT_WARPS_8_FROM = 4096
 # Scale groups side by side in one tile row (8 × 128 = 1024 columns): the rest of the tile is rows.
 QUANT_MAX_BLOCK_G = 8
-# Masked layouts: programs per SM we aim for when the row loop's program count is a free choice.
-PROGRAMS_PER_SM = 8
+# Masked layouts: the valid rows of all groups are one flat list of row blocks (prefix of masked_m
+# on device), strided over by this many programs per SM and column block (sweep: the old per-group
+# loop was best at 32 for 32 groups; flat rows balance by construction, 16 keeps half occupancy).
+PROGRAMS_PER_SM = 16
+# Flat masked rows need the prefix of masked_m in registers: up to this many groups, else one loop
+# per group as before (grid axis 2 = groups).
+QUANT_FLAT_MAX_GROUPS = 4096
 
 # ---- routing (select_experts) ----
 # Largest expert count one program holds (the whole row of scores lives in registers).
@@ -46,18 +54,29 @@ ROUTING_MAX_WARPS = 4
 ROUTING_MAX_BLOCK_T = 4
 
 # ---- dispatch ----
-# Pairs (token, slot) × local experts up to which one program routes every pair (ranks, counts,
-# masked_m / segment starts) in a single launch; above it, count + scan kernels over chunks.
-DISPATCH_SINGLE_PROGRAM_WORK = 1 << 19
-DISPATCH_SINGLE_PROGRAM_WARPS = 8
-# Scatter: bytes of a row per program (16-byte vectors) and token rows per program.
-DISPATCH_BLOCK_K = 2048
-DISPATCH_BLOCK_T = 4
-DISPATCH_WARPS = 4
+# Masked dispatch up to this many (token, slot) pairs: ONE fused launch in which every scatter
+# program ranks its own pairs against all earlier ones (an O(pairs) comparison per program, from L2)
+# and a slice of programs writes masked_m — no routing kernel, no intermediate buffers. The old
+# single-program router (one program walking every pair serially) took 95 us at 128×top-8×256 on an
+# H100; count/scan/row-map/scatter in 4 launches 31 us. Total comparisons grow as pairs², so above
+# the threshold the chunked 4-launch path (bandwidth-bound at prefill sizes) takes over.
+DISPATCH_FUSED_MAX_PAIRS = 2048
+# Fused kernel: elements of one rank-comparison tile ([block_t, top_k, chunk]).
+DISPATCH_RANK_TILE = 4096
+# Fused kernel scatter: one token per program, 2 KiB of its row (128×7168 decode: 512 programs).
+DISPATCH_FUSED_BLOCK_K = 2048
+DISPATCH_FUSED_WARPS = 4
+# Chunked path's scatter: sweep winner at 4096×7168, 32 experts (139 vs 146 us under a graph).
+DISPATCH_BLOCK_K = 4096
+DISPATCH_BLOCK_T = 2
+DISPATCH_WARPS = 8
+# Routing kernels of the chunked path (count / scan / row map).
+DISPATCH_ROUTE_WARPS = 4
 
 # ---- combine ----
+# Sweep: one token per program wins at every size (16384: 97% of copy BW; 128 tokens 14.5 vs 22.6 us).
 COMBINE_BLOCK_H = 1024
-COMBINE_BLOCK_T = 4
+COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
 
 
@@ -89,22 +108,31 @@ def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
     """Config of ``per_token_group_quant`` / ``silu_mul_per_token_group_quant``.
 
     ``rows`` per leading group (``M`` or ``max_m``), ``k_groups`` scale groups per row, ``num_groups``
-    leading groups (1 for 2-D inputs). Without a mask every row block gets its own program; with one,
-    ``row_programs`` programs per (column block, group) stride over the valid row blocks only, so a
-    mostly empty ``[G, max_m, ·]`` buffer costs no idle programs beyond that fixed count.
+    leading groups (1 for 2-D inputs). Without a mask every row block gets its own program; with one
+    (up to ``QUANT_FLAT_MAX_GROUPS`` groups), ``row_programs`` programs per column block stride over
+    the flat list of valid rows of all groups (the kernel finds a row's group from the prefix of
+    ``masked_m``), so a mostly empty ``[G, max_m, ·]`` buffer costs no idle programs and a hot group
+    no serial tail; more groups: ``row_programs`` per (column block, group) loop over that group.
     Keyword knobs override the module constants (``scripts/datapath_sweep.py``).
     """
     tile = tile_elems or (QUANT_SILU_TILE_ELEMS if silu else QUANT_TILE_ELEMS)
+    sms = num_sms or get_num_sms()
     gs_p2 = _pow2_ceil(group_size)
     per_row = max(tile // gs_p2, 1)
     block_g = min(_pow2_ceil(k_groups), per_row, max_block_g or QUANT_MAX_BLOCK_G)
     block_r = max(min(per_row // block_g, _pow2_ceil(rows)), 1)
-    row_blocks = -(-max(rows, 1) // block_r)
     col_blocks = -(-k_groups // block_g)
+    total_rows = max(rows, 1) * (num_groups if masked else 1)
+    if tile_elems is None:  # small inputs: more, smaller tiles (latency-bound: fill the SMs)
+        while block_r > 1 and -(-total_rows // block_r) * col_blocks < QUANT_MIN_TILES_PER_SM * sms:
+            block_r //= 2
+    row_blocks = -(-max(rows, 1) // block_r)
     if masked:
-        sms = num_sms or get_num_sms()
-        target = max(1, ((programs_per_sm or PROGRAMS_PER_SM) * sms) // max(col_blocks * num_groups, 1))
-        row_programs = max(1, min(row_blocks, target))
+        target = max(1, ((programs_per_sm or PROGRAMS_PER_SM) * sms) // col_blocks)
+        if num_groups <= QUANT_FLAT_MAX_GROUPS:  # flat list of the valid rows of every group
+            row_programs = max(1, min(-(-total_rows // block_r), target))
+        else:  # per-group loops
+            row_programs = max(1, min(row_blocks, target // max(num_groups, 1)))
     else:
         row_programs = row_blocks
     elems = block_r * block_g * gs_p2
@@ -148,10 +176,12 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
 
 @dataclasses.dataclass(frozen=True)
 class DispatchConfig:
-    """Routing of the pairs: ``single_program`` (one launch) or count/scan over ``chunk``-pair chunks;
-    scatter: ``block_t`` tokens × ``block_k`` bytes per program."""
+    """``fused`` (masked layout, few pairs): one launch, ``block_t`` tokens × ``block_k`` bytes per
+    program, each ranking its pairs in ``rank_chunk``-pair steps, ``e_block`` experts of ``masked_m``
+    per program. Otherwise count/scan over ``chunk``-pair chunks, then the scatter (``block_t`` ×
+    ``block_k``). ``num_warps``: the scatter's; ``route_warps``: the routing kernels'."""
 
-    single_program: bool
+    fused: bool
     chunk: int
     e_p2: int
     hist_experts: int
@@ -161,27 +191,38 @@ class DispatchConfig:
     block_t: int
     block_k: int
     num_warps: int
+    rank_chunk: int
+    e_block: int
 
 
 @functools.lru_cache(maxsize=1024)
 def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
-                    single_program: bool | None = None, block_t: int | None = None,
+                    fused: bool | None = None, block_t: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None) -> DispatchConfig:
+    """``fused`` applies to ``dispatch_masked`` only (the contiguous layout needs every expert's count
+    before any position: it always takes the chunked path)."""
     e_p2 = _pow2_ceil(num_experts)
     pairs = num_tokens * top_k
-    if single_program is None:
-        single_program = pairs * e_p2 <= DISPATCH_SINGLE_PROGRAM_WORK
-    # Single program: chunks of pairs × every expert as a one-hot tile (a cumsum gives ranks), 16K
-    # slots per step. Chunked path: 128 pairs per chunk, the within-chunk rank a 128 × 128 comparison
-    # and the chunk histogram built 32 experts at a time (128 × 32 one-hot tiles).
-    chunk = max(16, min(128, (1 << 14) // e_p2)) if single_program else 128
-    hist_experts = min(e_p2, 32)
-    scan_experts = min(e_p2, 16)
-    scan_chunks = 256
-    block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_BLOCK_K)
-    block_t = block_t or max(1, min(DISPATCH_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
-    return DispatchConfig(single_program, chunk, e_p2, hist_experts, scan_chunks, scan_experts,
-                          DISPATCH_SINGLE_PROGRAM_WARPS, block_t, block_k, num_warps or DISPATCH_WARPS)
+    if fused is None:
+        fused = pairs <= DISPATCH_FUSED_MAX_PAIRS
+    # Chunked path: 128 pairs per chunk, the within-chunk rank a 128 × 128 comparison and the chunk
+    # histogram built 32 experts at a time (128 × 32 one-hot tiles).
+    chunk, hist_experts, scan_experts, scan_chunks = 128, min(e_p2, 32), min(e_p2, 16), 256
+    k_p2 = _pow2_ceil(top_k)
+    if fused:
+        block_t = block_t or 1
+        block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_FUSED_BLOCK_K)
+        num_warps = num_warps or DISPATCH_FUSED_WARPS
+    else:
+        block_t = block_t or max(1, min(DISPATCH_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
+        block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_BLOCK_K)
+        num_warps = num_warps or DISPATCH_WARPS
+    rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
+    # masked_m: spread the experts over the fused grid's programs (at least 16 per counting program)
+    programs = -(-max(num_tokens, 1) // block_t) * -(-hidden // block_k)
+    e_block = min(e_p2, max(16, _pow2_ceil(-(-num_experts // programs))))
+    return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
+                          block_t, block_k, num_warps, rank_chunk, e_block)
 
 
 @dataclasses.dataclass(frozen=True)

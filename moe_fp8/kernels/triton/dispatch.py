@@ -5,12 +5,11 @@ as ``moe_fp8.reference`` does, so ``row_map``, ``m_indices`` and the copied rows
 The order is made deterministic without atomics on positions. Routing the pairs ends with ``row_map``
 (the destination row of every pair, or -1), which is all the scatter reads:
 
-- Small problems (``pairs × experts <= configs.DISPATCH_SINGLE_PROGRAM_WORK``: every decode step) —
-  ``_route_single_kernel``, **one program**: walks the pairs in chunks with the per-expert counts in
-  registers; a chunk's one-hot ``[CHUNK, E]`` tile and its cumsum give each pair's position, the
-  column sums advance the counts. It writes ``row_map``, ``masked_m`` (masked) or the segment starts,
-  counts and ``M_total`` (contiguous; a first pass counts, so segment starts are known before
-  positions). One launch instead of three, and no intermediate buffers.
+- Masked layout, few pairs (``<= configs.DISPATCH_FUSED_MAX_PAIRS``: every decode step) —
+  ``_dispatch_fused_kernel``, **one launch**, no routing kernel: each scatter program (``BLOCK_T``
+  tokens × ``BLOCK_K`` bytes) ranks its own pairs against every earlier pair (a comparison over the
+  id list, from L2), writes its rows' slices and (column block 0) ``row_map``; the programs whose
+  flat index owns a slice of ``E_BLOCK`` experts also count them for ``masked_m``.
 - Large problems — parallel over chunks of ``CHUNK`` pairs:
   1. ``_count_kernel``: local expert of each pair (``expert_map`` applied; ids outside the map or
      mapped outside ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the
@@ -21,8 +20,8 @@ The order is made deterministic without atomics on positions. Routing the pairs 
      the id range (for the reference's error messages).
   4. ``_row_map_kernel``: ``row_map`` from the above.
 
-Then ``_m_indices_kernel`` (contiguous) writes each segment's expert id over its rows and -1 over its
-padding, and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
+Then ``_m_indices_kernel`` (contiguous; one program per 128 rows) finds each row's segment from the
+segment starts (expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
 each token row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales
 into the TMA layout).
 
@@ -63,7 +62,7 @@ __all__ = ["combine", "contiguous_rows_bound", "dispatch_contiguous", "dispatch_
 
 
 # ============================================================================================
-# Small problems: one program routes every pair
+# Masked layout, few pairs: routing fused into the scatter
 # ============================================================================================
 
 @triton.jit
@@ -81,58 +80,73 @@ def _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP: 
 
 
 @triton.jit
-def _route_single_kernel(
-    ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, count_ptr, seg_ptr, status_ptr,
-    num_pairs, num_experts, num_global, max_m, align_m,
-    CHUNK: tl.constexpr, E_P2: tl.constexpr, HAS_MAP: tl.constexpr, MASKED: tl.constexpr,
+def _dispatch_fused_kernel(
+    x_ptr, xs_ptr, ids_ptr, map_ptr, out_ptr, out_s_ptr, row_map_ptr, masked_m_ptr,
+    T, K, KG, num_experts, num_global, max_m, m_pad, xs_stride_t, xs_stride_g,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    e = tl.arange(0, E_P2)
-    e_ok = e < num_experts
-    ci = tl.arange(0, CHUNK)
-    seg_start = tl.zeros([E_P2], dtype=tl.int64)
-    if not MASKED:
-        # ---- pass 1: counts (segment starts must be known before any position) and the id range ----
-        counts = tl.zeros([E_P2], dtype=tl.int32)
-        lo = tl.full([CHUNK], 2**62, tl.int64)
-        hi = tl.full([CHUNK], -(2**62), tl.int64)
-        top = tl.full([CHUNK], -1, tl.int64)
-        for c0 in range(0, num_pairs, CHUNK):
-            i = c0 + ci
-            in_range = i < num_pairs
-            ids, mapped, local = _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP)
-            counts += tl.sum((local[:, None] == e[None, :]).to(tl.int32), axis=0)
-            lo = tl.minimum(lo, tl.where(in_range, ids, 2**62))
-            hi = tl.maximum(hi, tl.where(in_range, ids, -(2**62)))
-            top = tl.maximum(top, tl.where(in_range, mapped, -1))
-        seg_len = (counts.to(tl.int64) + align_m - 1) // align_m * align_m
-        seg_start = tl.cumsum(seg_len, axis=0) - seg_len
-        tl.store(seg_ptr + e, seg_start, mask=e_ok)
-        tl.store(count_ptr + e, counts, mask=e_ok)
-        tl.store(status_ptr, tl.sum(seg_len))
-        tl.store(status_ptr + 1, tl.min(lo))
-        tl.store(status_ptr + 2, tl.max(hi))
-        tl.store(status_ptr + 3, tl.max(top))
+    """Masked dispatch in one launch (few pairs). Program ``(pid_t, pid_k)``: ``BLOCK_T`` tokens ×
+    ``BLOCK_K`` bytes. Each ranks its own pairs against every earlier pair (positions need no
+    other program), copies its slice of the rows, writes ``row_map`` (``pid_k == 0``) and the counts
+    of ``E_BLOCK`` experts (``masked_m``) if its flat program index owns a slice of them."""
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pairs = T * TOP_K
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    # the row slice first: its load is in flight while the pairs are ranked
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_ok = cols < K
+    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+    SG: tl.constexpr = (BLOCK_K + 127) // 128
+    g = pid_k * SG + tl.arange(0, SG)
+    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
+    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=t_ok[:, None] & g_ok[None, :])
 
-    # ---- positions: a chunk's one-hot tile, its exclusive cumsum over pairs plus the running counts ----
-    counts = tl.zeros([E_P2], dtype=tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        i = c0 + ci
-        in_range = i < num_pairs
-        _, _, local = _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP)
-        onehot = (local[:, None] == e[None, :]).to(tl.int32)  # not local (-1): an all-zero row
-        before = tl.cumsum(onehot, axis=0) - onehot + counts[None, :]
-        pos = tl.sum(onehot * before, axis=1)
-        counts += tl.sum(onehot, axis=0)
-        is_local = local >= 0
-        if MASKED:
-            keep = is_local & (pos < max_m)
-            dest = local * max_m + pos
-        else:
-            keep = is_local
-            dest = tl.sum(onehot.to(tl.int64) * seg_start[None, :], axis=1) + pos
-        tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=in_range)
-    if MASKED:
-        tl.store(masked_m_ptr + e, tl.minimum(counts, max_m), mask=e_ok)
+    # ---- own pairs [BLOCK_T, K_P2]: local expert and rank among all earlier pairs ----
+    j = tl.arange(0, K_P2)
+    p = t[:, None] * TOP_K + j[None, :]
+    p_ok = t_ok[:, None] & (j[None, :] < TOP_K)
+    # (distinct names per loop: a name assigned before a loop and in it is loop-carried, so its type
+    # must not change — the interpreter does not check this, the compiler does)
+    _ids_p, _mapped_p, loc = _local_ids(ids_ptr, map_ptr, p, p_ok, num_experts, num_global, HAS_MAP)
+    loc = loc.to(tl.int32)
+    rank = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
+    qi = tl.arange(0, RANK_CHUNK)
+    # pairs after ours never count (programs past the last token, there for masked_m: none at all)
+    last = tl.where(pid_t * BLOCK_T < T, tl.minimum((pid_t + 1) * BLOCK_T * TOP_K, num_pairs), 0)
+    for q0 in range(0, last, RANK_CHUNK):
+        q = q0 + qi
+        _ids_q, _mapped_q, lq = _local_ids(ids_ptr, map_ptr, q, q < last, num_experts, num_global, HAS_MAP)
+        same = (lq.to(tl.int32)[None, None, :] == loc[:, :, None]) & (q[None, None, :] < p[:, :, None])
+        rank += tl.sum(same.to(tl.int32), axis=2)
+    keep = p_ok & (loc >= 0) & (rank < max_m)
+    dest = tl.where(keep, loc.to(tl.int64) * max_m + rank, -1)
+    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
+
+    # ---- masked_m of experts [f·E_BLOCK, (f+1)·E_BLOCK) for flat program index f ----
+    f = pid_t * tl.num_programs(1) + pid_k
+    e = f * E_BLOCK + tl.arange(0, E_BLOCK)
+    e_ok = e < num_experts
+    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+    n_hist = tl.where(f * E_BLOCK < num_experts, num_pairs, 0)
+    for q0 in range(0, n_hist, RANK_CHUNK):
+        qh = q0 + qi
+        _ids_h, _mapped_h, lh = _local_ids(ids_ptr, map_ptr, qh, qh < num_pairs, num_experts, num_global, HAS_MAP)
+        counts += tl.sum((lh.to(tl.int32)[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(masked_m_ptr + e, tl.minimum(counts, max_m), mask=e_ok)
+
+    # ---- scatter: each kept pair's slice of the row and its scales ----
+    for jj in tl.static_range(TOP_K):
+        d = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest
+        ok = d >= 0
+        d = tl.where(ok, d, 0)
+        mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
+        s_offs = (d // mdiv) * KG * m_pad + d % mdiv  # scales: 3-D TMA layout [E, max_m, KG]
+        tl.store(out_ptr + d[:, None] * K + cols[None, :], row, mask=ok[:, None] & c_ok[None, :])
+        tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc, mask=ok[:, None] & g_ok[None, :])
 
 
 # ============================================================================================
@@ -246,22 +260,23 @@ def _row_map_kernel(
 
 
 @triton.jit
-def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, status_ptr, num_experts, m_rows, align_m,
-                      BLOCK: tl.constexpr):
-    """Program ``e < E``: expert ``e``'s segment (its id, then -1 over the padding). Program ``E``:
-    -1 over the rows past ``M_total`` (``sync=False`` outputs sized by the upper bound)."""
-    e = tl.program_id(0)
-    if e < num_experts:
-        count = tl.load(count_ptr + e)
-        start = tl.load(seg_ptr + e)
-        seg_len = (count + align_m - 1) // align_m * align_m
-        for r0 in range(0, seg_len, BLOCK):
-            r = r0 + tl.arange(0, BLOCK)
-            tl.store(m_idx_ptr + start + r, tl.where(r < count, e, -1), mask=r < seg_len)
-    else:
-        for r0 in range(tl.load(status_ptr), m_rows, BLOCK):
-            r = r0 + tl.arange(0, BLOCK)
-            tl.store(m_idx_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=r < m_rows)
+def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, num_experts, m_rows,
+                      BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
+    """``BLOCK`` rows per program: a row's expert is the last ``e`` with ``seg_start[e] <= row``
+    (empty segments share their start with the next one, so the last wins); the row is that expert's
+    if it lies below ``seg_start[e] + count[e]``, else padding (-1) — also every row past ``M_total``.
+    No branch on the program id and no data-dependent loop (rows past ``M_total`` included)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    last = tl.full([BLOCK], -1, tl.int32)
+    for e0 in range(0, num_experts, E_CHUNK):
+        e = e0 + tl.arange(0, E_CHUNK)
+        start = tl.load(seg_ptr + e, mask=e < num_experts, other=2**62)
+        last += tl.sum((start[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    e_row = tl.maximum(last, 0)
+    start = tl.load(seg_ptr + e_row)
+    count = tl.load(count_ptr + e_row).to(tl.int64)
+    inside = (last >= 0) & (r - start < count)
+    tl.store(m_idx_ptr + r, tl.where(inside, e_row, -1), mask=r < m_rows)
 
 
 # ============================================================================================
@@ -354,13 +369,6 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
     count = torch.empty(num_experts, dtype=torch.int32, device=device)
     seg_start = torch.empty(num_experts, dtype=torch.int64, device=device)
     status = torch.empty(4, dtype=torch.int64, device=device)
-    if cfg.single_program:
-        _route_single_kernel[(1,)](
-            ids, emap if emap is not None else ids, row_map, masked_m if masked else count, count, seg_start,
-            status, num_pairs, num_experts, num_global, max_m, align_m,
-            CHUNK=cfg.chunk, E_P2=cfg.e_p2, HAS_MAP=emap is not None, MASKED=masked,
-            num_warps=cfg.route_warps)
-        return row_map, count, seg_start, status
     num_chunks = ceil_div(num_pairs, cfg.chunk)
     local = torch.empty(num_pairs, dtype=torch.int32, device=device)
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
@@ -371,14 +379,14 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
         _count_kernel[(num_chunks,)](
             ids, emap if emap is not None else ids, local, rank, hist, stats, num_pairs, num_experts, num_global,
             CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
-            num_warps=cfg.num_warps)
+            num_warps=cfg.route_warps)
     _scan_kernel[(ceil_div(num_experts, cfg.scan_experts),)](
         hist, base, count, masked_m if masked else count, num_chunks, num_experts, max_m,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
-        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked, num_warps=cfg.num_warps)
+        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked, num_warps=cfg.route_warps)
     if not masked:
         _segments_kernel[(1,)](count, seg_start, stats, status, num_experts, num_chunks, align_m,
-                               E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.num_warps)
+                               E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.route_warps)
     if num_pairs > 0:
         _row_map_kernel[(ceil_div(num_pairs, 1024),)](
             local, rank, base, seg_start, row_map, num_pairs, num_experts, max_m,
@@ -399,6 +407,28 @@ def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, 
         num_tokens, k, x_scale.shape[1], max(max_m, 1), m_pad, x_scale.stride(0), x_scale.stride(1),
         TOP_K=row_map.shape[1], BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, MASKED=masked,
         num_warps=cfg.num_warps)
+
+
+def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+           num_experts: int, max_m: int, m_pad: int, out: torch.Tensor, out_scale: torch.Tensor,
+           row_map: torch.Tensor, masked_m: torch.Tensor, cfg: DispatchConfig) -> None:
+    num_tokens, k = x_fp8.shape
+    top_k = topk_ids.shape[1]
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    emap = None if expert_map is None else (expert_map if expert_map.is_contiguous() else expert_map.contiguous())
+    col_blocks = max(ceil_div(k, cfg.block_k), 1)
+    if col_blocks > MAX_GRID_YZ:
+        raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
+    # every expert's masked_m needs a program: enough token blocks for all expert slices
+    programs = max(ceil_div(num_tokens, cfg.block_t) * col_blocks, ceil_div(num_experts, cfg.e_block))
+    t_blocks = ceil_div(programs, col_blocks)
+    _dispatch_fused_kernel[(t_blocks, col_blocks)](
+        x_fp8.view(torch.uint8), x_scale, ids, emap if emap is not None else ids, out.view(torch.uint8),
+        out_scale, row_map, masked_m, num_tokens, k, x_scale.shape[1], num_experts,
+        emap.shape[0] if emap is not None else num_experts, max_m, m_pad,
+        x_scale.stride(0), x_scale.stride(1),
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k,
+        RANK_CHUNK=cfg.rank_chunk, E_BLOCK=cfg.e_block, HAS_MAP=emap is not None, num_warps=cfg.num_warps)
 
 
 def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -429,6 +459,11 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
         raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
     masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
     cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    if cfg.fused:
+        row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+        _fused(x_fp8, x_scale, topk_ids, expert_map, num_experts, max_m, m_pad, out, out_scale, row_map,
+               masked_m, cfg)
+        return out, out_scale, masked_m, row_map
     row_map = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)[0]
     _scatter(x_fp8, x_scale, row_map, out, out_scale, max_m, m_pad, True, cfg)
     return out, out_scale, masked_m, row_map
@@ -473,8 +508,9 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     out_scale = empty_scale_tma(m_rows, kg, device=device)
     m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
     if m_rows > 0:
-        _m_indices_kernel[(num_experts + (0 if sync else 1),)](
-            m_indices, count, seg_start, status, num_experts, m_rows, align_m, BLOCK=1024, num_warps=4)
+        _m_indices_kernel[(ceil_div(m_rows, 128),)](
+            m_indices, count, seg_start, num_experts, m_rows, BLOCK=128,
+            E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), num_warps=4)
     _scatter(x_fp8, x_scale, row_map, out, out_scale, 0, get_tma_aligned_m(m_rows), False, cfg)
     return out, out_scale, m_indices, row_map
 

@@ -3,9 +3,13 @@
 One kernel, ``_act_quant_kernel``, serves both ops (``SILU`` constexpr) and all three layouts:
 ``[M, K]``, ``[G, M, K]`` and the masked ``[G, max_m, K]`` (``HAS_MASK``: only rows below
 ``masked_m[g]`` are read or written; the rest of the output stays untouched). A program owns one
-column block of ``BLOCK_G`` scale groups of one leading group and walks row blocks of ``BLOCK_R``
-rows: ``pid_r, pid_r + num_programs(0), …`` up to the group's row count, which for the masked
-layout is read on device (no host sync, CUDA-graph safe: the grid depends on shapes only).
+column block of ``BLOCK_G`` scale groups and walks row blocks of ``BLOCK_R`` rows: ``pid_r, pid_r +
+num_programs(0), …``. Unmasked: of one leading group (one row block per program). Masked (``FLAT``,
+up to ``configs.QUANT_FLAT_MAX_GROUPS`` groups): of the flat list of every group's valid rows —
+each program takes the prefix of ``masked_m`` on device and finds a row's group from it, so work is
+balanced whatever the group sizes (a hot expert is no serial tail) and no program idles on an empty
+group; no host sync, CUDA-graph safe (the grid depends on shapes only). More groups: one row loop
+per (group, column block) up to that group's ``masked_m``.
 
 Scales go straight to their TMA-layout address ``g·KG·M_pad + kg·M_pad + m`` (column-major, rows
 padded to 4; the padding entries are not written, as in the reference).
@@ -38,7 +42,7 @@ from moe_fp8.kernels.triton.common import (
     quantize_exact,
     scale_from_amax,
 )
-from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, QuantConfig, quant_config
+from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, QUANT_FLAT_MAX_GROUPS, QuantConfig, quant_config
 from moe_fp8.utils import (
     FP8_DTYPE,
     ceil_div,
@@ -67,43 +71,65 @@ def _silu_mul(g, u, PRECISE: tl.constexpr):
 @triton.jit
 def _act_quant_kernel(
     in_ptr, q_ptr, s_ptr, masked_m_ptr,
-    M, N, in_row_stride, KG, m_pad, s_group_stride, row_programs, eps,
+    M, N, in_row_stride, KG, m_pad, s_group_stride, row_programs, num_groups, eps,
     GROUP_SIZE: tl.constexpr, GS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    SILU: tl.constexpr, HAS_MASK: tl.constexpr, PRECISE: tl.constexpr, UE8M0: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    SILU: tl.constexpr, HAS_MASK: tl.constexpr, FLAT: tl.constexpr, G_P2: tl.constexpr,
+    PRECISE: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     # N: output columns (K for quant, I for SiLU); the input row is N (quant) or 2N (SiLU) wide.
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    grp = tl.program_id(2).to(tl.int64)
-    n_rows = M
-    if HAS_MASK:  # clamp: a bad masked_m must never move an access out of the group
-        n_rows = tl.minimum(tl.maximum(tl.load(masked_m_ptr + grp), 0), M)
-    num_row_blocks = tl.cdiv(n_rows, BLOCK_R)
-
     seg = tl.arange(0, BLOCK_R * BLOCK_G)  # one segment = one (row, scale group)
     c = tl.arange(0, GS_P2)
     kg = pid_c * BLOCK_G + seg % BLOCK_G
     col = kg[:, None] * GROUP_SIZE + c[None, :]
     col_ok = (kg[:, None] < KG) & (c[None, :] < GROUP_SIZE) & (col < N)
+    if FLAT:
+        # Masked, flat: the valid rows of all groups as one list (group g's rows start at the
+        # exclusive prefix of clamp(masked_m, 0, M)); programs stride over its row blocks.
+        gi = tl.arange(0, G_P2)
+        mm = tl.load(masked_m_ptr + gi, mask=gi < num_groups, other=0)
+        mm = tl.minimum(tl.maximum(mm, 0), M)  # a bad masked_m must never move an access out of a group
+        ends = tl.cumsum(mm, axis=0)  # inclusive prefix
+        total = tl.sum(mm)
+        for rb in range(pid_r, tl.cdiv(total, BLOCK_R), row_programs):
+            f = rb * BLOCK_R + seg // BLOCK_G  # flat row of each segment
+            grp_s = tl.sum((ends[None, :] <= f[:, None]).to(tl.int32), axis=1)  # its group
+            start = tl.sum(tl.where(gi[None, :] < grp_s[:, None], mm[None, :], 0), axis=1)
+            r_ok = f < total
+            row = grp_s.to(tl.int64) * M + (f - start)
+            _quant_tile(in_ptr, q_ptr, s_ptr, row, grp_s.to(tl.int64) * s_group_stride + (f - start), r_ok, kg,
+                        col, col_ok, N, in_row_stride, KG, m_pad, eps, SILU, PRECISE, UE8M0, NATIVE_FP8)
+    else:
+        grp = tl.program_id(2).to(tl.int64)
+        n_rows = M
+        if HAS_MASK:  # clamp: a bad masked_m must never move an access out of the group
+            n_rows = tl.minimum(tl.maximum(tl.load(masked_m_ptr + grp), 0), M)
+        for rb in range(pid_r, tl.cdiv(n_rows, BLOCK_R), row_programs):  # row_programs == num_programs(0)
+            r = rb * BLOCK_R + seg // BLOCK_G
+            _quant_tile(in_ptr, q_ptr, s_ptr, grp * M + r, grp * s_group_stride + r, r < n_rows, kg, col, col_ok,
+                        N, in_row_stride, KG, m_pad, eps, SILU, PRECISE, UE8M0, NATIVE_FP8)
 
-    for rb in range(pid_r, num_row_blocks, row_programs):  # row_programs == tl.num_programs(0)
-        r = rb * BLOCK_R + seg // BLOCK_G
-        seg_ok = (r < n_rows) & (kg < KG)
-        mask = col_ok & (r < n_rows)[:, None]
-        row = grp * M + r
-        in_offs = row[:, None] * in_row_stride + col
-        x = tl.load(in_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
-        if SILU:
-            u = tl.load(in_ptr + in_offs + N, mask=mask, other=0.0).to(tl.float32)
-            x = _silu_mul(x, u, PRECISE)
-        # masked-off lanes hold 0 (or silu(0)·0 = 0): they never raise amax nor flag NaN
-        amax = tl.max(tl.abs(x), axis=1)
-        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-        scale = scale_from_amax(amax, has_nan, eps, UE8M0)
-        code = quantize_exact(x, scale[:, None], NATIVE_FP8)
-        tl.store(q_ptr + row[:, None] * N + col, code, mask=mask)
-        tl.store(s_ptr + grp * s_group_stride + kg.to(tl.int64) * m_pad + r, scale, mask=seg_ok)
+
+@triton.jit
+def _quant_tile(in_ptr, q_ptr, s_ptr, row, s_row, r_ok, kg, col, col_ok, N, in_row_stride, KG, m_pad, eps,
+                SILU: tl.constexpr, PRECISE: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """One tile of (row, scale group) segments: ``row`` (input/output row, int64), ``s_row`` (the
+    segment's offset in the scale tensor before ``kg · m_pad``), ``r_ok`` (row valid)."""
+    seg_ok = r_ok & (kg < KG)
+    mask = col_ok & r_ok[:, None]
+    in_offs = row[:, None] * in_row_stride + col
+    x = tl.load(in_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        u = tl.load(in_ptr + in_offs + N, mask=mask, other=0.0).to(tl.float32)
+        x = _silu_mul(x, u, PRECISE)
+    # masked-off lanes hold 0 (or silu(0)·0 = 0): they never raise amax nor flag NaN
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
+    code = quantize_exact(x, scale[:, None], NATIVE_FP8)
+    tl.store(q_ptr + row[:, None] * N + col, code, mask=mask)
+    tl.store(s_ptr + s_row + kg.to(tl.int64) * m_pad, scale, mask=seg_ok)
 
 
 # ============================================================================================
@@ -155,14 +181,15 @@ def _launch(inp: torch.Tensor, n_out: int, group_size: int, ue8m0: bool, eps: fl
     if groups > MAX_GRID_YZ or col_blocks > MAX_GRID_YZ:
         raise ValueError(f"too many groups ({groups}) or column blocks ({col_blocks}) for one launch")
     # Without a mask, the row loop of a program must cover every row block (one each by default).
-    row_programs = cfg.row_programs if masked_m is not None else ceil_div(rows, cfg.block_r)
+    row_programs = cfg.row_programs if masked else ceil_div(rows, cfg.block_r)
+    flat = masked and groups <= QUANT_FLAT_MAX_GROUPS
     m_pad = get_tma_aligned_m(rows)
-    _act_quant_kernel[(row_programs, col_blocks, groups)](
-        inp, out.view(torch.uint8), out_scale, masked_m if masked_m is not None else out_scale,
-        rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, row_programs, float(eps),
+    _act_quant_kernel[(row_programs, col_blocks, 1 if flat else groups)](
+        inp, out.view(torch.uint8), out_scale, masked_m if masked else out_scale,
+        rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, row_programs, groups, float(eps),
         GROUP_SIZE=group_size, GS_P2=cfg.gs_p2, BLOCK_R=cfg.block_r, BLOCK_G=cfg.block_g,
-        SILU=silu, HAS_MASK=masked_m is not None, PRECISE=bool(precise), UE8M0=bool(ue8m0),
-        NATIVE_FP8=native_fp8(device), num_warps=cfg.num_warps,
+        SILU=silu, HAS_MASK=masked, FLAT=flat, G_P2=triton.next_power_of_2(groups) if flat else 1,
+        PRECISE=bool(precise), UE8M0=bool(ue8m0), NATIVE_FP8=native_fp8(device), num_warps=cfg.num_warps,
     )
     return out, out_scale
 

@@ -92,16 +92,18 @@ def _select_experts_kernel(
         choice = tl.where(kept[:, :, None], choice, float("-inf"))
 
     # ---- top-k experts, largest choice first, ties to the lower id ----
-    # One int64 max per pick over the flattened [BLOCK_T, E_MAX] keys (the expert id rides in the low
-    # bits); the weights are gathered after the loop, so the serial part is one reduction per pick.
+    # Keys stay in the [BLOCK_T, NG_P2, PG_P2] tile: a pick is a max over axis 2 then axis 1 (the
+    # expert id rides in the low bits). NOTE: an earlier version flattened the tile with tl.reshape
+    # to [BLOCK_T, E_MAX] for a single max; on the H100 BLOCK_T=2 with 2 warps then picked wrong ids
+    # (the reshape's layout change is not trusted since). Weights are gathered after the loop.
     E_MAX: tl.constexpr = NG_P2 * PG_P2
     key = (sort_key(choice).to(tl.int64) << 32) | (E_MAX - 1 - expert)
-    key = tl.reshape(tl.where(valid, key, _INT64_MIN), [BLOCK_T, E_MAX])
+    key = tl.where(valid, key, _INT64_MIN)
     kcol = tl.arange(0, K_P2)
     out_id = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
     for j in range(top_k):
-        best = tl.max(key, axis=1)
-        key = tl.where(key == best[:, None], _INT64_MIN, key)
+        best = tl.max(tl.max(key, axis=2), axis=1)
+        key = tl.where(key == best[:, None, None], _INT64_MIN, key)
         eid = (E_MAX - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
         out_id = tl.where(kcol[None, :] == j, eid[:, None], out_id)
 
