@@ -83,3 +83,24 @@ def test_masked_hint_changes_speed_not_validity() -> None:
     """Any expected_m gives a config; the kernel itself handles every masked_m <= max_m."""
     for expected in (1, 8, 64, 256, 4096):
         _valid(get_config(GemmDesc(4096, 4096, 7168, num_groups=4, layout="masked", expected_m=expected)))
+
+
+def test_large_row_counts_share_bucketed_configs() -> None:
+    """Prefill sends a new M_total nearly every batch: large problems are decided per bucket of
+    m-blocks (one model evaluation per bucket), and the bucket's choice stays within 5% of the
+    modelled optimum of the exact row count."""
+    from moe_fp8.kernels.heuristics import _best_config, candidates, config_key
+
+    _best_config.cache_clear()
+    n, k = 4096, 7168
+    keys = set()
+    for m in range(60_000, 70_000, 128):
+        desc = GemmDesc(m, n, k, num_groups=32, layout="contiguous")
+        keys.add(config_key(desc))
+        cfg = get_config(desc)
+        best = min(estimate_ns(desc, *c)[0] for c in candidates(desc))
+        assert estimate_ns(desc, cfg.block_m, cfg.block_n)[0] <= 1.05 * best, (m, cfg)
+    assert len(keys) <= 6 and _best_config.cache_info().currsize == len(keys)
+    # small problems are never bucketed (wave quantization decides them)
+    small = GemmDesc(1000, 2112, 7168)
+    assert config_key(small).m == 1024

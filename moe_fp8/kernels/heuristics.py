@@ -221,9 +221,40 @@ def representative_rows(max_rows: int) -> list[int]:
     return sorted(reps)
 
 
-@functools.cache
+# Large problems: with at least this many waves of the widest tile, wave quantization moves an estimate
+# by under 1/8, so row counts are bucketed (16 buckets per octave of m-blocks). Prefill sends a new
+# M_total nearly every batch; a model evaluation costs ~300 us of Python (1.3 ms masked), a cache hit
+# a dict lookup.
+BUCKET_MIN_WAVES = 8
+BUCKETS_PER_OCTAVE = 16
+
+
+def config_key(desc: GemmDesc) -> GemmDesc:
+    """The descriptor ``get_config`` decides on: rows rounded up to a multiple of 64 (exact: the model
+    sees rows only through ``ceil_div(rows, block_m)``, see ``representative_rows``), and for large
+    normal / contiguous problems to a bucket of m-blocks (see ``BUCKET_MIN_WAVES``)."""
+    if desc.layout == "masked":
+        if desc.expected_m:
+            return dataclasses.replace(desc, expected_m=64 * ceil_div(desc.expected_m, 64))
+        return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
+    m_blocks = ceil_div(desc.m, 128)
+    if m_blocks * ceil_div(desc.n, 256) >= BUCKET_MIN_WAVES * desc.num_sms:
+        step = max(1, (1 << (m_blocks.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+        return dataclasses.replace(desc, m=128 * align(m_blocks, step))
+    return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
     """Pick the cheapest candidate under the cost model; then as many pipeline stages as fit."""
+    cfg = _best_config(config_key(desc))
+    if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
+        print(f"[moe_fp8] {desc} -> {cfg}")
+    return cfg
+
+
+@functools.cache
+def _best_config(desc: GemmDesc) -> GemmConfig:
     best = None
     for cand in candidates(desc):
         ns, tiles = estimate_ns(desc, *cand)
@@ -234,7 +265,4 @@ def get_config(desc: GemmDesc) -> GemmConfig:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn)) if bm == 128 else None
-    cfg = make_config(bm, bn, desc.num_sms, num_stages=stages, multicast=mc, multicast_on_a=on_a)
-    if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
-        print(f"[moe_fp8] {desc} -> {cfg}")
-    return cfg
+    return make_config(bm, bn, desc.num_sms, num_stages=stages, multicast=mc, multicast_on_a=on_a)
