@@ -3,7 +3,7 @@
 # GPU tests, JIT timings, benchmarks. Everything lands in $OUT (the device tool brings it back);
 # commit the results under docs/benchmarks/ with the commit and device they name.
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [gemm] [grouped] [moe-data] [moe] [sweep]
+#   bash scripts/gpu_check.sh [tests] [smoke] [demo] [gemm] [grouped] [moe-data] [moe] [sweep]
 #                                                       (default: all but sweep)
 #   SWEEP="128x128b 128x112a" bash scripts/gpu_check.sh gemm sweep     (block shapes to sweep)
 #   SHAPES="4096,7168,16384 ..."                                       (gemm shapes, default table)
@@ -18,7 +18,7 @@ pack() { tar -C "$ROOT" -czf "$ROOT/gpu_check.tgz.tmp" gpu_check && mv "$ROOT/gp
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 export MOE_FP8_CACHE_DIR=${MOE_FP8_CACHE_DIR:-/tmp/moe_fp8_cache}
-steps=${*:-tests smoke gemm grouped moe-data moe}
+steps=${*:-tests smoke demo gemm grouped moe-data moe}
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
@@ -37,6 +37,10 @@ fi
 if has smoke; then
   python3 scripts/jit_smoke.py --json "$OUT/jit_smoke.json" 2>&1 | tee "$OUT/jit_smoke.txt" | tail -n 25
   python3 scripts/host_overhead.py 2>&1 | head -n 2 | tee -a "$OUT/jit_smoke.txt"
+  pack
+fi
+if has demo; then
+  moe-fp8 demo --device cuda --no-progress 2>&1 | tee "$OUT/demo.txt" | tail -n 25
   pack
 fi
 if has gemm; then

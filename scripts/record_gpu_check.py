@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                     " (timings: `triton.testing.do_bench` medians, L2 flushed)") + figure + table)
         print("wrote", docs / f"{slug}-{kind}.md")
     parts = [_header("GPU check: tests and JIT timings", device, commit, date,
-                     "bash scripts/gpu_check.sh tests smoke"),
+                     "bash scripts/gpu_check.sh tests smoke demo"),
              "## Environment\n\n```\n" + re.sub(r"^# commit .*", f"# commit {commit}", (run / "info.txt").read_text().strip())
              + "\n```\n"]
     if (run / "gpu_tests.txt").exists():
@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         parts.append(f"## GPU tests\n\n`python -m pytest -m \"gpu or hopper\" tests/`: **{tail.strip('= ')}**\n")
     if (run / "jit_smoke.txt").exists():
         parts.append("## JIT runtime\n" + (run / "jit_smoke.txt").read_text().split("\n", 2)[-1].strip() + "\n")
+    if (run / "demo.txt").exists():
+        parts.append("## `moe-fp8 demo` on the GPU\n\n```\n" + _strip_progress((run / "demo.txt").read_text()).strip()
+                     + "\n```\n")
     (docs / f"{slug}-gpu-check.md").write_text("\n".join(parts))
     print("wrote", docs / f"{slug}-gpu-check.md")
 
