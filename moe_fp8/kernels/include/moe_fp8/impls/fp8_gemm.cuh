@@ -124,7 +124,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // second accumulator set (overlapping wgmma with promotion inside one warpgroup) costs
     // 3 x BLOCK_N/2 live floats: measured to spill at 128x128, so it is the one-math-warpgroup
     // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
-    constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 72 <= 232;
+    // The 80 left for addresses, scales and loop state is measured too: at 72, 64x104 spilled one.
+    constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
     static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8, tiles up to 256");
@@ -182,6 +183,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+                // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
+                // unrolled loop spills (ptxas unrolls it by the stage count)
+#pragma unroll 1
                 for (uint32_t kb_iter = 0; kb_iter < kNumKBlocks; ++kb_iter) {
                     const uint32_t kb = tile.k_reverse ? kNumKBlocks - 1 - kb_iter : kb_iter;
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
