@@ -81,7 +81,8 @@ def _drive() -> None:
                                     ((4, 128, 512), torch.bfloat16, False, 128)]:
         Q.per_token_group_quant(quant_inputs(shape, dtype), gs, ue8m0, 1e-10)
     for knobs in [{"tile_elems": 4096, "num_warps": 8}, {"tile_elems": 8192, "num_warps": 8},
-                  {"tile_elems": 1024, "num_warps": 4}, {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16}]:
+                  {"tile_elems": 1024, "num_warps": 4}, {"tile_elems": 2048, "num_warps": 4},
+                  {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16}]:
         cfg = C.quant_config(2048, 56, 128, **knobs)
         Q.per_token_group_quant(quant_inputs((2048, 7168)), 128, False, 1e-10, config=cfg)
     # ---- SiLU·mul+quant: unmasked, masked flat (decode buffer), masked per-group, precise ----
@@ -92,7 +93,8 @@ def _drive() -> None:
         h = quant_inputs((groups, max_m, 512 if groups > 256 else 4096))  # shapes only: keep them small
         Q.silu_mul_per_token_group_quant(h, 128, False, mm, 1e-10)
         if groups <= 256:
-            for knobs in [{"programs_per_sm": 32}, {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16}]:
+            for knobs in [{"programs_per_sm": 32}, {"tile_elems": 2048, "num_warps": 4},
+                          {"tile_elems": 4096, "num_warps": 8, "max_block_g": 16}]:
                 cfg = C.quant_config(max_m, 16, 128, groups, True, silu=True, **knobs)
                 Q.silu_mul_per_token_group_quant(h, 128, False, mm, 1e-10, config=cfg)
 
@@ -125,6 +127,12 @@ def _drive() -> None:
                 continue  # the fused path's cost grows as pairs²: the sweep never tries it there
             D.dispatch_masked(x, xs, ids.long(), e, 128, None, config=cfg)
             D.dispatch_contiguous(x, xs, ids, e, None, 128, sync=False, config=cfg)
+            if cfg.fused:
+                D.quant_dispatch_masked(torch.zeros(t, 7168, dtype=torch.bfloat16), ids, e, 128, None, config=cfg)
+        xb = torch.zeros(t, 7168, dtype=torch.bfloat16)
+        for m, ue8m0 in ((None, False), (emap[: max(e, 12) * 2], True)):
+            D.quant_dispatch_masked(xb, ids, e, 128, m, ue8m0)
+        D.quant_dispatch_masked(torch.zeros(t, 200, dtype=torch.float32), ids, e, 16, None)
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)
         w = torch.zeros(t, top_k)

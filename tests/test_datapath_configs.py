@@ -30,17 +30,25 @@ def test_quant_config(rows, k_groups, group_size, groups, masked):
 
 
 def test_quant_config_decode_buffer_launches_a_fixed_grid():
-    """[256 experts, max_m 128, I 2048]: PROGRAMS_PER_SM per SM and column block stride over the flat
-    valid rows — neither one program per (expert, row block) nor one per expert."""
+    """[256 experts, max_m 128, I 2048]: PROGRAMS_PER_SM_MANY_GROUPS per SM and column block stride
+    over the flat valid rows — neither one program per (expert, row block) nor one per expert."""
     cfg = C.quant_config(128, 16, 128, 256, masked=True, num_sms=132, silu=True)
     col_blocks = -(-16 // cfg.block_g)
-    assert cfg.row_programs == C.PROGRAMS_PER_SM * 132 // col_blocks
+    assert cfg.row_programs == C.PROGRAMS_PER_SM_MANY_GROUPS * 132 // col_blocks
     assert cfg.block_r * cfg.block_g * cfg.gs_p2 == C.QUANT_SILU_TILE_ELEMS
+    assert cfg.num_warps == 4  # gate and up: 16 loads per thread
+    few = C.quant_config(1024, 16, 128, 32, masked=True, num_sms=132, silu=True)
+    assert few.row_programs == C.PROGRAMS_PER_SM * 132 // col_blocks
 
 
 def test_quant_config_small_inputs_use_more_smaller_tiles():
-    assert C.quant_config(128, 56, 128, num_sms=132).block_r == 1  # decode: 896 one-row tiles
-    assert C.quant_config(16384, 56, 128, num_sms=132).block_r == 2  # prefill: the 2048-element tile
+    # decode: 896 one-row tiles, 8 elements per thread (gpu6: 7.3 us vs 7.7 at 2 warps)
+    assert (C.quant_config(128, 56, 128, num_sms=132).block_r, C.quant_config(128, 56, 128, num_sms=132).num_warps) \
+        == (1, 4)
+    # prefill: one-row 1024-element tiles, 16 elements per thread (gpu6 sweep winner at 4096 rows and up)
+    for rows, k_groups in [(16384, 56), (4096, 56), (16384, 16)]:
+        cfg = C.quant_config(rows, k_groups, 128, num_sms=132)
+        assert (cfg.block_r, cfg.block_g, cfg.num_warps) == (1, 8, 2)
 
 
 @pytest.mark.parametrize(("t", "e", "k", "n_group"), [(1, 256, 8, 8), (128, 256, 8, 8), (16384, 256, 8, 8),
@@ -55,15 +63,17 @@ def test_routing_config(t, e, k, n_group):
 
 def test_dispatch_and_combine_configs():
     d = C.dispatch_config(128, 8, 7168, 256)
-    assert d.e_p2 == 256 and d.block_k == 2048 and d.block_k % 128 == 0 and d.e_block * 512 >= 256
+    assert d.e_p2 == 256 and d.block_k == 8192 and d.block_k % 128 == 0 and d.e_block * 128 >= 256
     assert C.dispatch_config(3, 2, 16, 5).block_k == 16  # small rows: one column block
     c = C.combine_config(128, 7168)
-    assert c.block_h == 1024 and is_pow2(c.block_t)
+    assert c.block_h == 1024 and c.num_warps == 4 and is_pow2(c.block_t)
+    c = C.combine_config(16384, 7168)
+    assert (c.block_h, c.num_warps) == (2048, 8)
 
 
 def test_dispatch_fuses_decode_and_chunks_prefill():
-    d = C.dispatch_config(128, 8, 7168, 256)  # DeepSeek-V3 decode step: one launch, 512 programs
-    assert d.fused and d.block_t == 1 and d.block_k == 2048
+    d = C.dispatch_config(128, 8, 7168, 256)  # DeepSeek-V3 decode step: one launch, a program per token
+    assert d.fused and d.block_t == 1 and d.block_k == 8192 and d.num_warps == 8
     assert not C.dispatch_config(16384, 8, 7168, 256).fused
     assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
     p = C.dispatch_config(4096, 8, 7168, 32)  # sweep winner of the chunked scatter

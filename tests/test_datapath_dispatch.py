@@ -116,6 +116,50 @@ def test_dispatch_fused_ranks_across_chunks_and_programs(block_t):
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 512, 4), 4)
 
 
+@pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
+@pytest.mark.parametrize(("block_t", "block_k", "fused"), [(1, None, True), (2, 128, True), (1, 128, False)])
+def test_quant_dispatch_masked_matches_quant_then_dispatch(t, h, e_global, e_local, k, max_m, skew, block_t,
+                                                           block_k, fused):
+    """The fused quant + masked dispatch equals ``per_token_group_quant`` then ``dispatch_masked`` of the
+    reference, bit for bit (x_fp8 / x_scale too); several column blocks, 2-token blocks, and the
+    unfused fallback."""
+    d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
+    emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
+    e = e_local or e_global
+    cfg = dispatch_config(t, k, h, e, fused=fused, block_t=block_t, block_k=block_k)
+    x_fp8, x_scale, *got = dispatch.quant_dispatch_masked(d.x, d.topk_ids, e, max_m, emap, config=cfg)
+    r_fp8, r_scale = ref.per_token_group_quant(d.x)
+    assert x_scale.stride() == r_scale.stride()
+    assert_same_bits(x_fp8, r_fp8, "x_fp8")
+    assert_same_bits(x_scale, r_scale, "x_scale")
+    check_masked(tuple(got), ref.dispatch_masked(r_fp8, r_scale, d.topk_ids, e, max_m, emap), max_m)
+
+
+def test_quant_dispatch_masked_ue8m0_non_finite_and_persistent_buffers():
+    t, h, e, k, max_m = 9, 384, 6, 3, 5
+    d = make_dispatch_inputs(t, h, e, k, seed=4, device=DEVICE)
+    x = d.x.clone()
+    x[1, 5] = float("nan")
+    x[2, 200] = float("inf")
+    x[3, :128] = 0.0
+    x[4, 130] = 3e38  # overflows bf16: Inf
+    out = torch.full((e, max_m, h), 0x5A, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    out_scale = empty_scale_tma(max_m, 3, groups=e, device=DEVICE)
+    out_scale.fill_(-7.0)
+    for ue8m0 in (False, True):
+        x_fp8, x_scale, o, s, masked_m, row_map = dispatch.quant_dispatch_masked(
+            x, d.topk_ids, e, max_m, None, ue8m0, 1e-10, out=out, out_scale=out_scale)
+        assert o is out and s is out_scale
+        r_fp8, r_scale = ref.per_token_group_quant(x, ue8m0=ue8m0)
+        assert_same_bits(x_fp8, r_fp8, "x_fp8")
+        assert_same_bits(x_scale, r_scale, "x_scale")
+        check_masked((o, s, masked_m, row_map), ref.dispatch_masked(r_fp8, r_scale, d.topk_ids, e, max_m), max_m)
+        invalid = torch.arange(max_m, device=DEVICE)[None, :] >= masked_m[:, None]
+        assert (o.view(torch.uint8)[invalid] == 0x5A).all() and (s[invalid] == -7.0).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        dispatch.quant_dispatch_masked(x.t(), d.topk_ids, e, max_m, None)
+
+
 def test_dispatch_contiguous_m_indices_many_segments():
     """m_indices from segment starts: several row blocks, experts in more than one E chunk, empty
     experts between full ones, and the sync=False padding tail."""

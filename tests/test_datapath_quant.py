@@ -228,6 +228,13 @@ def test_silu_mul_quant_masked_rows_untouched():
     assert_same_bits(q2.view(torch.uint8)[valid], q.view(torch.uint8)[valid], "looped config")
     assert_same_bits(s2[valid], s[valid], "looped config scales")
     assert (q2.view(torch.uint8)[~valid] == 0x5A).all()
+    # several rows per block: a block's rows span group boundaries (flat rows 0-3 are in groups 1 and 2)
+    out3 = poison_q.clone().view(torch.float8_e4m3fn)
+    cfg = QuantConfig(block_r=4, block_g=2, gs_p2=128, num_warps=4, row_programs=2)
+    q3, s3 = quant.silu_mul_per_token_group_quant(h, 128, False, masked_m, 1e-10, out=out3, config=cfg)
+    assert_same_bits(q3.view(torch.uint8)[valid], q.view(torch.uint8)[valid], "4-row blocks")
+    assert_same_bits(s3[valid], s[valid], "4-row blocks scales")
+    assert (q3.view(torch.uint8)[~valid] == 0x5A).all()
     # max_m = 0 and all-empty groups
     empty = torch.zeros(g, dtype=torch.int32, device=DEVICE)
     q, s = quant.silu_mul_per_token_group_quant(h, 128, False, empty, 1e-10, out=out, out_scale=out_scale)

@@ -24,22 +24,30 @@ from moe_fp8.utils import get_num_sms
 MAX_GRID_YZ = 65535
 
 # ---- quantization (per_token_group_quant, silu_mul_per_token_group_quant) ----
-# Elements of one tile: 2048 fp32 values is 16 per thread at 4 warps. H100 sweep (gpu3): quant is
-# best at 2048 from 4096 rows up (81% of copy BW at 16384×7168); SiLU·mul+quant at 1024 (one row
-# of 8 groups) at every unmasked size (1024..16384 rows).
-QUANT_TILE_ELEMS = 2048
+# Elements of one tile: 1024 = one row of 8 scale groups. H100 sweep (gpu6): quant is best at 1024
+# elements with 2 warps from 4096 rows up (16384×7168: 139.4 vs 146.7 us at 2048/4 warps, 4096×7168
+# 40.5 vs 42.8, 16384×2048 45.3 vs 47.7); SiLU·mul+quant at 1024 with 4 warps (it loads two inputs).
+QUANT_TILE_ELEMS = 1024
 QUANT_SILU_TILE_ELEMS = 1024
 # Small inputs (decode): halve the rows of a tile while fewer than this many tiles per SM exist
 # (128×7168 quant: 896 one-row tiles beat 448 two-row ones, 7.2 vs 7.7 us).
 QUANT_MIN_TILES_PER_SM = 8
-# Warps per program: tiles of >= QUANT_WARPS_8_FROM elements use 8, smaller ones 4.
-QUANT_WARPS_8_FROM = 4096
+# Warps: one thread per QUANT_LOADS_PER_THREAD loaded elements (SiLU loads gate and up: twice the
+# tile). Every sweep winner loads 16 per thread (1024/2 warps quant, 1024/4 warps SiLU, the old
+# 2048/4 warps); small grids (< QUANT_MIN_TILES_PER_SM tiles per SM) take twice the threads instead
+# (128×7168: 1024/4 warps 7.3 us vs 1024/2 warps 7.7).
+QUANT_LOADS_PER_THREAD = 16
+QUANT_SMALL_LOADS_PER_THREAD = 8
 # Scale groups side by side in one tile row (8 × 128 = 1024 columns): the rest of the tile is rows.
 QUANT_MAX_BLOCK_G = 8
 # Masked layouts: the valid rows of all groups are one flat list of row blocks (prefix of masked_m
-# on device), strided over by this many programs per SM and column block (sweep: the old per-group
-# loop was best at 32 for 32 groups; flat rows balance by construction, 16 keeps half occupancy).
-PROGRAMS_PER_SM = 16
+# on device), strided over by this many programs per SM and column block. Sweep (gpu6): the decode
+# buffer (256 groups × max_m 128, ~900 valid rows) is best at 8 (15.9 vs 16.4 us at 16: every program
+# pays the prefix of 256 counts, idle or not); 32 groups × 1024 (7417 rows) at 32 (47.3 vs 50.0).
+PROGRAMS_PER_SM = 32
+# ... and with at least this many groups (the per-program prefix grows with the group count):
+PROGRAMS_PER_SM_MANY_GROUPS = 8
+QUANT_MANY_GROUPS = 128
 # Flat masked rows need the prefix of masked_m in registers: up to this many groups, else one loop
 # per group as before (grid axis 2 = groups).
 QUANT_FLAT_MAX_GROUPS = 4096
@@ -63,9 +71,11 @@ ROUTING_MAX_BLOCK_T = 4
 DISPATCH_FUSED_MAX_PAIRS = 2048
 # Fused kernel: elements of one rank-comparison tile ([block_t, top_k, chunk]).
 DISPATCH_RANK_TILE = 4096
-# Fused kernel scatter: one token per program, 2 KiB of its row (128×7168 decode: 512 programs).
-DISPATCH_FUSED_BLOCK_K = 2048
-DISPATCH_FUSED_WARPS = 4
+# Fused kernel scatter: one token per program and its whole row (7168 bytes: one column block, so
+# the pairs are ranked once per token, not once per column block). Sweep (gpu6, 128×7168 decode):
+# block_k 8192 / 8 warps 11.7 us vs 14.4 at 2048 / 4 warps.
+DISPATCH_FUSED_BLOCK_K = 8192
+DISPATCH_FUSED_WARPS = 8
 # Chunked path's scatter: sweep winner at 4096×7168, 32 experts (139 vs 146 us under a graph).
 DISPATCH_BLOCK_K = 4096
 DISPATCH_BLOCK_T = 2
@@ -75,9 +85,15 @@ DISPATCH_ROUTE_WARPS = 4
 
 # ---- combine ----
 # Sweep: one token per program wins at every size (16384: 97% of copy BW; 128 tokens 14.5 vs 22.6 us).
+# The kernel gathers the top_k rows of a column block in one 2-D load (all in flight at once).
+# Large batches: 2048 columns / 8 warps (gpu6: 799.2 vs 801.5 us at 16384, 209.7 vs 209.8 at 4096:
+# within noise, never worse); fewer tokens keep 1024 / 4 warps (twice the programs).
 COMBINE_BLOCK_H = 1024
 COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
+COMBINE_LARGE_FROM = 4096
+COMBINE_LARGE_BLOCK_H = 2048
+COMBINE_LARGE_WARPS = 8
 
 
 def _pow2_floor(n: int) -> int:
@@ -126,17 +142,21 @@ def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
     if tile_elems is None:  # small inputs: more, smaller tiles (latency-bound: fill the SMs)
         while block_r > 1 and -(-total_rows // block_r) * col_blocks < QUANT_MIN_TILES_PER_SM * sms:
             block_r //= 2
+    small = -(-total_rows // block_r) * col_blocks < QUANT_MIN_TILES_PER_SM * sms
     row_blocks = -(-max(rows, 1) // block_r)
     if masked:
-        target = max(1, ((programs_per_sm or PROGRAMS_PER_SM) * sms) // col_blocks)
+        per_sm = programs_per_sm or (PROGRAMS_PER_SM_MANY_GROUPS if num_groups >= QUANT_MANY_GROUPS
+                                     else PROGRAMS_PER_SM)
+        target = max(1, (per_sm * sms) // col_blocks)
         if num_groups <= QUANT_FLAT_MAX_GROUPS:  # flat list of the valid rows of every group
             row_programs = max(1, min(-(-total_rows // block_r), target))
         else:  # per-group loops
             row_programs = max(1, min(row_blocks, target // max(num_groups, 1)))
     else:
         row_programs = row_blocks
-    elems = block_r * block_g * gs_p2
-    warps = num_warps or (8 if elems >= QUANT_WARPS_8_FROM else 4)
+    loads = block_r * block_g * gs_p2 * (2 if silu else 1)
+    per_thread = QUANT_SMALL_LOADS_PER_THREAD if small else QUANT_LOADS_PER_THREAD
+    warps = num_warps or min(max(_pow2_floor(loads // (per_thread * 32)), 1), 8)
     return QuantConfig(block_r, block_g, gs_p2, warps, row_programs)
 
 
@@ -236,6 +256,7 @@ class CombineConfig:
 def combine_config(num_tokens: int, hidden: int, *, block_t: int | None = None, block_h: int | None = None,
                    num_warps: int | None = None) -> CombineConfig:
     # bf16 rows: 1024 columns = 2 KiB per gathered row, 8 columns (16 bytes) per thread at 4 warps.
-    block_h = block_h or min(_pow2_ceil(hidden), COMBINE_BLOCK_H)
+    large = num_tokens >= COMBINE_LARGE_FROM and block_h is None and num_warps is None
+    block_h = block_h or min(_pow2_ceil(hidden), COMBINE_LARGE_BLOCK_H if large else COMBINE_BLOCK_H)
     block_t = block_t or max(1, min(COMBINE_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
-    return CombineConfig(block_t, block_h, num_warps or COMBINE_WARPS)
+    return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS))

@@ -36,7 +36,7 @@ Padding rows (contiguous) and rows past ``masked_m`` (masked) are not written, w
 allow (DESIGN §2; the reference fills them with zeros and scale 1.0 for its own tests).
 
 ``combine`` — one program per ``BLOCK_T`` tokens × ``BLOCK_H`` columns: gathers the ``top_k`` rows of
-each token, ``acc = acc + w·y`` in float32 in slot order (separate multiply and add, as torch: the
+each token in one tile load, ``acc = acc + w·y`` in float32 in slot order (separate multiply and add, as torch: the
 kernel is compiled without FMA contraction so it rounds exactly as the reference), adds the shared
 output, rounds to bf16. A ``row_map`` entry past the end of ``y`` contributes NaN (an invalid map is a
 bug; the reference raises an indexing error there).
@@ -48,7 +48,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_fp8.kernels.triton.common import check_launch_device, native_cvt, to_bf16
+from moe_fp8.kernels.triton.common import (
+    check_launch_device,
+    native_cvt,
+    native_fp8,
+    quantize_exact,
+    scale_from_amax,
+    to_bf16,
+)
 from moe_fp8.kernels.triton.configs import (
     MAX_GRID_YZ,
     CombineConfig,
@@ -58,7 +65,7 @@ from moe_fp8.kernels.triton.configs import (
 )
 from moe_fp8.utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_tma_aligned_m
 
-__all__ = ["combine", "contiguous_rows_bound", "dispatch_contiguous", "dispatch_masked"]
+__all__ = ["combine", "contiguous_rows_bound", "dispatch_contiguous", "dispatch_masked", "quant_dispatch_masked"]
 
 
 # ============================================================================================
@@ -80,32 +87,12 @@ def _local_ids(ids_ptr, map_ptr, i, in_range, num_experts, num_global, HAS_MAP: 
 
 
 @triton.jit
-def _dispatch_fused_kernel(
-    x_ptr, xs_ptr, ids_ptr, map_ptr, out_ptr, out_s_ptr, row_map_ptr, masked_m_ptr,
-    T, K, KG, num_experts, num_global, max_m, m_pad, xs_stride_t, xs_stride_g,
-    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
-):
-    """Masked dispatch in one launch (few pairs). Program ``(pid_t, pid_k)``: ``BLOCK_T`` tokens ×
-    ``BLOCK_K`` bytes. Each ranks its own pairs against every earlier pair (positions need no
-    other program), copies its slice of the rows, writes ``row_map`` (``pid_k == 0``) and the counts
-    of ``E_BLOCK`` experts (``masked_m``) if its flat program index owns a slice of them."""
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
+                    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+                    RANK_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr):
+    """``(p, p_ok, dest)`` of the program's own pairs ``[BLOCK_T, K_P2]``: flat pair index, valid,
+    destination row ``e·max_m + rank`` (rank among ALL earlier pairs of expert ``e``) or -1."""
     num_pairs = T * TOP_K
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    t64 = t.to(tl.int64)
-    # the row slice first: its load is in flight while the pairs are ranked
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    c_ok = cols < K
-    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
-    SG: tl.constexpr = (BLOCK_K + 127) // 128
-    g = pid_k * SG + tl.arange(0, SG)
-    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
-    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=t_ok[:, None] & g_ok[None, :])
-
-    # ---- own pairs [BLOCK_T, K_P2]: local expert and rank among all earlier pairs ----
     j = tl.arange(0, K_P2)
     p = t[:, None] * TOP_K + j[None, :]
     p_ok = t_ok[:, None] & (j[None, :] < TOP_K)
@@ -124,10 +111,16 @@ def _dispatch_fused_kernel(
         rank += tl.sum(same.to(tl.int32), axis=2)
     keep = p_ok & (loc >= 0) & (rank < max_m)
     dest = tl.where(keep, loc.to(tl.int64) * max_m + rank, -1)
-    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
+    return p, p_ok, dest
 
-    # ---- masked_m of experts [f·E_BLOCK, (f+1)·E_BLOCK) for flat program index f ----
-    f = pid_t * tl.num_programs(1) + pid_k
+
+@triton.jit
+def _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, f, T, num_experts, num_global, max_m,
+                    TOP_K: tl.constexpr, RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr,
+                    HAS_MAP: tl.constexpr):
+    """``masked_m`` of experts ``[f·E_BLOCK, (f+1)·E_BLOCK)`` for flat program index ``f``."""
+    num_pairs = T * TOP_K
+    qi = tl.arange(0, RANK_CHUNK)
     e = f * E_BLOCK + tl.arange(0, E_BLOCK)
     e_ok = e < num_experts
     counts = tl.zeros([E_BLOCK], dtype=tl.int32)
@@ -138,6 +131,39 @@ def _dispatch_fused_kernel(
         counts += tl.sum((lh.to(tl.int32)[:, None] == e[None, :]).to(tl.int32), axis=0)
     tl.store(masked_m_ptr + e, tl.minimum(counts, max_m), mask=e_ok)
 
+
+@triton.jit
+def _dispatch_fused_kernel(
+    x_ptr, xs_ptr, ids_ptr, map_ptr, out_ptr, out_s_ptr, row_map_ptr, masked_m_ptr,
+    T, K, KG, num_experts, num_global, max_m, m_pad, xs_stride_t, xs_stride_g,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    """Masked dispatch in one launch (few pairs). Program ``(pid_t, pid_k)``: ``BLOCK_T`` tokens ×
+    ``BLOCK_K`` bytes. Each ranks its own pairs against every earlier pair (positions need no
+    other program), copies its slice of the rows, writes ``row_map`` (``pid_k == 0``) and the counts
+    of ``E_BLOCK`` experts (``masked_m``) if its flat program index owns a slice of them."""
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    # the row slice first: its load is in flight while the pairs are ranked
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    c_ok = cols < K
+    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+    SG: tl.constexpr = (BLOCK_K + 127) // 128
+    g = pid_k * SG + tl.arange(0, SG)
+    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
+    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=t_ok[:, None] & g_ok[None, :])
+
+    j = tl.arange(0, K_P2)
+    p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
+                                    TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
+    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
+    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
+                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+
     # ---- scatter: each kept pair's slice of the row and its scales ----
     for jj in tl.static_range(TOP_K):
         d = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest
@@ -147,6 +173,66 @@ def _dispatch_fused_kernel(
         s_offs = (d // mdiv) * KG * m_pad + d % mdiv  # scales: 3-D TMA layout [E, max_m, KG]
         tl.store(out_ptr + d[:, None] * K + cols[None, :], row, mask=ok[:, None] & c_ok[None, :])
         tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc, mask=ok[:, None] & g_ok[None, :])
+
+
+@triton.jit
+def _quant_dispatch_fused_kernel(
+    x_ptr, ids_ptr, map_ptr, xq_ptr, xqs_ptr, out_ptr, out_s_ptr, row_map_ptr, masked_m_ptr,
+    T, K, KG, num_experts, num_global, max_m, m_pad, t_pad, eps,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
+    UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):
+    """``per_token_group_quant`` (group 128) fused into the masked dispatch above: a program loads
+    its ``BLOCK_T`` × ``BLOCK_K`` slice of the bf16/fp16/fp32 rows as ``(token, scale group)``
+    segments, quantizes them exactly as the quant kernel does, writes ``x_fp8`` / ``x_scale`` (TMA
+    layout ``[T, KG]``, ``t_pad`` rows) and copies the codes and scales to each kept destination.
+    Ranking, ``row_map`` and ``masked_m`` as in ``_dispatch_fused_kernel``."""
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    SG: tl.constexpr = BLOCK_K // 128
+    seg = tl.arange(0, BLOCK_T * SG)  # segment = (token seg // SG, scale group seg % SG)
+    c = tl.arange(0, 128)
+    ts = pid_t * BLOCK_T + seg // SG
+    g = pid_k * SG + seg % SG
+    seg_ok = (ts < T) & (g < KG)
+    col = g[:, None] * 128 + c[None, :]
+    mask = seg_ok[:, None] & (col < K)
+    ts64 = ts.to(tl.int64)
+    # the slice first: its load is in flight while the pairs are ranked
+    xv = tl.load(x_ptr + ts64[:, None] * K + col, mask=mask, other=0.0).to(tl.float32)
+
+    j = tl.arange(0, K_P2)
+    p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
+                                    TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
+    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
+    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
+                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+
+    # ---- quantize (masked-off lanes hold 0: they never raise amax nor flag NaN) ----
+    amax = tl.max(tl.abs(xv), axis=1)
+    has_nan = tl.max((xv != xv).to(tl.int32), axis=1) > 0
+    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
+    code = quantize_exact(xv, scale[:, None], NATIVE_FP8)
+    tl.store(xq_ptr + ts64[:, None] * K + col, code, mask=mask)
+    tl.store(xqs_ptr + ts64 + g.to(tl.int64) * t_pad, scale, mask=seg_ok)
+
+    # ---- scatter: each kept pair's codes and scales ----
+    tt = tl.arange(0, BLOCK_T)
+    for jj in tl.static_range(TOP_K):
+        d_t = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest: [BLOCK_T]
+        if BLOCK_T == 1:
+            d = d_t + seg * 0
+        else:  # segment s belongs to token s // SG of the block
+            d = tl.sum(tl.where((seg // SG)[:, None] == tt[None, :], d_t[None, :], 0), axis=1)
+        ok = seg_ok & (d >= 0)
+        d = tl.where(ok, d, 0)
+        mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
+        tl.store(out_ptr + d[:, None] * K + col, code, mask=ok[:, None] & (col < K))
+        # scales: 3-D TMA layout [E, max_m, KG]
+        tl.store(out_s_ptr + (d // mdiv) * KG * m_pad + d % mdiv + g.to(tl.int64) * m_pad, scale, mask=ok)
 
 
 # ============================================================================================
@@ -324,27 +410,38 @@ def _scatter_kernel(
 def _combine_kernel(
     y_ptr, row_map_ptr, w_ptr, shared_ptr, out_ptr,
     T, H, num_rows, y_stride, rm_stride_t, rm_stride_k, w_stride_t, w_stride_k, sh_stride,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
-    NATIVE_CVT: tl.constexpr,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SHARED: tl.constexpr, NATIVE_CVT: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k = tl.arange(0, K_P2)
     t_ok = t < T
     h_ok = h < H
     t64 = t.to(tl.int64)
+    # Every load first, as whole tiles: the top_k gathered rows are ONE [BLOCK_T, K_P2, BLOCK_H] load,
+    # so all of them are in flight together. (A load per slot inside the accumulation loop compiled
+    # to ~3 rows in flight, then a stall on the first — three DRAM round trips per program at decode.)
+    if HAS_SHARED:  # independent of the row map: issued first
+        sh = tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                     other=0.0).to(tl.float32)
+    pk_ok = t_ok[:, None] & (k[None, :] < TOP_K)
+    r = tl.load(row_map_ptr + t64[:, None] * rm_stride_t + k[None, :] * rm_stride_k, mask=pk_ok, other=-1).to(tl.int64)
+    w = tl.load(w_ptr + t64[:, None] * w_stride_t + k[None, :] * w_stride_k, mask=pk_ok, other=0.0).to(tl.float32)
+    use = pk_ok & (r >= 0)
+    inside = r < num_rows
+    v = tl.load(y_ptr + r[:, :, None] * y_stride + h[None, None, :],
+                mask=(use & inside)[:, :, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
+    v = tl.where(inside[:, :, None], v, float("nan"))
+    prod = tl.where(use[:, :, None], w[:, :, None] * v, 0.0)  # skipped slots add +0.0, as the reference
+    # Slot order, as the reference: acc = acc + w_j·y_j from acc = +0.0. Slot j of ``prod`` is taken
+    # by a sum with zeros: exact (a -0.0 read as +0.0 cannot change an accumulator that starts at
+    # +0.0), and register work (the slot axis lies inside each thread: the tile's vectors run along h).
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        r = tl.load(row_map_ptr + t64 * rm_stride_t + j * rm_stride_k, mask=t_ok, other=-1).to(tl.int64)
-        w = tl.load(w_ptr + t64 * w_stride_t + j * w_stride_k, mask=t_ok, other=0.0).to(tl.float32)
-        use = t_ok & (r >= 0)
-        inside = r < num_rows
-        v = tl.load(y_ptr + r[:, None] * y_stride + h[None, :], mask=(use & inside)[:, None] & h_ok[None, :],
-                    other=0.0).to(tl.float32)
-        v = tl.where(inside[:, None], v, float("nan"))
-        acc = tl.where(use[:, None], acc + w[:, None] * v, acc)
+        acc = acc + tl.sum(tl.where(k[None, :, None] == j, prod, 0.0), axis=1)
     if HAS_SHARED:
-        acc = acc + tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :],
-                            mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        acc = acc + sh
     tl.store(out_ptr + t64[:, None] * H + h[None, :], to_bf16(acc, NATIVE_CVT), mask=t_ok[:, None] & h_ok[None, :])
 
 
@@ -469,6 +566,65 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
     return out, out_scale, masked_m, row_map
 
 
+def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int,
+                          expert_map: torch.Tensor | None, ue8m0: bool = False, eps: float = 1e-10, *,
+                          out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+                          config: DispatchConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     torch.Tensor]:
+    """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_masked`` — one launch at decode.
+
+    Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, masked_m, row_map)``,
+    bit-identical to the two calls (``x_fp8`` / ``x_scale`` for the shared experts). With few pairs
+    (``configs.dispatch_config(...).fused``) each dispatch program quantizes its own slice of the
+    rows and copies the codes to every destination, so the decode step has no quantization launch
+    and never reads ``x_fp8`` back; otherwise the two ops run one after the other.
+    ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; ``out`` / ``out_scale`` as ``dispatch_masked``.
+    """
+    from moe_fp8.kernels.triton.quant import per_token_group_quant
+
+    device = check_launch_device(x, topk_ids, expert_map, out, out_scale)
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
+    num_tokens, k = x.shape
+    top_k = topk_ids.shape[1]
+    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    if not cfg.fused or num_tokens == 0:
+        x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
+        return (x_fp8, x_scale, *dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
+                                                 out=out, out_scale=out_scale, config=cfg))
+    kg = ceil_div(k, 128)
+    m_pad = get_tma_aligned_m(max_m)
+    if out is None:
+        out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
+    elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float8_e4m3fn [{num_experts}, {max_m}, {k}]")
+    if out_scale is None:
+        out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
+    elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
+          or out_scale.stride() != (kg * m_pad, 1, m_pad)):
+        raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
+    x_fp8 = torch.empty((num_tokens, k), dtype=FP8_DTYPE, device=device)
+    x_scale = empty_scale_tma(num_tokens, kg, device=device)
+    masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
+    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    emap = None if expert_map is None else (expert_map if expert_map.is_contiguous() else expert_map.contiguous())
+    block_k = max(cfg.block_k, 128)  # whole scale groups per program
+    col_blocks = max(ceil_div(k, block_k), 1)
+    if col_blocks > MAX_GRID_YZ:
+        raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
+    programs = max(ceil_div(num_tokens, cfg.block_t) * col_blocks, ceil_div(num_experts, cfg.e_block))
+    _quant_dispatch_fused_kernel[(ceil_div(programs, col_blocks), col_blocks)](
+        x, ids, emap if emap is not None else ids, x_fp8.view(torch.uint8), x_scale, out.view(torch.uint8),
+        out_scale, row_map, masked_m, num_tokens, k, kg, num_experts,
+        emap.shape[0] if emap is not None else num_experts, max_m, m_pad, get_tma_aligned_m(num_tokens), float(eps),
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=cfg.block_t, BLOCK_K=block_k,
+        RANK_CHUNK=cfg.rank_chunk, E_BLOCK=cfg.e_block, HAS_MAP=emap is not None, UE8M0=bool(ue8m0),
+        NATIVE_FP8=native_fp8(device), num_warps=cfg.num_warps)
+    return x_fp8, x_scale, out, out_scale, masked_m, row_map
+
+
 def contiguous_rows_bound(num_tokens: int, top_k: int, num_experts: int, align_m: int) -> int:
     """Rows of ``dispatch_contiguous(sync=False)``'s outputs: ``M_total <= T·top_k + E·(align_m − 1)``
     (each expert's segment pads fewer than ``align_m`` rows), rounded up to a multiple of ``align_m``."""
@@ -539,7 +695,8 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
         rows, row_map, topk_weights, shared if shared is not None else rows, out,
         num_tokens, h, rows.shape[0], rows.stride(0), row_map.stride(0), row_map.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), shared.stride(0) if shared is not None else 0,
-        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, HAS_SHARED=shared is not None,
+        TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
+        HAS_SHARED=shared is not None,
         NATIVE_CVT=native_cvt(device), num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out

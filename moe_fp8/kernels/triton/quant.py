@@ -92,13 +92,28 @@ def _act_quant_kernel(
         mm = tl.minimum(tl.maximum(mm, 0), M)  # a bad masked_m must never move an access out of a group
         ends = tl.cumsum(mm, axis=0)  # inclusive prefix
         total = tl.sum(mm)
+        rr = tl.arange(0, BLOCK_R)
         for rb in range(pid_r, tl.cdiv(total, BLOCK_R), row_programs):
-            f = rb * BLOCK_R + seg // BLOCK_G  # flat row of each segment
-            grp_s = tl.sum((ends[None, :] <= f[:, None]).to(tl.int32), axis=1)  # its group
-            start = tl.sum(tl.where(gi[None, :] < grp_s[:, None], mm[None, :], 0), axis=1)
-            r_ok = f < total
-            row = grp_s.to(tl.int64) * M + (f - start)
-            _quant_tile(in_ptr, q_ptr, s_ptr, row, grp_s.to(tl.int64) * s_group_stride + (f - start), r_ok, kg,
+            # Group of each ROW of the block ([BLOCK_R, G_P2] compares, not one per segment: at
+            # BLOCK_R = 1 a single 256-wide reduction): the number of inclusive ends <= f, and the
+            # row's start = the largest such end (ends are nondecreasing).
+            f_r = rb * BLOCK_R + rr
+            below = ends[None, :] <= f_r[:, None]
+            grp_r = tl.sum(below.to(tl.int32), axis=1)
+            loc_r = f_r - tl.max(tl.where(below, ends[None, :], 0), axis=1)  # row inside its group
+            if BLOCK_R == 1:  # shape [1]: broadcasts over the segments
+                grp_s = grp_r
+                loc_s = loc_r
+                r_ok = f_r < total
+            else:  # segment s belongs to row s // BLOCK_G
+                own = (seg // BLOCK_G)[:, None] == rr[None, :]
+                grp_s = tl.sum(tl.where(own, grp_r[None, :], 0), axis=1)
+                loc_s = tl.sum(tl.where(own, loc_r[None, :], 0), axis=1)
+                r_ok = rb * BLOCK_R + seg // BLOCK_G < total
+            grp_s = grp_s.to(tl.int64) + seg * 0  # [BLOCK_R * BLOCK_G]
+            loc_s = loc_s.to(tl.int64) + seg * 0
+            r_ok = r_ok & (seg >= 0)
+            _quant_tile(in_ptr, q_ptr, s_ptr, grp_s * M + loc_s, grp_s * s_group_stride + loc_s, r_ok, kg,
                         col, col_ok, N, in_row_stride, KG, m_pad, eps, SILU, PRECISE, UE8M0, NATIVE_FP8)
     else:
         grp = tl.program_id(2).to(tl.int64)
