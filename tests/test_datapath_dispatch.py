@@ -18,7 +18,7 @@ from moe_fp8.utils import empty_scale_tma, is_scale_tma_layout
 triton = pytest.importorskip("triton")
 
 from moe_fp8.kernels.triton import dispatch  # noqa: E402  (after the importorskip)
-from moe_fp8.kernels.triton.configs import dispatch_config  # noqa: E402
+from moe_fp8.kernels.triton.configs import combine_config, dispatch_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -212,6 +212,7 @@ def test_dispatch_masked_drops_invalid_ids():
     check_masked((out, out_scale, masked_m, row_map), ref.dispatch_masked(d.x_fp8, d.x_scale, keep, 4, 8), 8)
 
 
+@pytest.mark.parametrize("gather_all", [True, False])  # the top_k rows in one load (decode) / one per slot
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
 @pytest.mark.parametrize(("y_dtype", "w_dtype", "shared", "map_dtype"), [
     (torch.bfloat16, torch.float32, True, torch.int64),
@@ -219,7 +220,7 @@ def test_dispatch_masked_drops_invalid_ids():
     (torch.float32, torch.bfloat16, True, torch.int64),
     (torch.float16, torch.float16, False, torch.int64),
 ])
-def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype):
+def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype, gather_all):
     t, h, e, k, max_m = 30, 320, 8, 4, 12
     d = make_dispatch_inputs(t, h, e, k, seed=2, device=DEVICE, skew=2.0)
     if layout == "masked":
@@ -235,15 +236,16 @@ def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype):
     weights_nan[::7, 1] = float("nan")
     weights = weights_nan.to(w_dtype)
     sh = randn((t, h), seed=4, device=DEVICE) if shared else None
-    got = dispatch.combine(y, row_map.to(map_dtype), weights, sh)
+    got = dispatch.combine(y, row_map.to(map_dtype), weights, sh, config=combine_config(t, h, gather_all=gather_all))
     assert_same_bits(got, ref.combine(y, row_map, weights, sh), "combine")
 
 
-def test_combine_edge_cases():
+@pytest.mark.parametrize("gather_all", [True, False])
+def test_combine_edge_cases(gather_all):
     y = randn((6, 128), seed=0, device=DEVICE)
     row_map = torch.tensor([[0, -1], [5, 5], [-1, -1], [6, 1]], device=DEVICE)  # 6 is past the end
     w = torch.tensor([[0.5, float("nan")], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0]], device=DEVICE)
-    out = dispatch.combine(y, row_map, w, None)
+    out = dispatch.combine(y, row_map, w, None, config=combine_config(4, 128, gather_all=gather_all))
     assert_same_bits(out[:3], ref.combine(y, row_map[:3], w[:3]), "combine")
     assert torch.isnan(out[3]).all(), "an out-of-range row must poison the token, not read memory"
     y_t = randn((128, 6), seed=1, device=DEVICE).t()  # non-contiguous y

@@ -85,7 +85,11 @@ DISPATCH_ROUTE_WARPS = 4
 
 # ---- combine ----
 # Sweep: one token per program wins at every size (16384: 97% of copy BW; 128 tokens 14.5 vs 22.6 us).
-# The kernel gathers the top_k rows of a column block in one 2-D load (all in flight at once).
+# Up to COMBINE_GATHER_MAX_TOKENS tokens the kernel gathers the top_k rows of a column block in one
+# 2-D load (all in flight at once: 128×7168 decode); beyond, one load per slot, whose selects-free
+# sum matters there (gpu7, DeepSeek-V3 EP rank of 32 experts, 7 of 8 slots skipped: the one-load
+# combine took 221 us at 8192 tokens and 439 at 16384, the per-slot loop 150 and 294 before it).
+COMBINE_GATHER_MAX_TOKENS = 512
 # Large batches: 2048 columns / 8 warps (gpu6: 799.2 vs 801.5 us at 16384, 209.7 vs 209.8 at 4096:
 # within noise, never worse); fewer tokens keep 1024 / 4 warps (twice the programs).
 COMBINE_BLOCK_H = 1024
@@ -250,13 +254,16 @@ class CombineConfig:
     block_t: int
     block_h: int
     num_warps: int
+    gather_all: bool = False  # the top_k rows in one load (decode), else one load per slot
 
 
 @functools.lru_cache(maxsize=1024)
 def combine_config(num_tokens: int, hidden: int, *, block_t: int | None = None, block_h: int | None = None,
-                   num_warps: int | None = None) -> CombineConfig:
+                   num_warps: int | None = None, gather_all: bool | None = None) -> CombineConfig:
     # bf16 rows: 1024 columns = 2 KiB per gathered row, 8 columns (16 bytes) per thread at 4 warps.
     large = num_tokens >= COMBINE_LARGE_FROM and block_h is None and num_warps is None
     block_h = block_h or min(_pow2_ceil(hidden), COMBINE_LARGE_BLOCK_H if large else COMBINE_BLOCK_H)
     block_t = block_t or max(1, min(COMBINE_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
-    return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS))
+    if gather_all is None:
+        gather_all = num_tokens <= COMBINE_GATHER_MAX_TOKENS
+    return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS), gather_all)

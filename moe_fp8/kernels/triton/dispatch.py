@@ -36,7 +36,7 @@ Padding rows (contiguous) and rows past ``masked_m`` (masked) are not written, w
 allow (DESIGN §2; the reference fills them with zeros and scale 1.0 for its own tests).
 
 ``combine`` — one program per ``BLOCK_T`` tokens × ``BLOCK_H`` columns: gathers the ``top_k`` rows of
-each token in one tile load, ``acc = acc + w·y`` in float32 in slot order (separate multiply and add, as torch: the
+each token (at decode in one tile load), ``acc = acc + w·y`` in float32 in slot order (separate multiply and add, as torch: the
 kernel is compiled without FMA contraction so it rounds exactly as the reference), adds the shared
 output, rounds to bf16. A ``row_map`` entry past the end of ``y`` contributes NaN (an invalid map is a
 bug; the reference raises an indexing error there).
@@ -411,37 +411,53 @@ def _combine_kernel(
     y_ptr, row_map_ptr, w_ptr, shared_ptr, out_ptr,
     T, H, num_rows, y_stride, rm_stride_t, rm_stride_k, w_stride_t, w_stride_k, sh_stride,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_SHARED: tl.constexpr, NATIVE_CVT: tl.constexpr,
+    GATHER_ALL: tl.constexpr, HAS_SHARED: tl.constexpr, NATIVE_CVT: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    k = tl.arange(0, K_P2)
     t_ok = t < T
     h_ok = h < H
     t64 = t.to(tl.int64)
-    # Every load first, as whole tiles: the top_k gathered rows are ONE [BLOCK_T, K_P2, BLOCK_H] load,
-    # so all of them are in flight together. (A load per slot inside the accumulation loop compiled
-    # to ~3 rows in flight, then a stall on the first — three DRAM round trips per program at decode.)
-    if HAS_SHARED:  # independent of the row map: issued first
-        sh = tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
-                     other=0.0).to(tl.float32)
-    pk_ok = t_ok[:, None] & (k[None, :] < TOP_K)
-    r = tl.load(row_map_ptr + t64[:, None] * rm_stride_t + k[None, :] * rm_stride_k, mask=pk_ok, other=-1).to(tl.int64)
-    w = tl.load(w_ptr + t64[:, None] * w_stride_t + k[None, :] * w_stride_k, mask=pk_ok, other=0.0).to(tl.float32)
-    use = pk_ok & (r >= 0)
-    inside = r < num_rows
-    v = tl.load(y_ptr + r[:, :, None] * y_stride + h[None, None, :],
-                mask=(use & inside)[:, :, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
-    v = tl.where(inside[:, :, None], v, float("nan"))
-    prod = tl.where(use[:, :, None], w[:, :, None] * v, 0.0)  # skipped slots add +0.0, as the reference
-    # Slot order, as the reference: acc = acc + w_j·y_j from acc = +0.0. Slot j of ``prod`` is taken
-    # by a sum with zeros: exact (a -0.0 read as +0.0 cannot change an accumulator that starts at
-    # +0.0), and register work (the slot axis lies inside each thread: the tile's vectors run along h).
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc = acc + tl.sum(tl.where(k[None, :, None] == j, prod, 0.0), axis=1)
-    if HAS_SHARED:
-        acc = acc + sh
+    if GATHER_ALL:
+        # Few programs (decode): every load first, the top_k gathered rows as ONE [BLOCK_T, K_P2, BLOCK_H]
+        # load so all are in flight together (a load per slot compiled to ~3 rows in flight, then a
+        # stall: three DRAM round trips per program). It costs K_P2 selects per element, which many
+        # programs per SM (large batches) or mostly skipped slots (expert parallelism) do not repay.
+        k = tl.arange(0, K_P2)
+        if HAS_SHARED:  # independent of the row map: issued first
+            sh = tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                         other=0.0).to(tl.float32)
+        pk_ok = t_ok[:, None] & (k[None, :] < TOP_K)
+        r = tl.load(row_map_ptr + t64[:, None] * rm_stride_t + k[None, :] * rm_stride_k, mask=pk_ok,
+                    other=-1).to(tl.int64)
+        w = tl.load(w_ptr + t64[:, None] * w_stride_t + k[None, :] * w_stride_k, mask=pk_ok, other=0.0).to(tl.float32)
+        use = pk_ok & (r >= 0)
+        inside = r < num_rows
+        v = tl.load(y_ptr + r[:, :, None] * y_stride + h[None, None, :],
+                    mask=(use & inside)[:, :, None] & h_ok[None, None, :], other=0.0).to(tl.float32)
+        v = tl.where(inside[:, :, None], v, float("nan"))
+        prod = tl.where(use[:, :, None], w[:, :, None] * v, 0.0)  # skipped slots add +0.0, as the reference
+        # Slot order, as the reference: acc = acc + w_j·y_j from acc = +0.0. Slot j of ``prod`` is taken
+        # by a sum with zeros: exact (a -0.0 read as +0.0 cannot change an accumulator that starts at
+        # +0.0), and register work (the slot axis lies inside each thread: the tile's vectors run along h).
+        for j in tl.static_range(TOP_K):
+            acc = acc + tl.sum(tl.where(k[None, :, None] == j, prod, 0.0), axis=1)
+        if HAS_SHARED:
+            acc = acc + sh
+    else:
+        for j in tl.static_range(TOP_K):
+            r = tl.load(row_map_ptr + t64 * rm_stride_t + j * rm_stride_k, mask=t_ok, other=-1).to(tl.int64)
+            w = tl.load(w_ptr + t64 * w_stride_t + j * w_stride_k, mask=t_ok, other=0.0).to(tl.float32)
+            use = t_ok & (r >= 0)
+            inside = r < num_rows
+            v = tl.load(y_ptr + r[:, None] * y_stride + h[None, :], mask=(use & inside)[:, None] & h_ok[None, :],
+                        other=0.0).to(tl.float32)
+            v = tl.where(inside[:, None], v, float("nan"))
+            acc = tl.where(use[:, None], acc + w[:, None] * v, acc)
+        if HAS_SHARED:
+            acc = acc + tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :],
+                                mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + t64[:, None] * H + h[None, :], to_bf16(acc, NATIVE_CVT), mask=t_ok[:, None] & h_ok[None, :])
 
 
@@ -696,7 +712,7 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
         num_tokens, h, rows.shape[0], rows.stride(0), row_map.stride(0), row_map.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), shared.stride(0) if shared is not None else 0,
         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-        HAS_SHARED=shared is not None,
+        GATHER_ALL=cfg.gather_all, HAS_SHARED=shared is not None,
         NATIVE_CVT=native_cvt(device), num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out
