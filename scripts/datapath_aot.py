@@ -47,17 +47,27 @@ from moe_fp8.kernels.triton import routing as R  # noqa: E402
 from moe_fp8.utils import FP8_DTYPE, empty_scale_tma  # noqa: E402
 
 MODULES = (Q, R, D)
-Launch = tuple[JITFunction, Any, tuple, dict]
+# one launch, bound as Triton's launcher binds it: (kernel, signature, constexprs, attrs, options)
+Launch = tuple[JITFunction, dict, dict, dict, Any]
+
+
+def _bind(kernel: JITFunction, backend: Any, args: tuple, kwargs: dict) -> Launch:
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return kernel, signature, constexprs, attrs, options
 
 
 class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel in its module: ``kernel[grid](*args)`` is recorded."""
+    """Stands in for a ``@triton.jit`` kernel in its module: ``kernel[grid](*args)`` is bound and recorded
+    at once, so the (zero-filled, model-sized) argument tensors die with the call: holding them for the
+    compile phase took 18 GB."""
 
-    def __init__(self, kernel: JITFunction, sink: list[Launch]) -> None:
-        self.kernel, self.sink = kernel, sink
+    def __init__(self, kernel: JITFunction, backend: Any, sink: list[Launch]) -> None:
+        self.kernel, self.backend, self.sink = kernel, backend, sink
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
-        return lambda *args, **kwargs: self.sink.append((self.kernel, grid, args, kwargs))
+        return lambda *args, **kwargs: self.sink.append(_bind(self.kernel, self.backend, args, kwargs))
 
 
 def kernels() -> dict[str, JITFunction]:
@@ -143,8 +153,10 @@ def _drive() -> None:
                 D.combine(y, row_map, w, shared, config=C.combine_config(t, 7168, **knobs))
 
 
-def capture() -> list[Launch]:
-    """The launches ``_drive`` makes, with the kernels, device checks and hardware probes patched."""
+def capture(arch: int = 90) -> list[Launch]:
+    """The launches ``_drive`` makes (bound for ``cuda:arch``), with the kernels, device checks and
+    hardware probes patched."""
+    backend = make_backend(GPUTarget("cuda", arch, 32))
     launches: list[Launch] = []
     saved: list[tuple[Any, str, Any]] = []
 
@@ -156,7 +168,7 @@ def capture() -> list[Launch]:
         for mod in MODULES:
             for name, obj in list(vars(mod).items()):
                 if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-                    patch(mod, name, _Recorder(obj, launches))
+                    patch(mod, name, _Recorder(obj, backend, launches))
             patch(mod, "check_launch_device", lambda *t: torch.device("cpu"))
             for probe in ("native_fp8", "native_cvt"):  # compile the GPU's hardware-conversion paths
                 if hasattr(mod, probe):
@@ -174,12 +186,8 @@ def compile_launches(launches: list[Launch], arch: int = 90, log: Callable[[str]
                      ) -> list[dict[str, Any]]:
     """Compile each distinct (kernel, signature, constexprs, options) for ``cuda:arch``."""
     target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
     results, seen = [], set()
-    for kernel, _grid, args, kwargs in launches:
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    for kernel, signature, constexprs, attrs, options in launches:
         names = [p.name for p in kernel.params]
         consts = {names[k[0]]: v for k, v in constexprs.items() if len(k) == 1 and signature[names[k[0]]] == "constexpr"}
         key = (kernel.__name__, json.dumps(signature, sort_keys=True), repr(sorted(constexprs.items())),
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the per-specialization results here")
     p.add_argument("--arch", type=int, default=90)
     args = p.parse_args(argv)
-    launches = capture()
+    launches = capture(args.arch)
     results = compile_launches(launches, args.arch)
     covered = {r["kernel"] for r in results}
     missing = sorted(name for name, k in kernels().items() if k.__name__ not in covered)

@@ -86,9 +86,10 @@ DISPATCH_ROUTE_WARPS = 4
 # ---- combine ----
 # Sweep: one token per program wins at every size (16384: 97% of copy BW; 128 tokens 14.5 vs 22.6 us).
 # Up to COMBINE_GATHER_MAX_TOKENS tokens the kernel gathers the top_k rows of a column block in one
-# 2-D load (all in flight at once: 128×7168 decode); beyond, one load per slot, whose selects-free
-# sum matters there (gpu7, DeepSeek-V3 EP rank of 32 experts, 7 of 8 slots skipped: the one-load
-# combine took 221 us at 8192 tokens and 439 at 16384, the per-slot loop 150 and 294 before it).
+# 2-D load (all in flight at once); beyond, one load per slot: the gather's per-element selects cost
+# more than they hide there, most of all when most slots are skipped (H100, DeepSeek-V3 EP rank of
+# 32 experts, 7 of 8 slots skipped, the layer's combine stage: one-load 221 / 439 us at 8192 / 16384
+# tokens, per-slot 168 / 369; all slots used: 98% / 95% of copy BW at 16384 / 4096, 13.4 us at 128).
 COMBINE_GATHER_MAX_TOKENS = 512
 # Large batches: 2048 columns / 8 warps (gpu6: 799.2 vs 801.5 us at 16384, 209.7 vs 209.8 at 4096:
 # within noise, never worse); fewer tokens keep 1024 / 4 warps (twice the programs).
