@@ -9,7 +9,8 @@ Impls per token count (kind ``moe_layer``):
 - ``torch_bf16``: a bf16 PyTorch MoE looping over the local experts (dequantized weights).
 Plus, per path (``moe_layer_path`` rows: the whole layer; the masked-vs-contiguous crossover),
 ``moe_layer_stage`` rows: the time of each stage of our layer (``moe_fp8.layers.STAGES``: routing, quant,
-dispatch, GEMM1, SiLU·mul + quant, GEMM2, combine) measured inside one forward — CUDA events recorded
+dispatch, GEMM1, SiLU·mul + quant, GEMM2, combine; on the masked path the quantization is fused into the
+dispatch, so "quant" is ~0 there and "dispatch" holds both) measured inside one forward — CUDA events recorded
 between the stages by ``Fp8FusedMoE.stage_hook`` (``StageTimer``), L2 flushed before each forward,
 medians over ``SPLIT_REPS`` forwards — so the stages add up to the forward and a host sync or launch
 gap the GPU waits on counts in the stage that causes it (timing each step alone would hide both).

@@ -31,7 +31,8 @@ __all__ = ["DIFF_BOUND", "DemoError", "run_demo"]
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
 # The ops a forward of the model calls (GEMMs of every projection and expert, the MoE data path).
 OPS = ("fp8_gemm", "fp8_grouped_gemm_contiguous", "fp8_grouped_gemm_masked", "per_token_group_quant",
-       "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous", "dispatch_masked", "combine")
+       "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous", "dispatch_masked",
+       "quant_dispatch_masked", "combine")
 
 
 class DemoError(RuntimeError):

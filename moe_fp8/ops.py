@@ -34,6 +34,10 @@ Three layers per op:
    dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, *,
                                         out=None, out_scale=None)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
+   quant_dispatch_masked             fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, *,
+                                        out=None, out_scale=None)
+                                        -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA 3-D], masked_m,
+                                            row_map): per_token_group_quant (group 128) then dispatch_masked
    combine                           fn(y, row_map, topk_weights, shared_output) -> bf16 [T, H]
    ================================  ================================================================
 
@@ -41,7 +45,8 @@ Three layers per op:
    ``out`` / ``out_scale`` keywords are passed only when a caller gives destinations (so a backend
    that cannot take them still serves every call without them).
 
-Destinations of the functional ops. ``silu_mul_per_token_group_quant`` and ``dispatch_masked`` also
+Destinations of the functional ops. ``silu_mul_per_token_group_quant``, ``dispatch_masked`` and
+``quant_dispatch_masked`` also
 take optional ``out=`` / ``out_scale=`` (the layer's persistent decode workspaces, so a captured CUDA
 graph holds no per-call ``[E, max_m, ·]`` buffer); with either given, compiled code calls a separate
 destination-passing op (``moe_fp8::<op>_out``, ``mutates_args=("out", "out_scale")``) whose fake
@@ -77,6 +82,7 @@ __all__ = [
     "fp8_grouped_gemm_masked",
     "per_block_quant",
     "per_token_group_quant",
+    "quant_dispatch_masked",
     "select_experts",
     "silu_mul_per_token_group_quant",
 ]
@@ -159,6 +165,15 @@ def _ref_dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_e
                  out_scale)
 
 
+def _ref_quant_dispatch_masked(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                               expert_map: Tensor | None, ue8m0: bool, eps: float, *, out: Tensor | None = None,
+                               out_scale: Tensor | None = None) -> tuple[Tensor, ...]:
+    # no fused reference: the definition is the two ops one after the other
+    x_fp8, x_scale = reference.per_token_group_quant(x, GROUP_K, ue8m0, eps)
+    return (x_fp8, x_scale, *_ref_dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
+                                                  out=out, out_scale=out_scale))
+
+
 def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
                              expert_map: Tensor | None, align_m: int, *, sync: bool = True
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -188,6 +203,7 @@ _REFERENCE_IMPLS = {
     "select_experts": _ref_select_experts,
     "dispatch_contiguous": _ref_dispatch_contiguous,
     "dispatch_masked": _ref_dispatch_masked,
+    "quant_dispatch_masked": _ref_quant_dispatch_masked,
     "combine": reference.combine,
 }
 # Hopper kernels, imported lazily (only once a CUDA sm_90 device and a compiler are present). Add a
@@ -206,6 +222,7 @@ _TRITON_IMPLS = {
     "select_experts": "moe_fp8.kernels.triton.routing:select_experts",
     "dispatch_contiguous": "moe_fp8.kernels.triton.dispatch:dispatch_contiguous",
     "dispatch_masked": "moe_fp8.kernels.triton.dispatch:dispatch_masked",
+    "quant_dispatch_masked": "moe_fp8.kernels.triton.dispatch:quant_dispatch_masked",
     "combine": "moe_fp8.kernels.triton.dispatch:combine",
 }
 for _op, _fn in _REFERENCE_IMPLS.items():
@@ -702,6 +719,91 @@ def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_expert
                                                                   expert_map, out, out_scale)
         return out, out_scale, masked_m, row_map
     return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, out, out_scale)
+
+
+def _alloc_quant_dispatch_masked(t: int, top_k: int, k: int, num_experts: int, max_m: int, device: torch.device
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (*_alloc_act_quant((t, k), GROUP_K, device),
+            *_alloc_dispatch_masked(t, top_k, k, num_experts, max_m, device))
+
+
+def _quant_dispatch_masked_impl(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                                expert_map: Tensor | None, ue8m0: bool, eps: float, out: Tensor | None = None,
+                                out_scale: Tensor | None = None) -> tuple[Tensor, ...]:
+    if x.shape[0] == 0:  # no rows: the two ops' own empty-problem paths (no backend sees an empty x)
+        x_fp8, x_scale = _per_token_group_quant_impl(x, GROUP_K, ue8m0, eps)
+        return (x_fp8, x_scale, *_dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
+                                                       out, out_scale))
+    fn = backends.select("quant_dispatch_masked", x.device)[1]
+    if out is None and out_scale is None:
+        return fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
+    return fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out=out, out_scale=out_scale)
+
+
+@torch.library.custom_op("moe_fp8::quant_dispatch_masked", mutates_args=())
+def _quant_dispatch_masked_op(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int, expert_map: Tensor | None,
+                              ue8m0: bool, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _quant_dispatch_masked_impl(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
+
+
+@_quant_dispatch_masked_op.register_fake
+def _(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int, expert_map: Tensor | None, ue8m0: bool,
+      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _alloc_quant_dispatch_masked(x.shape[0], topk_ids.shape[1], x.shape[1], num_experts, max_m, x.device)
+
+
+@torch.library.custom_op("moe_fp8::quant_dispatch_masked_out", mutates_args=("out", "out_scale"))
+def _quant_dispatch_masked_out_op(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                                  expert_map: Tensor | None, ue8m0: bool, eps: float, out: Tensor,
+                                  out_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x_fp8, x_scale, _, _, masked_m, row_map = _quant_dispatch_masked_impl(
+        x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out, out_scale)
+    return x_fp8, x_scale, masked_m, row_map
+
+
+@_quant_dispatch_masked_out_op.register_fake
+def _(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int, expert_map: Tensor | None, ue8m0: bool,
+      eps: float, out: Tensor, out_scale: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (*_alloc_act_quant(tuple(x.shape), GROUP_K, x.device),
+            *_alloc_masked_maps(x.shape[0], topk_ids.shape[1], num_experts, x.device))
+
+
+def quant_dispatch_masked(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
+                          expert_map: Tensor | None = None, *, ue8m0: bool = False, eps: float = _DEFAULT_EPS,
+                          out: Tensor | None = None, out_scale: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_masked`` in one op (decode).
+
+    On the Triton backends a decode-sized problem is one launch: each dispatch program quantizes its
+    own slice of the rows and copies the codes straight to their destinations (no separate
+    quantization launch, ``x_fp8`` never read back). Bit-identical to the two ops.
+
+    Args:
+        x: ``[T, K]`` bf16/fp16/fp32, contiguous; ``K`` a positive multiple of 16 (the last scale
+            group may be partial); ``T`` may be 0.
+        topk_ids, num_experts, max_m, expert_map: as ``dispatch_masked`` (on x's device).
+        ue8m0, eps: as ``per_token_group_quant``.
+        out, out_scale: optional destinations of the dispatched rows, as ``dispatch_masked``'s.
+
+    Returns ``(x_fp8 [T, K], x_scale [T, ceil(K/128)] (TMA layout), out_fp8 [E, max_m, K], out_scale
+    [E, max_m, ceil(K/128)] (3-D TMA layout), masked_m int32 [E], row_map int64 [T, top_k])``: the
+    quantized input (for the shared experts) and what ``dispatch_masked`` returns.
+    """
+    V.check_quant_dispatch(x, topk_ids, num_experts, expert_map, max_m, ue8m0, eps)
+    if out is None and out_scale is None:
+        if _compiling():
+            return torch.ops.moe_fp8.quant_dispatch_masked(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
+        return _quant_dispatch_masked_impl(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
+    shape = (num_experts, max_m, x.shape[1])
+    V.check_act_quant_out(out, out_scale, shape, GROUP_K, x.device, "x")
+    if out is None or out_scale is None:
+        alloc = _alloc_act_quant(shape, GROUP_K, x.device)
+        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
+    if _compiling():
+        x_fp8, x_scale, masked_m, row_map = torch.ops.moe_fp8.quant_dispatch_masked_out(
+            x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out, out_scale)
+        return x_fp8, x_scale, out, out_scale, masked_m, row_map
+    return _quant_dispatch_masked_impl(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out, out_scale)
 
 
 def _combine_impl(y: Tensor, row_map: Tensor, topk_weights: Tensor, shared_output: Tensor | None) -> Tensor:

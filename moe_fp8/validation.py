@@ -593,15 +593,26 @@ def check_select_experts(router_logits: object, top_k: object, scoring_func: obj
     return t, e
 
 
-def check_topk_ids(topk_ids: object, tokens: int, device: torch.device) -> int:
-    """topk_ids int32/int64 [T, top_k] on ``device``; returns top_k (values are not read)."""
+def check_topk_ids(topk_ids: object, tokens: int, device: torch.device, ref_name: str = "x_fp8") -> int:
+    """topk_ids int32/int64 [T, top_k] on ``device`` (``ref_name``'s, the tensor giving T); returns top_k
+    (values are not read)."""
     check_tensor("topk_ids", topk_ids)
     check_dtype("topk_ids", topk_ids, (torch.int32, torch.int64))
     check_ndim("topk_ids", topk_ids, 2, "[T, top_k]")
     if topk_ids.shape[0] != tokens:
-        raise ValueError(f"topk_ids must have T = x_fp8.shape[0] = {tokens} rows, got shape {tuple(topk_ids.shape)}")
-    check_same_device("topk_ids", topk_ids, "x_fp8", device)
+        raise ValueError(f"topk_ids must have T = {ref_name}.shape[0] = {tokens} rows, got shape "
+                         f"{tuple(topk_ids.shape)}")
+    check_same_device("topk_ids", topk_ids, ref_name, device)
     return topk_ids.shape[1]
+
+
+def _check_experts(num_experts: object, expert_map: object, device: torch.device, ref_name: str) -> None:
+    check_int("num_experts", num_experts, min_value=1)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map)
+        check_dtype("expert_map", expert_map, (torch.int32, torch.int64))
+        check_ndim("expert_map", expert_map, 1, "[num_global_experts]")
+        check_same_device("expert_map", expert_map, ref_name, device)
 
 
 def check_dispatch(x_fp8: object, x_scale: object, topk_ids: object, num_experts: object,
@@ -624,12 +635,30 @@ def check_dispatch(x_fp8: object, x_scale: object, topk_ids: object, num_experts
     check_shape("x_scale", x_scale, (t, ceil_div(k, GROUP_K)), "[T, ceil(K/128)]")
     check_same_device("x_scale", x_scale, "x_fp8", dev)
     check_topk_ids(topk_ids, t, dev)
-    check_int("num_experts", num_experts, min_value=1)
-    if expert_map is not None:
-        check_tensor("expert_map", expert_map)
-        check_dtype("expert_map", expert_map, (torch.int32, torch.int64))
-        check_ndim("expert_map", expert_map, 1, "[num_global_experts]")
-        check_same_device("expert_map", expert_map, "x_fp8", dev)
+    _check_experts(num_experts, expert_map, dev, "x_fp8")
+    return t, k
+
+
+def check_quant_dispatch(x: object, topk_ids: object, num_experts: object, expert_map: object, max_m: object,
+                         ue8m0: object, eps: object) -> tuple[int, int]:
+    """Validate ``quant_dispatch_masked`` (``per_token_group`` then ``dispatch_masked``); returns ``(T, K)``.
+
+    x bf16/fp16/fp32 [T, K] contiguous, K a positive multiple of 16 (as ``per_token_group``);
+    topk_ids, num_experts, expert_map as ``check_dispatch`` (on x's device); max_m a host int >= 0;
+    ue8m0 a bool; eps a positive float.
+    """
+    check_tensor("x", x)
+    check_dtype("x", x, ACT_DTYPES)
+    check_ndim("x", x, 2, "[T, K]")
+    check_contiguous("x", x)
+    t, k = x.shape
+    if k <= 0 or k % K_ALIGN != 0:
+        raise ValueError(f"x K (last dim) must be a positive multiple of {K_ALIGN}, got {k}")
+    check_topk_ids(topk_ids, t, x.device, "x")
+    _check_experts(num_experts, expert_map, x.device, "x")
+    check_int("max_m", max_m, min_value=0)
+    check_bool("ue8m0", ue8m0)
+    check_eps(eps)
     return t, k
 
 

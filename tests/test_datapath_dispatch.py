@@ -160,6 +160,48 @@ def test_quant_dispatch_masked_ue8m0_non_finite_and_persistent_buffers():
         dispatch.quant_dispatch_masked(x.t(), d.topk_ids, e, max_m, None)
 
 
+@pytest.mark.parametrize("t", [11, 0])
+def test_public_quant_dispatch_masked_through_the_triton_kernel(monkeypatch, t):
+    """``moe_fp8.ops.quant_dispatch_masked`` with the Triton kernel as its backend (selected as on a GPU):
+    the public op's calling convention (positional ue8m0 / eps, keyword destinations) reaches the kernel,
+    and the result is the reference's ``per_token_group_quant`` then ``dispatch_masked``, bit for bit;
+    allocating and into given destinations (rows past ``masked_m`` untouched); no tokens."""
+    import moe_fp8.ops
+    from moe_fp8 import backends
+
+    real_select, calls = backends.select, []
+
+    def select(op, device):
+        if op == "quant_dispatch_masked":
+            calls.append(op)
+            return "portable", dispatch.quant_dispatch_masked
+        return real_select(op, device)
+
+    monkeypatch.setattr(backends, "select", select)
+    h, e_global, e_local, k, max_m = 272, 16, 6, 4, 8  # partial last scale group, an expert map
+    d = make_dispatch_inputs(t, h, e_global, k, seed=12, device=DEVICE, skew=2.0)
+    emap = make_expert_map(e_global, e_local, seed=3)
+    for ue8m0 in (False, True):
+        r_fp8, r_scale = ref.per_token_group_quant(d.x, ue8m0=ue8m0)
+        want = ref.dispatch_masked(r_fp8, r_scale, d.topk_ids, e_local, max_m, emap)
+        x_fp8, x_scale, *got = moe_fp8.ops.quant_dispatch_masked(d.x, d.topk_ids, e_local, max_m, emap, ue8m0=ue8m0)
+        assert x_scale.stride() == r_scale.stride()
+        assert_same_bits(x_fp8, r_fp8, "x_fp8")
+        assert_same_bits(x_scale, r_scale, "x_scale")
+        check_masked(tuple(got), want, max_m)
+        out = torch.full((e_local, max_m, h), 0x5A, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+        out_scale = empty_scale_tma(max_m, 3, groups=e_local, device=DEVICE).fill_(-7.0)
+        x_fp8, x_scale, o, s, masked_m, row_map = moe_fp8.ops.quant_dispatch_masked(
+            d.x, d.topk_ids, e_local, max_m, emap, ue8m0=ue8m0, out=out, out_scale=out_scale)
+        assert o is out and s is out_scale
+        assert_same_bits(x_fp8, r_fp8, "x_fp8 (destinations given)")
+        check_masked((o, s, masked_m, row_map), want, max_m)
+        if t:  # (no tokens: the dispatch of this device's backend runs, the CPU reference rewrites every row)
+            invalid = torch.arange(max_m, device=DEVICE)[None, :] >= masked_m[:, None]
+            assert (o.view(torch.uint8)[invalid] == 0x5A).all() and (s[invalid] == -7.0).all()
+    assert len(calls) == (4 if t else 0)  # no tokens: the two ops' empty-problem paths, no kernel
+
+
 def test_dispatch_contiguous_m_indices_many_segments():
     """m_indices from segment starts: several row blocks, experts in more than one E chunk, empty
     experts between full ones, and the sync=False padding tail."""
@@ -290,12 +332,17 @@ def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
     monkeypatch.setenv("MOE_FP8_STRICT", "1")
     dev = torch.device("cuda", torch.cuda.current_device())
     for op, fn in [("dispatch_contiguous", dispatch.dispatch_contiguous),
-                   ("dispatch_masked", dispatch.dispatch_masked), ("combine", dispatch.combine)]:
+                   ("dispatch_masked", dispatch.dispatch_masked),
+                   ("quant_dispatch_masked", dispatch.quant_dispatch_masked), ("combine", dispatch.combine)]:
         name, impl = backends.select(op, dev)
         assert name in ("hopper", "portable") and impl is fn, (op, name)
     d = make_dispatch_inputs(64, 7168, 32, 8, seed=0, device="cuda")
     got = moe_fp8.layers.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64)
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64), 64)
+    x_fp8, x_scale, *fused = moe_fp8.layers.quant_dispatch_masked(d.x, d.topk_ids, 32, 64)
+    assert_same_bits(x_fp8, d.x_fp8, "x_fp8")
+    assert_same_bits(x_scale, d.x_scale, "x_scale")
+    check_masked(tuple(fused), ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64), 64)
     got_c = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32)
     check_contiguous(got_c, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32))
     y = randn((32, 64, 7168), seed=1, device="cuda")

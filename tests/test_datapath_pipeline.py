@@ -1,6 +1,6 @@
 """The data path as a whole: which backend runs it, and a CUDA graph of the decode step.
 
-- Backend wiring (CPU, simulated GPUs): the six data-path ops resolve to the Triton kernels on Hopper
+- Backend wiring (CPU, simulated GPUs): the seven data-path ops resolve to the Triton kernels on Hopper
   (``hopper`` backend) and on other GPUs (``portable``), never to the reference.
 - CUDA graph (GPU): quant → route → dispatch_masked → SiLU·mul+quant (masked) → combine captured
   once, replayed with new inputs (new routing, so new ``masked_m``), every output checked against the
@@ -23,7 +23,7 @@ from moe_fp8 import reference as ref
 from moe_fp8.testing import make_routing_inputs, randn
 
 DATA_OPS = ("per_token_group_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
-            "dispatch_masked", "combine")
+            "dispatch_masked", "quant_dispatch_masked", "combine")
 
 
 @dataclass
@@ -63,7 +63,8 @@ def test_data_path_ops_select_the_triton_kernels(fake_gpu, capability, backend):
     kernels = {"per_token_group_quant": quant.per_token_group_quant,
                "silu_mul_per_token_group_quant": quant.silu_mul_per_token_group_quant,
                "select_experts": routing.select_experts, "dispatch_contiguous": dispatch.dispatch_contiguous,
-               "dispatch_masked": dispatch.dispatch_masked, "combine": dispatch.combine}
+               "dispatch_masked": dispatch.dispatch_masked,
+               "quant_dispatch_masked": dispatch.quant_dispatch_masked, "combine": dispatch.combine}
     dev = fake_gpu(capability)
     for op in DATA_OPS:
         assert backends.implementations(op) == ("hopper", "portable", "reference")

@@ -212,9 +212,10 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
                         "silu_mul_per_token_group_quant", "fp8_grouped_gemm_contiguous", "combine"]
     selected.clear()
     moe(x, logits, path="masked")
-    assert selected[2] == "dispatch_masked"
-    assert selected[6:] == ["fp8_grouped_gemm_masked", "silu_mul_per_token_group_quant", "fp8_grouped_gemm_masked",
-                            "combine"]
+    # masked: the quantization is fused into the dispatch (one op), the shared experts read its x_fp8
+    assert selected == ["select_experts", "quant_dispatch_masked", "fp8_gemm", "silu_mul_per_token_group_quant",
+                        "fp8_gemm", "fp8_grouped_gemm_masked", "silu_mul_per_token_group_quant",
+                        "fp8_grouped_gemm_masked", "combine"]
 
 
 def test_fused_moe_auto_path_crossover(monkeypatch):
@@ -484,17 +485,24 @@ def test_ue8m0_fused_moe_quantizes_both_activations_with_power_of_two_scales(mon
     x, logits = randn((t, hidden), seed=111), randn((t, num_experts), seed=112, dtype=torch.float32)
     flags = []
     for module in (moe_module, linear_module):
-        for name in ("per_token_group", "silu_mul_per_token_group"):
-            real = getattr(module, name)
+        for name in ("per_token_group", "quant_dispatch_masked", "silu_mul_per_token_group"):
+            real = getattr(module, name, None)
+            if real is None:  # linear has no dispatch
+                continue
 
             def spy(*args, _real=real, **kw):
                 flags.append(kw.get("ue8m0"))
-                y_fp8, y_scale = _real(*args, **kw)
-                return y_fp8, y_scale
+                res = _real(*args, **kw)
+                scale = res[1]  # the activation scales (the input's, for the fused quant + dispatch)
+                if kw.get("ue8m0"):  # (the plain layer below calls these too)
+                    assert torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
+                return res
 
             monkeypatch.setattr(module, name, spy)
     outs = {p: moe(x, logits, path=p) for p in ("contiguous", "masked")}
-    assert flags == [True] * 6  # per path: the input, the shared expert's and the routed experts' SiLU·mul
+    # per path: the input (masked: inside quant_dispatch_masked), the shared expert's and the routed experts'
+    # SiLU·mul
+    assert flags == [True] * 6
     assert torch.equal(outs["contiguous"], outs["masked"])
     assert calc_diff(outs["contiguous"], moe_loop_reference(x, logits, wts, top_k, ROUTINGS["grouped_sigmoid"])) \
         < LAYER_DIFF

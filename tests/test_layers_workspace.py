@@ -1,5 +1,5 @@
 """Fp8FusedMoE's persistent decode workspace (MaskedWorkspace), the ``out=`` destinations of the ops it
-feeds (dispatch_masked, silu_mul_per_token_group), and the per-stage timing hook.
+feeds (dispatch_masked, quant_dispatch_masked, silu_mul_per_token_group), and the per-stage timing hook.
 
 CPU: the reuse logic itself (one allocation per (device, dtype, max_m), views per batch size, the
 ping-pong aliasing, every op writing into it, results equal to the allocating path). GPU (Hopper): two
@@ -69,6 +69,41 @@ def test_dispatch_masked_writes_into_given_destinations():
                                out_scale=empty_scale_tma(7, 2, groups=4, device="meta"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_dispatch_masked_equals_quant_then_dispatch(dtype):
+    """The fused op is ``per_token_group`` then ``dispatch_masked`` (same bits), allocating or into given
+    destinations (either alone), with an expert map, ue8m0, and no tokens."""
+    d = make_dispatch_inputs(7, 272, 6, 2, seed=6)  # 272: a partial last scale group
+    x = d.x.to(dtype)
+    emap = torch.tensor([2, -1, 0, 3, -1, 1], dtype=torch.int32)
+    for ue8m0 in (False, True):
+        x_fp8, x_scale = quant.per_token_group(x, ue8m0=ue8m0)
+        want = layers.dispatch_masked(x_fp8, x_scale, d.topk_ids, 4, 5, emap)
+        got = layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, emap, ue8m0=ue8m0)
+        assert len(got) == 6 and got[1].stride() == x_scale.stride() and got[3].stride() == want[1].stride()
+        for g, w in zip(got, (x_fp8, x_scale, *want), strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+        out, out_scale = torch.empty(4, 5, 272, dtype=FP8), empty_scale_tma(5, 3, groups=4)
+        res = layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, emap, ue8m0=ue8m0, out=out, out_scale=out_scale)
+        assert res[2] is out and res[3] is out_scale
+        assert torch.equal(res[4], want[2]) and torch.equal(res[5], want[3])
+        for e, m in enumerate(want[2].tolist()):
+            assert torch.equal(out[e, :m].view(torch.uint8), want[0][e, :m].view(torch.uint8))
+            assert torch.equal(out_scale[e, :m], want[1][e, :m])
+        alone = layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, emap, ue8m0=ue8m0, out_scale=out_scale)
+        assert alone[3] is out_scale and alone[2].shape == (4, 5, 272) and torch.equal(alone[5], want[3])
+    empty = layers.quant_dispatch_masked(x[:0], d.topk_ids[:0], 4, 0)
+    assert [tuple(t.shape) for t in empty] == [(0, 272), (0, 3), (4, 0, 272), (4, 0, 3), (4,), (0, 2)]
+    assert (empty[4] == 0).all()
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 5, 272\)"):
+        layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, out=torch.empty(4, 6, 272, dtype=FP8))
+    with pytest.raises(ValueError, match="out_scale must be column-major"):
+        layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, out_scale=torch.empty(4, 5, 3))
+    with pytest.raises(ValueError, match="out_scale must be on the same device as x"):
+        layers.quant_dispatch_masked(x, d.topk_ids, 4, 5, out_scale=empty_scale_tma(5, 3, groups=4, device="meta"))
+
+
 def test_out_variants_compile_fullgraph():
     """Under torch.compile the destinations go through the mutating ``*_out`` custom ops."""
     d = make_dispatch_inputs(6, 256, 4, 2, seed=3)
@@ -92,6 +127,34 @@ def test_out_variants_compile_fullgraph():
     assert eager_bufs[0].view(torch.uint8).any()
 
 
+def test_quant_dispatch_masked_compiles_fullgraph():
+    """Both custom ops of the fused quant + dispatch (allocating, and ``*_out`` mutating the caller's
+    destinations) under torch.compile(fullgraph=True): eager results, x_fp8 / x_scale for a consumer."""
+    d = make_dispatch_inputs(6, 256, 4, 2, seed=7)
+
+    def f(x, ids, a, a_scale):
+        x_fp8, x_scale, _, _, masked_m, row_map = layers.quant_dispatch_masked(x, ids, 4, 6, ue8m0=True, out=a,
+                                                                               out_scale=a_scale)
+        _, _, b, b_scale, masked_m2, _ = layers.quant_dispatch_masked(x * 2, ids, 4, 6)
+        return x_fp8.float() * x_scale.repeat_interleave(128, 1), masked_m, row_map, b.float(), b_scale, masked_m2
+
+    def fresh():
+        return torch.zeros(4, 6, 256, dtype=FP8), empty_scale_tma(6, 2, groups=4).zero_()
+
+    eager_bufs, compiled_bufs = fresh(), fresh()
+    eager = f(d.x, d.topk_ids, *eager_bufs)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(d.x, d.topk_ids, *compiled_bufs)
+    m2 = eager[5]
+    valid = torch.arange(6)[None, :] < m2[:, None]
+    for i in (0, 1, 2, 5):
+        assert torch.equal(eager[i], compiled[i])
+    assert torch.equal(eager[3][valid], compiled[3][valid]) and torch.equal(eager[4][valid], compiled[4][valid])
+    assert compiled[4].stride() == eager[4].stride()  # the fake's 3-D TMA layout
+    for a, b in zip(eager_bufs, compiled_bufs, strict=True):  # the mutations reached the caller's tensors
+        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
+    assert eager_bufs[0].view(torch.uint8).any()
+
+
 @pytest.mark.slow
 def test_opcheck_out_variants():
     d = make_dispatch_inputs(6, 48, 4, 2, seed=4)
@@ -103,6 +166,10 @@ def test_opcheck_out_variants():
     torch.library.opcheck(torch.ops.moe_fp8.silu_mul_per_token_group_quant_out.default,
                           (h, 128, False, torch.tensor([1, 3], dtype=torch.int32), 1e-10,
                            torch.empty(2, 3, 32, dtype=FP8), empty_scale_tma(3, 1, groups=2)),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(torch.ops.moe_fp8.quant_dispatch_masked_out.default,
+                          (d.x, d.topk_ids, 4, 3, None, True, 1e-10, torch.empty(4, 3, 48, dtype=FP8),
+                           empty_scale_tma(3, 1, groups=4)),
                           test_utils=("test_autograd_registration", "test_faketensor"))
 
 
@@ -133,7 +200,7 @@ def test_workspace_views_layout_and_ping_pong():
 def _spy_outs(monkeypatch) -> list[tuple[str, torch.Tensor]]:
     """Record every destination the layer passes to the masked path's ops."""
     seen: list[tuple[str, torch.Tensor]] = []
-    for name in ("dispatch_masked", "fp8_grouped_gemm_masked", "silu_mul_per_token_group"):
+    for name in ("quant_dispatch_masked", "fp8_grouped_gemm_masked", "silu_mul_per_token_group"):
         real = getattr(moe_module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):

@@ -122,6 +122,34 @@ def test_compile_moe_decode_fullgraph():
             "combine"} <= _ops_in(rec.graphs)
 
 
+def moe_decode_fused(x, router_logits, w13_fp8, w13_scale, w2_fp8, w2_scale, max_m: int):
+    """``moe_decode`` with the quantization fused into the dispatch (what Fp8FusedMoE's masked path runs)."""
+    weights, ids = layers.select_experts(router_logits, 2, scoring_func="sigmoid", n_group=2, topk_group=1)
+    _, _, a, a_scale, masked_m, row_map = layers.quant_dispatch_masked(x, ids, w13_fp8.shape[0], max_m)
+    h = moe_fp8.fp8_grouped_gemm_masked(a, a_scale, w13_fp8, w13_scale, masked_m, 4)
+    y_fp8, y_scale = quant.silu_mul_per_token_group(h, masked_m=masked_m)
+    y = moe_fp8.fp8_grouped_gemm_masked(y_fp8, y_scale, w2_fp8, w2_scale, masked_m, 4)
+    return layers.combine(y, row_map, weights)
+
+
+def test_compile_moe_decode_fused_quant_dispatch_fullgraph():
+    experts, hidden, inter = 4, 256, 128
+    w13_fp8, w13_scale = quant.per_block(0.05 * randn((experts, 2 * inter, hidden), seed=5))
+    w2_fp8, w2_scale = quant.per_block(0.05 * randn((experts, hidden, inter), seed=6))
+    compiled = torch.compile(moe_decode_fused, fullgraph=True, backend="aot_eager")
+    for t, seed in ((9, 7), (13, 8)):  # the second size recompiles with a dynamic T
+        x = randn((t, hidden), seed=seed)
+        logits = randn((t, experts), seed=seed + 100, dtype=torch.float32)
+        args = (x, logits, w13_fp8, w13_scale, w2_fp8, w2_scale, 16)
+        eager = moe_decode_fused(*args)
+        assert torch.equal(eager, moe_decode(*args))  # fused or not: the same bits
+        assert torch.equal(compiled(*args), eager)
+    rec = RecordGraphs()
+    torch.compile(moe_decode_fused, fullgraph=True, backend=rec)(*args)
+    assert "quant_dispatch_masked" in _ops_in(rec.graphs)
+    assert not {"per_token_group_quant", "dispatch_masked"} & _ops_in(rec.graphs)
+
+
 def test_dispatch_contiguous_is_not_capturable():
     d = make_dispatch_inputs(8, 128, 4, 2, seed=9)
 
@@ -195,6 +223,9 @@ def test_opcheck_routing_dispatch_combine():
              (logits, 3, "sigmoid", True, 4, 2, torch.zeros(8), 2.5), all_checks)
     d = make_dispatch_inputs(6, 48, 4, 2, seed=18)
     _opcheck(torch.ops.moe_fp8.dispatch_masked.default, (d.x_fp8, d.x_scale, d.topk_ids, 4, 3, None))
+    emap = torch.tensor([1, -1, 0, 2], dtype=torch.int64)
+    _opcheck(torch.ops.moe_fp8.quant_dispatch_masked.default, (d.x, d.topk_ids, 3, 3, emap, True, 1e-10),
+             ("test_schema", *NO_SCHEMA))  # no FP8 input: every check runs
     y = randn((4, 3, 32), seed=19)
     row_map = torch.tensor([[0, 5], [-1, 7], [3, 11], [2, -1], [1, 4], [9, 10]])
     _opcheck(torch.ops.moe_fp8.combine.default, (y, row_map, d.topk_weights, None), all_checks)

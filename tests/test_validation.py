@@ -377,6 +377,39 @@ def test_dispatch_rejects(layout, name, kwargs, exc, pattern):
             layers.dispatch_masked(**args, max_m=4)
 
 
+def quant_dispatch_args() -> dict:
+    return dict(x=torch.ones(4, 48, dtype=BF16), topk_ids=torch.zeros(4, 2, dtype=torch.int32), num_experts=3,
+                max_m=4)
+
+
+@pytest.mark.parametrize("name,kwargs,exc,pattern", [
+    ("x fp8", dict(x=torch.ones(4, 48).to(torch.float8_e4m3fn)), TypeError,
+     r"x must be torch\.bfloat16 or torch\.float16 or torch\.float32, got torch\.float8_e4m3fn"),
+    ("x 3-D", dict(x=torch.ones(1, 4, 48, dtype=BF16)), ValueError, r"x must be 2-D \[T, K\]"),
+    ("x strided", dict(x=torch.ones(48, 4, dtype=BF16).t()), ValueError, r"x must be contiguous"),
+    ("x K", dict(x=torch.ones(4, 40, dtype=BF16)), ValueError, r"x K \(last dim\) must be a positive multiple of 16"),
+    ("x list", dict(x=[[1.0]]), TypeError, r"x must be a torch\.Tensor"),
+    ("topk_ids rows", dict(topk_ids=torch.zeros(5, 2, dtype=torch.int32)), ValueError,
+     r"topk_ids must have T = x\.shape\[0\] = 4 rows, got shape \(5, 2\)"),
+    ("topk_ids device", dict(topk_ids=torch.zeros(4, 2, dtype=torch.int32, device=META)), ValueError,
+     r"topk_ids must be on the same device as x\b"),
+    ("num_experts zero", dict(num_experts=0), ValueError, r"num_experts must be >= 1, got 0"),
+    ("expert_map float", dict(expert_map=torch.zeros(8)), TypeError, r"expert_map must be torch\.int32 or torch\.int64"),
+    ("expert_map device", dict(expert_map=torch.zeros(8, dtype=torch.int32, device=META)), ValueError,
+     r"expert_map must be on the same device as x\b"),
+    ("max_m negative", dict(max_m=-1), ValueError, r"max_m must be >= 0, got -1"),
+    ("max_m float", dict(max_m=4.0), TypeError, r"max_m must be an int"),
+    ("ue8m0 int", dict(ue8m0=1), TypeError, r"ue8m0 must be a bool"),
+    ("eps zero", dict(eps=0.0), ValueError, r"eps must be > 0"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_quant_dispatch_masked_rejects(name, kwargs, exc, pattern):
+    args = quant_dispatch_args()
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        layers.quant_dispatch_masked(**args)
+    assert moe_fp8.ops.quant_dispatch_masked is layers.quant_dispatch_masked
+
+
 def test_dispatch_rejects_bad_sizes():
     with pytest.raises(ValueError, match=r"max_m must be >= 0, got -1"):
         layers.dispatch_masked(**dispatch_args(), max_m=-1)

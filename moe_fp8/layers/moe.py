@@ -2,14 +2,16 @@
 
 Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
 
-    x_fp8, x_scale = quant.per_token_group(hidden)               # one quantization, shared by all experts
     topk_weights, topk_ids = layers.select_experts(router_logits, ...)
     contiguous (prefill)                       | masked (decode, CUDA-graph safe)
-      dispatch_contiguous → [M_total, H]       |   dispatch_masked → [E_local, T, H], masked_m
+      x_fp8, x_scale = per_token_group(hidden) |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
+      dispatch_contiguous → [M_total, H]       |     quant_dispatch_masked(hidden)  # one launch at decode
       fp8_grouped_gemm_contiguous (w13)        |   fp8_grouped_gemm_masked (w13)
       silu_mul_per_token_group                 |   silu_mul_per_token_group(masked_m=...)
       fp8_grouped_gemm_contiguous (w2)         |   fp8_grouped_gemm_masked (w2)
     combine(y, row_map, topk_weights, shared_output)             # + shared experts (Fp8MLP on x_fp8)
+
+One quantization of ``hidden`` per forward, shared by the routed and the shared experts.
 
 Every step is a public ``moe_fp8`` op, so the layer runs on the Hopper kernels where they exist and on
 the PyTorch reference elsewhere (CPU included).
@@ -43,7 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked
+from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked, quant_dispatch_masked
 from moe_fp8.layers.linear import Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
@@ -89,6 +91,8 @@ def default_masked_max_tokens(num_local_experts: int) -> int:
 
 PATHS = ("auto", "contiguous", "masked")
 # Stages of one forward, in order, as ``Fp8FusedMoE.stage_hook`` sees them ("shared" only with shared experts).
+# On the masked path the quantization runs inside the dispatch (``quant_dispatch_masked``): "quant" is marked
+# with no work of its own (~0) and "dispatch" holds both, so the stages still add up to the forward.
 STAGES = ("routing", "quant", "dispatch", "shared", "gemm1", "act_quant", "gemm2", "combine")
 
 
@@ -486,13 +490,15 @@ class Fp8FusedMoE(nn.Module):
         topk_weights, topk_ids = self.route(router_logits)
         if mark is not None:
             mark("routing")
-        x_fp8, x_scale = per_token_group(hidden, ue8m0=self.ue8m0)
-        if mark is not None:
-            mark("quant")
         if chosen == "contiguous":
+            x_fp8, x_scale = per_token_group(hidden, ue8m0=self.ue8m0)
+            if mark is not None:
+                mark("quant")
             y, row_map, shared = self._experts_contiguous(x_fp8, x_scale, topk_ids, mark)
         else:
-            y, row_map, shared = self._experts_masked(x_fp8, x_scale, topk_ids, mark)
+            if mark is not None:
+                mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
+            y, row_map, shared = self._experts_masked(hidden, topk_ids, mark)
         out = combine(y, row_map, topk_weights, shared)
         if mark is not None:
             mark("combine")
@@ -551,14 +557,15 @@ class Fp8FusedMoE(nn.Module):
         safe once no captured CUDA graph that used them will be replayed."""
         self._workspaces = {}
 
-    def _experts_masked(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor,
+    def _experts_masked(self, hidden: Tensor, topk_ids: Tensor,
                         mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        t = x_fp8.shape[0]
+        t = hidden.shape[0]
         max_m = t  # see experts_masked
-        ws = self._workspace(x_fp8.device, t)
+        ws = self._workspace(hidden.device, t)
         bufs = ws.views(t) if ws is not None else None
-        a, a_scale, masked_m, row_map = dispatch_masked(
-            x_fp8, x_scale, topk_ids, self.num_local_experts, max_m, self.expert_map,
+        # quantization + dispatch in one op (one launch at decode); x_fp8 / x_scale feed the shared experts
+        x_fp8, x_scale, a, a_scale, masked_m, row_map = quant_dispatch_masked(
+            hidden, topk_ids, self.num_local_experts, max_m, self.expert_map, ue8m0=self.ue8m0,
             out=None if bufs is None else bufs.a_fp8, out_scale=None if bufs is None else bufs.a_scale)
         if mark is not None:
             mark("dispatch")
