@@ -687,6 +687,18 @@ def _(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m:
     return _alloc_masked_maps(topk_ids.shape[0], topk_ids.shape[1], num_experts, x_fp8.device)
 
 
+def _masked_out(out: Tensor | None, out_scale: Tensor | None, x: Tensor, num_experts: int, max_m: int,
+                name: str) -> tuple[Tensor, Tensor]:
+    """The masked dispatch destinations for ``out=`` / ``out_scale=`` (either may be None): checked, the
+    missing one allocated."""
+    shape = (num_experts, max_m, x.shape[1])
+    V.check_act_quant_out(out, out_scale, shape, GROUP_K, x.device, name)
+    if out is None or out_scale is None:
+        alloc = _alloc_act_quant(shape, GROUP_K, x.device)
+        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
+    return out, out_scale
+
+
 def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int, max_m: int,
                     expert_map: Tensor | None = None, *, out: Tensor | None = None,
                     out_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -709,11 +721,7 @@ def dispatch_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_expert
         if _compiling():
             return torch.ops.moe_fp8.dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
         return _dispatch_masked_impl(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map)
-    shape = (num_experts, max_m, x_fp8.shape[1])
-    V.check_act_quant_out(out, out_scale, shape, GROUP_K, x_fp8.device, "x_fp8")
-    if out is None or out_scale is None:
-        alloc = _alloc_act_quant(shape, GROUP_K, x_fp8.device)
-        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
+    out, out_scale = _masked_out(out, out_scale, x_fp8, num_experts, max_m, "x_fp8")
     if _compiling():
         masked_m, row_map = torch.ops.moe_fp8.dispatch_masked_out(x_fp8, x_scale, topk_ids, num_experts, max_m,
                                                                   expert_map, out, out_scale)
@@ -794,11 +802,7 @@ def quant_dispatch_masked(x: Tensor, topk_ids: Tensor, num_experts: int, max_m: 
         if _compiling():
             return torch.ops.moe_fp8.quant_dispatch_masked(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
         return _quant_dispatch_masked_impl(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps)
-    shape = (num_experts, max_m, x.shape[1])
-    V.check_act_quant_out(out, out_scale, shape, GROUP_K, x.device, "x")
-    if out is None or out_scale is None:
-        alloc = _alloc_act_quant(shape, GROUP_K, x.device)
-        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
+    out, out_scale = _masked_out(out, out_scale, x, num_experts, max_m, "x")
     if _compiling():
         x_fp8, x_scale, masked_m, row_map = torch.ops.moe_fp8.quant_dispatch_masked_out(
             x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out, out_scale)

@@ -544,6 +544,22 @@ def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, e
         RANK_CHUNK=cfg.rank_chunk, E_BLOCK=cfg.e_block, HAS_MAP=emap is not None, num_warps=cfg.num_warps)
 
 
+def _masked_destinations(out: torch.Tensor | None, out_scale: torch.Tensor | None, num_experts: int, max_m: int,
+                         k: int, kg: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked layout's ``[E, max_m, K]`` codes and 3-D TMA-layout scales: the given ones, checked, or new."""
+    m_pad = get_tma_aligned_m(max_m)
+    if out is None:
+        out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
+    elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float8_e4m3fn [{num_experts}, {max_m}, {k}]")
+    if out_scale is None:
+        out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
+    elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
+          or out_scale.stride() != (kg * m_pad, 1, m_pad)):
+        raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
+    return out, out_scale
+
+
 def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                     max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
                     out_scale: torch.Tensor | None = None, config: DispatchConfig | None = None
@@ -561,15 +577,7 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
     top_k = topk_ids.shape[1]
     kg = x_scale.shape[1]
     m_pad = get_tma_aligned_m(max_m)
-    if out is None:
-        out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
-    elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float8_e4m3fn [{num_experts}, {max_m}, {k}]")
-    if out_scale is None:
-        out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
-    elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
-          or out_scale.stride() != (kg * m_pad, 1, m_pad)):
-        raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
+    out, out_scale = _masked_destinations(out, out_scale, num_experts, max_m, k, kg, device)
     masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
     cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
     if cfg.fused:
@@ -611,15 +619,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
                                                  out=out, out_scale=out_scale, config=cfg))
     kg = ceil_div(k, 128)
     m_pad = get_tma_aligned_m(max_m)
-    if out is None:
-        out = torch.empty((num_experts, max_m, k), dtype=FP8_DTYPE, device=device)
-    elif out.shape != (num_experts, max_m, k) or out.dtype != FP8_DTYPE or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float8_e4m3fn [{num_experts}, {max_m}, {k}]")
-    if out_scale is None:
-        out_scale = empty_scale_tma(max_m, kg, groups=num_experts, device=device)
-    elif (out_scale.shape != (num_experts, max_m, kg) or out_scale.dtype != torch.float32
-          or out_scale.stride() != (kg * m_pad, 1, m_pad)):
-        raise ValueError(f"out_scale must be float32 [{num_experts}, {max_m}, {kg}] in the 3-D TMA layout")
+    out, out_scale = _masked_destinations(out, out_scale, num_experts, max_m, k, kg, device)
     x_fp8 = torch.empty((num_tokens, k), dtype=FP8_DTYPE, device=device)
     x_scale = empty_scale_tma(num_tokens, kg, device=device)
     masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
