@@ -34,6 +34,11 @@ Three layers per op:
    dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, *,
                                         out=None, out_scale=None)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
+   quant_dispatch_contiguous         fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, *,
+                                        sync=True)
+                                        -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA], m_indices,
+                                            row_map): per_token_group_quant (group 128) then
+                                            dispatch_contiguous
    quant_dispatch_masked             fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, *,
                                         out=None, out_scale=None)
                                         -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA 3-D], masked_m,
@@ -52,7 +57,7 @@ graph holds no per-call ``[E, max_m, ·]`` buffer); with either given, compiled 
 destination-passing op (``moe_fp8::<op>_out``, ``mutates_args=("out", "out_scale")``) whose fake
 returns only the tensors it creates.
 
-``dispatch_contiguous`` is deliberately *not* a custom op: its output row count
+``dispatch_contiguous`` (and ``quant_dispatch_contiguous``) is deliberately *not* a custom op: its output row count
 ``M_total = Σ_e align(count_e, 128)`` depends on the routing data, so a fake could not give its
 shape from input shapes (it would need an unbacked SymInt, and eager needs a host sync to size the
 buffers anyway). It is a plain function hidden from the compiler (``torch.compiler.disable``): under
@@ -82,6 +87,7 @@ __all__ = [
     "fp8_grouped_gemm_masked",
     "per_block_quant",
     "per_token_group_quant",
+    "quant_dispatch_contiguous",
     "quant_dispatch_masked",
     "select_experts",
     "silu_mul_per_token_group_quant",
@@ -193,6 +199,14 @@ def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, n
     return a, scale, m_indices, row_map
 
 
+def _ref_quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
+                                   align_m: int, ue8m0: bool, eps: float, *, sync: bool = True
+                                   ) -> tuple[Tensor, ...]:
+    x_fp8, x_scale = reference.per_token_group_quant(x, GROUP_K, ue8m0, eps)
+    return (x_fp8, x_scale, *_ref_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
+                                                      sync=sync))
+
+
 _REFERENCE_IMPLS = {
     "fp8_gemm": _ref_fp8_gemm,
     "fp8_grouped_gemm_contiguous": _ref_grouped_contiguous,
@@ -203,6 +217,7 @@ _REFERENCE_IMPLS = {
     "select_experts": _ref_select_experts,
     "dispatch_contiguous": _ref_dispatch_contiguous,
     "dispatch_masked": _ref_dispatch_masked,
+    "quant_dispatch_contiguous": _ref_quant_dispatch_contiguous,
     "quant_dispatch_masked": _ref_quant_dispatch_masked,
     "combine": reference.combine,
 }
@@ -222,6 +237,7 @@ _TRITON_IMPLS = {
     "select_experts": "moe_fp8.kernels.triton.routing:select_experts",
     "dispatch_contiguous": "moe_fp8.kernels.triton.dispatch:dispatch_contiguous",
     "dispatch_masked": "moe_fp8.kernels.triton.dispatch:dispatch_masked",
+    "quant_dispatch_contiguous": "moe_fp8.kernels.triton.dispatch:quant_dispatch_contiguous",
     "quant_dispatch_masked": "moe_fp8.kernels.triton.dispatch:quant_dispatch_masked",
     "combine": "moe_fp8.kernels.triton.dispatch:combine",
 }
@@ -637,6 +653,52 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
     if _compiling():
         return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
     return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
+
+
+def _quant_dispatch_contiguous_eager_only(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
+                                          align_m: int, ue8m0: bool, eps: float, sync: bool = True
+                                          ) -> tuple[Tensor, ...]:
+    if x.shape[0] == 0:  # no rows: the two ops' own empty-problem paths (no backend sees an empty x)
+        x_fp8, x_scale = _per_token_group_quant_impl(x, GROUP_K, ue8m0, eps)
+        return (x_fp8, x_scale, *_dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map,
+                                                                 align_m, sync))
+    fn = backends.select("quant_dispatch_contiguous", x.device)[1]
+    if sync:
+        return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps)
+    return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync=False)
+
+
+_quant_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(
+    _quant_dispatch_contiguous_eager_only)
+
+
+def quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None = None,
+                              align_m: int | None = None, *, ue8m0: bool = False, eps: float = _DEFAULT_EPS,
+                              sync: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous`` in one op (prefill).
+
+    Bit-identical to the two ops. On the Triton backends the routing runs first and its ``M_total``
+    travels to the host while the GPU quantizes, so the host sync leaves no GPU idle gap behind it
+    (the host allocates and enqueues the scatter during the quantization). Eager only, like
+    ``dispatch_contiguous``.
+
+    Args:
+        x: ``[T, K]`` bf16/fp16/fp32, contiguous; ``K`` a positive multiple of 16; ``T`` may be 0.
+        topk_ids, num_experts, expert_map, align_m, sync: as ``dispatch_contiguous`` (on x's device).
+        ue8m0, eps: as ``per_token_group_quant``.
+
+    Returns ``(x_fp8 [T, K], x_scale [T, ceil(K/128)] (TMA layout), out_fp8 [M_total, K], out_scale
+    (TMA layout), m_indices int32 [M_total], row_map int64 [T, top_k])``: the quantized input (for the
+    shared experts) and what ``dispatch_contiguous`` returns.
+    """
+    V.check_quant_dispatch(x, topk_ids, num_experts, expert_map, None, ue8m0, eps)
+    if align_m is None:
+        align_m = get_align_m()
+    V.check_int("align_m", align_m, min_value=1)
+    V.check_bool("sync", sync)
+    if _compiling():
+        return _quant_dispatch_contiguous_impl(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync)
+    return _quant_dispatch_contiguous_eager_only(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync)
 
 
 def _alloc_masked_maps(t: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -641,11 +641,12 @@ def check_dispatch(x_fp8: object, x_scale: object, topk_ids: object, num_experts
 
 def check_quant_dispatch(x: object, topk_ids: object, num_experts: object, expert_map: object, max_m: object,
                          ue8m0: object, eps: object) -> tuple[int, int]:
-    """Validate ``quant_dispatch_masked`` (``per_token_group`` then ``dispatch_masked``); returns ``(T, K)``.
+    """Validate ``quant_dispatch_masked`` / ``quant_dispatch_contiguous`` (``per_token_group`` then the
+    dispatch); returns ``(T, K)``.
 
     x bf16/fp16/fp32 [T, K] contiguous, K a positive multiple of 16 (as ``per_token_group``);
-    topk_ids, num_experts, expert_map as ``check_dispatch`` (on x's device); max_m a host int >= 0;
-    ue8m0 a bool; eps a positive float.
+    topk_ids, num_experts, expert_map as ``check_dispatch`` (on x's device); max_m a host int >= 0
+    (None: the contiguous layout, which has none); ue8m0 a bool; eps a positive float.
     """
     check_tensor("x", x)
     check_dtype("x", x, ACT_DTYPES)
@@ -656,7 +657,8 @@ def check_quant_dispatch(x: object, topk_ids: object, num_experts: object, exper
         raise ValueError(f"x K (last dim) must be a positive multiple of {K_ALIGN}, got {k}")
     check_topk_ids(topk_ids, t, x.device, "x")
     _check_experts(num_experts, expert_map, x.device, "x")
-    check_int("max_m", max_m, min_value=0)
+    if max_m is not None:
+        check_int("max_m", max_m, min_value=0)
     check_bool("ue8m0", ue8m0)
     check_eps(eps)
     return t, k

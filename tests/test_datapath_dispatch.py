@@ -160,6 +160,81 @@ def test_quant_dispatch_masked_ue8m0_non_finite_and_persistent_buffers():
         dispatch.quant_dispatch_masked(x.t(), d.topk_ids, e, max_m, None)
 
 
+@pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
+def test_quant_dispatch_contiguous_matches_quant_then_dispatch(t, h, e_global, e_local, k, max_m, skew):
+    """``quant_dispatch_contiguous`` equals the reference's ``per_token_group_quant`` then
+    ``dispatch_contiguous`` bit for bit, with the sync (exact rows) and without it (the bound)."""
+    d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
+    emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
+    e = e_local or e_global
+    r_fp8, r_scale = ref.per_token_group_quant(d.x)
+    for align_m, sync in ((128, True), (16, True), (128, False)):
+        cfg = dispatch_config(t, k, h, e, block_t=2, block_k=128)
+        x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(d.x, d.topk_ids, e, emap, align_m, sync=sync,
+                                                                  config=cfg)
+        assert x_scale.stride() == r_scale.stride()
+        assert_same_bits(x_fp8, r_fp8, "x_fp8")
+        assert_same_bits(x_scale, r_scale, "x_scale")
+        want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e, emap, align_m)
+        if sync:
+            check_contiguous(tuple(got), want)
+        else:
+            assert got[0].shape[0] == dispatch.contiguous_rows_bound(t, k, e, align_m)
+            check_contiguous_bound(tuple(got), want, align_m)
+
+
+def test_quant_dispatch_contiguous_raises_the_reference_errors_and_ue8m0():
+    t, h, e, k = 9, 384, 6, 3
+    d = make_dispatch_inputs(t, h, e, k, seed=5, device=DEVICE)
+    x = d.x.clone()
+    x[1, 5] = float("nan")
+    x[2, 200] = float("inf")
+    x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(x, d.topk_ids, e, None, 128, True, 1e-10)
+    r_fp8, r_scale = ref.per_token_group_quant(x, ue8m0=True)
+    assert_same_bits(x_fp8, r_fp8, "x_fp8")
+    assert_same_bits(x_scale, r_scale, "x_scale")
+    check_contiguous(tuple(got), ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e, None, 128))
+    bad = d.topk_ids.clone()
+    bad[3, 1] = e  # outside [0, E): the reference's error, from the one sync
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 6\)"):
+        dispatch.quant_dispatch_contiguous(x, bad, e, None, 128)
+    with pytest.raises(ValueError, match="contiguous"):
+        dispatch.quant_dispatch_contiguous(x.t(), d.topk_ids, e, None, 128)
+
+
+@pytest.mark.parametrize("t", [11, 0])
+def test_public_quant_dispatch_contiguous_through_the_triton_kernel(monkeypatch, t):
+    """``moe_fp8.ops.quant_dispatch_contiguous`` with the Triton kernel as its backend (as on a GPU): the
+    calling convention reaches the kernel (sync=False by keyword), results equal the reference's two ops."""
+    import moe_fp8.ops
+    from moe_fp8 import backends
+
+    real_select, calls = backends.select, []
+
+    def select(op, device):
+        if op == "quant_dispatch_contiguous":
+            calls.append(op)
+            return "portable", dispatch.quant_dispatch_contiguous
+        return real_select(op, device)
+
+    monkeypatch.setattr(backends, "select", select)
+    h, e_global, e_local, k = 272, 16, 6, 4
+    d = make_dispatch_inputs(t, h, e_global, k, seed=13, device=DEVICE, skew=2.0)
+    emap = make_expert_map(e_global, e_local, seed=4)
+    for ue8m0, sync in ((False, True), (True, False)):
+        r_fp8, r_scale = ref.per_token_group_quant(d.x, ue8m0=ue8m0)
+        want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e_local, emap, 128)
+        x_fp8, x_scale, *got = moe_fp8.ops.quant_dispatch_contiguous(d.x, d.topk_ids, e_local, emap, ue8m0=ue8m0,
+                                                                      sync=sync)
+        assert_same_bits(x_fp8, r_fp8, "x_fp8")
+        assert_same_bits(x_scale, r_scale, "x_scale")
+        if sync:
+            check_contiguous(tuple(got), want)
+        else:
+            check_contiguous_bound(tuple(got), want, 128)
+    assert calls == (["quant_dispatch_contiguous"] * 2 if t else [])  # no tokens: the two ops' own paths
+
+
 @pytest.mark.parametrize("t", [11, 0])
 def test_public_quant_dispatch_masked_through_the_triton_kernel(monkeypatch, t):
     """``moe_fp8.ops.quant_dispatch_masked`` with the Triton kernel as its backend (selected as on a GPU):
@@ -333,6 +408,7 @@ def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
     dev = torch.device("cuda", torch.cuda.current_device())
     for op, fn in [("dispatch_contiguous", dispatch.dispatch_contiguous),
                    ("dispatch_masked", dispatch.dispatch_masked),
+                   ("quant_dispatch_contiguous", dispatch.quant_dispatch_contiguous),
                    ("quant_dispatch_masked", dispatch.quant_dispatch_masked), ("combine", dispatch.combine)]:
         name, impl = backends.select(op, dev)
         assert name in ("hopper", "portable") and impl is fn, (op, name)
@@ -345,6 +421,9 @@ def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
     check_masked(tuple(fused), ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, 32, 64), 64)
     got_c = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32)
     check_contiguous(got_c, ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32))
+    x_fp8, x_scale, *fused_c = moe_fp8.layers.quant_dispatch_contiguous(d.x, d.topk_ids, 32)
+    assert_same_bits(x_fp8, d.x_fp8, "x_fp8")
+    check_contiguous(tuple(fused_c), ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 32))
     y = randn((32, 64, 7168), seed=1, device="cuda")
     assert_same_bits(moe_fp8.layers.combine(y, got[3], d.topk_weights), ref.combine(y, got[3], d.topk_weights),
                      "combine")

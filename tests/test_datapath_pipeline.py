@@ -23,7 +23,7 @@ from moe_fp8 import reference as ref
 from moe_fp8.testing import make_routing_inputs, randn
 
 DATA_OPS = ("per_token_group_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
-            "dispatch_masked", "quant_dispatch_masked", "combine")
+            "dispatch_masked", "quant_dispatch_contiguous", "quant_dispatch_masked", "combine")
 
 
 @dataclass
@@ -64,6 +64,7 @@ def test_data_path_ops_select_the_triton_kernels(fake_gpu, capability, backend):
                "silu_mul_per_token_group_quant": quant.silu_mul_per_token_group_quant,
                "select_experts": routing.select_experts, "dispatch_contiguous": dispatch.dispatch_contiguous,
                "dispatch_masked": dispatch.dispatch_masked,
+               "quant_dispatch_contiguous": dispatch.quant_dispatch_contiguous,
                "quant_dispatch_masked": dispatch.quant_dispatch_masked, "combine": dispatch.combine}
     dev = fake_gpu(capability)
     for op in DATA_OPS:

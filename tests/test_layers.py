@@ -206,8 +206,9 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
     x, logits = randn((5, 128), seed=21), randn((5, 8), seed=22)
     monkeypatch.setattr(backends, "select", spy)
     moe(x, logits, path="contiguous")
-    # The shared experts go after the dispatch, so its host sync (contiguous) does not wait for them.
-    assert selected == ["select_experts", "per_token_group_quant", "dispatch_contiguous", "fp8_gemm",
+    # Quantization fused into the dispatch op (the GPU quantizes while the host waits for M_total); the
+    # shared experts go after the dispatch, so its host sync does not wait for them.
+    assert selected == ["select_experts", "quant_dispatch_contiguous", "fp8_gemm",
                         "silu_mul_per_token_group_quant", "fp8_gemm", "fp8_grouped_gemm_contiguous",
                         "silu_mul_per_token_group_quant", "fp8_grouped_gemm_contiguous", "combine"]
     selected.clear()
@@ -485,7 +486,8 @@ def test_ue8m0_fused_moe_quantizes_both_activations_with_power_of_two_scales(mon
     x, logits = randn((t, hidden), seed=111), randn((t, num_experts), seed=112, dtype=torch.float32)
     flags = []
     for module in (moe_module, linear_module):
-        for name in ("per_token_group", "quant_dispatch_masked", "silu_mul_per_token_group"):
+        for name in ("per_token_group", "quant_dispatch_contiguous", "quant_dispatch_masked",
+                     "silu_mul_per_token_group"):
             real = getattr(module, name, None)
             if real is None:  # linear has no dispatch
                 continue
@@ -500,8 +502,8 @@ def test_ue8m0_fused_moe_quantizes_both_activations_with_power_of_two_scales(mon
 
             monkeypatch.setattr(module, name, spy)
     outs = {p: moe(x, logits, path=p) for p in ("contiguous", "masked")}
-    # per path: the input (masked: inside quant_dispatch_masked), the shared expert's and the routed experts'
-    # SiLU·mul
+    # per path: the input (inside quant_dispatch_contiguous / _masked), the shared expert's and the routed
+    # experts' SiLU·mul
     assert flags == [True] * 6
     assert torch.equal(outs["contiguous"], outs["masked"])
     assert calc_diff(outs["contiguous"], moe_loop_reference(x, logits, wts, top_k, ROUTINGS["grouped_sigmoid"])) \

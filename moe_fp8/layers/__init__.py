@@ -1,7 +1,7 @@
 """MoE building blocks and layers (DESIGN §5).
 
 - ``select_experts`` (routing), ``dispatch_contiguous`` / ``dispatch_masked`` / ``combine`` (layouts),
-  ``quant_dispatch_masked`` (activation quantization fused into the masked dispatch);
+  ``quant_dispatch_contiguous`` / ``quant_dispatch_masked`` (activation quantization + dispatch in one op);
 - ``Fp8Linear``, ``Fp8MLP``, ``Fp8FusedMoE``: block-FP8 layers with DeepSeek-V3 parameter layouts
   (``ue8m0=True`` for DeepSeek-V3.1's power-of-two scales, checked by ``check_ue8m0_scales``);
 - ``MaskedWorkspace``: the persistent decode buffers ``Fp8FusedMoE`` owns; ``StageTimer``: per-stage times;
@@ -22,7 +22,13 @@ from moe_fp8.layers.checkpoint import (
     tiny_deepseek_v3_config,
     write_deepseek_v3_checkpoint,
 )
-from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked, quant_dispatch_masked
+from moe_fp8.layers.dispatch import (
+    combine,
+    dispatch_contiguous,
+    dispatch_masked,
+    quant_dispatch_contiguous,
+    quant_dispatch_masked,
+)
 from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape, check_ue8m0_scales
 from moe_fp8.layers.moe import (
     MASKED_MAX_ROWS,
@@ -55,6 +61,7 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "quant_dispatch_contiguous",
     "quant_dispatch_masked",
     "select_experts",
     "shard_fp8_linear",

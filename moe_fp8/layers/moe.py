@@ -4,8 +4,8 @@ Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
 
     topk_weights, topk_ids = layers.select_experts(router_logits, ...)
     contiguous (prefill)                       | masked (decode, CUDA-graph safe)
-      x_fp8, x_scale = per_token_group(hidden) |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
-      dispatch_contiguous → [M_total, H]       |     quant_dispatch_masked(hidden)  # one launch at decode
+      x_fp8, x_scale, [M_total, H], m_indices, |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
+        row_map = quant_dispatch_contiguous(h) |     quant_dispatch_masked(hidden)  # one launch at decode
       fp8_grouped_gemm_contiguous (w13)        |   fp8_grouped_gemm_masked (w13)
       silu_mul_per_token_group                 |   silu_mul_per_token_group(masked_m=...)
       fp8_grouped_gemm_contiguous (w2)         |   fp8_grouped_gemm_masked (w2)
@@ -45,11 +45,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from moe_fp8.layers.dispatch import combine, dispatch_contiguous, dispatch_masked, quant_dispatch_masked
+from moe_fp8.layers.dispatch import (
+    combine,
+    dispatch_contiguous,
+    dispatch_masked,
+    quant_dispatch_contiguous,
+    quant_dispatch_masked,
+)
 from moe_fp8.layers.linear import Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
-from moe_fp8.quant import per_token_group, silu_mul_per_token_group
+from moe_fp8.quant import silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
 
@@ -91,8 +97,8 @@ def default_masked_max_tokens(num_local_experts: int) -> int:
 
 PATHS = ("auto", "contiguous", "masked")
 # Stages of one forward, in order, as ``Fp8FusedMoE.stage_hook`` sees them ("shared" only with shared experts).
-# On the masked path the quantization runs inside the dispatch (``quant_dispatch_masked``): "quant" is marked
-# with no work of its own (~0) and "dispatch" holds both, so the stages still add up to the forward.
+# The quantization runs inside the dispatch op (``quant_dispatch_contiguous`` / ``quant_dispatch_masked``):
+# "quant" is marked with no work of its own (~0) and "dispatch" holds both, so the stages still add up.
 STAGES = ("routing", "quant", "dispatch", "shared", "gemm1", "act_quant", "gemm2", "combine")
 
 
@@ -490,14 +496,11 @@ class Fp8FusedMoE(nn.Module):
         topk_weights, topk_ids = self.route(router_logits)
         if mark is not None:
             mark("routing")
+        if mark is not None:
+            mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
         if chosen == "contiguous":
-            x_fp8, x_scale = per_token_group(hidden, ue8m0=self.ue8m0)
-            if mark is not None:
-                mark("quant")
-            y, row_map, shared = self._experts_contiguous(x_fp8, x_scale, topk_ids, mark)
+            y, row_map, shared = self._experts_contiguous(hidden, topk_ids, mark)
         else:
-            if mark is not None:
-                mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
             y, row_map, shared = self._experts_masked(hidden, topk_ids, mark)
         out = combine(y, row_map, topk_weights, shared)
         if mark is not None:
@@ -524,10 +527,11 @@ class Fp8FusedMoE(nn.Module):
             mark("shared")
         return shared
 
-    def _experts_contiguous(self, x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor,
+    def _experts_contiguous(self, hidden: Tensor, topk_ids: Tensor,
                             mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, self.num_local_experts,
-                                                             self.expert_map)
+        # quantization + dispatch in one op: the GPU quantizes while the host waits for M_total
+        x_fp8, x_scale, a, a_scale, m_indices, row_map = quant_dispatch_contiguous(
+            hidden, topk_ids, self.num_local_experts, self.expert_map, ue8m0=self.ue8m0)
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)

@@ -91,14 +91,16 @@ DISPATCH_ROUTE_WARPS = 4
 # 32 experts, 7 of 8 slots skipped, the layer's combine stage: one-load 221 / 439 us at 8192 / 16384
 # tokens, per-slot 168 / 369; all slots used: 98% / 95% of copy BW at 16384 / 4096, 13.4 us at 128).
 COMBINE_GATHER_MAX_TOKENS = 512
-# Large batches: 2048 columns / 8 warps (gpu6: 799.2 vs 801.5 us at 16384, 209.7 vs 209.8 at 4096:
-# within noise, never worse); fewer tokens keep 1024 / 4 warps (twice the programs).
+# Large batches: 2048 columns / 4 warps. Every slot local, 2048 columns are within noise of 1024 (gpu6:
+# 799.2 vs 801.5 us at 16384) and 4 warps of 8 (368.4-369.5 us at 8192 x top-8); an EP rank's combine
+# (7 of 8 slots skipped, 8192 tokens) is 138 us at 4 warps vs 163 at 8 (session 5 sweep,
+# scripts/profile_layer.py --combine-sweep). Fewer tokens keep 1024 / 4 warps (twice the programs).
 COMBINE_BLOCK_H = 1024
 COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
 COMBINE_LARGE_FROM = 4096
 COMBINE_LARGE_BLOCK_H = 2048
-COMBINE_LARGE_WARPS = 8
+COMBINE_LARGE_WARPS = 4
 
 
 def _pow2_floor(n: int) -> int:

@@ -20,14 +20,16 @@ The order is made deterministic without atomics on positions. Routing the pairs 
      the id range (for the reference's error messages).
   4. ``_row_map_kernel``: ``row_map`` from the above.
 
-Then ``_m_indices_kernel`` (contiguous; one program per 128 rows) finds each row's segment from the
-segment starts (expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
+Then ``_m_indices_kernel`` (contiguous; one program per 128 rows, over the upper bound of rows and
+before the host sync: the layout keeps a prefix) finds each row's segment from the segment starts
+(expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
 each token row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales
 into the TMA layout).
 
 The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
-the host reads it (with the id range, to raise the reference's errors) in one sync and allocates
-exactly. ``sync=False``: no host sync — the outputs get the upper bound
+the host reads it (with the id range, to raise the reference's errors) in one sync — a copy to pinned
+memory and an event, so GPU work enqueued after the routing (``quant_dispatch_contiguous``: the
+quantization) keeps running while the host waits and allocates — and allocates exactly. ``sync=False``: no host sync — the outputs get the upper bound
 ``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
 (``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
 dispatch) instead of an error.
@@ -43,6 +45,8 @@ bug; the reference raises an indexing error there).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import triton
@@ -65,7 +69,14 @@ from moe_fp8.kernels.triton.configs import (
 )
 from moe_fp8.utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_tma_aligned_m
 
-__all__ = ["combine", "contiguous_rows_bound", "dispatch_contiguous", "dispatch_masked", "quant_dispatch_masked"]
+__all__ = [
+    "combine",
+    "contiguous_rows_bound",
+    "dispatch_contiguous",
+    "dispatch_masked",
+    "quant_dispatch_contiguous",
+    "quant_dispatch_masked",
+]
 
 
 # ============================================================================================
@@ -647,6 +658,81 @@ def contiguous_rows_bound(num_tokens: int, top_k: int, num_experts: int, align_m
     return ceil_div(num_tokens * top_k + num_experts * (align_m - 1), align_m) * align_m
 
 
+_PINNED = threading.local()  # per thread: {device index: (pinned status buffer, event)}
+
+
+def _status_to_host(status: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``status`` (4 int64) to pinned host memory; ``(host, done)`` — wait on ``done``
+    (None: on the host already) before reading ``host``. Unlike ``.tolist()``, the GPU work enqueued
+    after this keeps the GPU busy while the host waits and then prepares the launches that need it.
+    The buffer and event are reused per thread and device (creating them costs ~20 us of host time on
+    the H100 machine): every caller reads the buffer before its thread can start another copy."""
+    if status.device.type != "cuda":  # Triton's interpreter
+        return status, None
+    cache = getattr(_PINNED, "by_device", None)
+    if cache is None:
+        cache = _PINNED.by_device = {}
+    entry = cache.get(status.device.index)
+    if entry is None:
+        entry = cache[status.device.index] = (torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+    host, done = entry
+    host.copy_(status, non_blocking=True)
+    done.record()
+    return host, done
+
+
+def _contiguous_m_indices(count: torch.Tensor, seg_start: torch.Tensor, num_experts: int, num_tokens: int,
+                          top_k: int, align_m: int) -> torch.Tensor:
+    """``m_indices`` over ``contiguous_rows_bound`` rows (-1 past ``M_total``), launched before the host
+    sync: the rows the layout keeps are a prefix of it, so no launch is left between the sync and the scatter."""
+    rows = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
+    m_indices = torch.empty(rows, dtype=torch.int32, device=count.device)
+    if rows > 0:
+        _m_indices_kernel[(ceil_div(rows, 128),)](
+            m_indices, count, seg_start, num_experts, rows, BLOCK=128,
+            E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), num_warps=4)
+    return m_indices
+
+
+def _contiguous_rows(status: tuple[torch.Tensor, torch.cuda.Event | None], topk_ids: torch.Tensor,
+                     num_experts: int, expert_map: torch.Tensor | None, align_m: int, sync: bool) -> int:
+    """Rows of the contiguous outputs: ``M_total`` read from ``status`` (the one host sync; raises the
+    reference's errors on invalid ids), or the upper bound without a sync."""
+    num_tokens, top_k = topk_ids.shape
+    if not sync:
+        return contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
+    host, done = status
+    if done is not None:
+        done.synchronize()
+    m_total, lo, hi, top = host.tolist()
+    if topk_ids.numel() > 0:
+        num_ids = num_experts if expert_map is None else expert_map.shape[0]
+        if lo < 0 or hi >= num_ids:
+            raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
+        if top >= num_experts:
+            raise ValueError(f"expert_map maps to local id {top} >= num_experts={num_experts}")
+    return m_total
+
+
+def _contiguous_plan(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, align_m: int,
+                     sync: bool, cfg: DispatchConfig) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Everything of the contiguous dispatch that needs no ``M_total``: ``(row_map, m_indices over the
+    bound, pending status)`` — ``_contiguous_rows(pending, ...)`` then gives the rows."""
+    num_tokens, top_k = topk_ids.shape
+    row_map, count, seg_start, status = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
+    m_indices = _contiguous_m_indices(count, seg_start, num_experts, num_tokens, top_k, align_m)
+    return row_map, m_indices, (_status_to_host(status) if sync else (status, None))
+
+
+def _contiguous_scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor,
+                        m_rows: int, cfg: DispatchConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate the ``m_rows``-row contiguous layout and scatter the rows into it."""
+    out = torch.empty((m_rows, x_fp8.shape[1]), dtype=FP8_DTYPE, device=x_fp8.device)
+    out_scale = empty_scale_tma(m_rows, x_scale.shape[1], device=x_fp8.device)
+    _scatter(x_fp8, x_scale, row_map, out, out_scale, 0, get_tma_aligned_m(m_rows), False, cfg)
+    return out, out_scale, m_indices[:m_rows], row_map
+
+
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                         expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
                         config: DispatchConfig | None = None
@@ -659,32 +745,36 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     ``M_total`` are padding (``m_indices = -1``), invalid ids are not local. Padding rows' FP8 bytes
     and scales are not written. ``config``: a ``DispatchConfig`` (tuning).
     """
-    device = check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
-    num_tokens, k = x_fp8.shape
-    top_k = topk_ids.shape[1]
-    kg = x_scale.shape[1]
-    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
-    row_map, count, seg_start, status = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
-    if sync:
-        m_total, lo, hi, top = status.tolist()  # the one host sync
-        if topk_ids.numel() > 0:
-            num_ids = num_experts if expert_map is None else expert_map.shape[0]
-            if lo < 0 or hi >= num_ids:
-                raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
-            if top >= num_experts:
-                raise ValueError(f"expert_map maps to local id {top} >= num_experts={num_experts}")
-        m_rows = m_total
-    else:
-        m_rows = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
-    out = torch.empty((m_rows, k), dtype=FP8_DTYPE, device=device)
-    out_scale = empty_scale_tma(m_rows, kg, device=device)
-    m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
-    if m_rows > 0:
-        _m_indices_kernel[(ceil_div(m_rows, 128),)](
-            m_indices, count, seg_start, num_experts, m_rows, BLOCK=128,
-            E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), num_warps=4)
-    _scatter(x_fp8, x_scale, row_map, out, out_scale, 0, get_tma_aligned_m(m_rows), False, cfg)
-    return out, out_scale, m_indices, row_map
+    check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
+    cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts)
+    row_map, m_indices, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
+    return _contiguous_scatter(x_fp8, x_scale, row_map, m_indices, m_rows, cfg)
+
+
+def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                              expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
+                              eps: float = 1e-10, *, sync: bool = True, config: DispatchConfig | None = None
+                              ) -> tuple[torch.Tensor, ...]:
+    """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous``, ordered so the host
+    sync costs no GPU idle time: the routing kernels run first and ``M_total`` goes to pinned host
+    memory; the quantization is enqueued behind them, and the host waits only for the copy, then
+    allocates and launches the scatter while the GPU is still quantizing.
+
+    Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
+    bit-identical to the two calls. ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
+    ``dispatch_contiguous``.
+    """
+    from moe_fp8.kernels.triton.quant import per_token_group_quant
+
+    check_launch_device(x, topk_ids, expert_map)
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
+    cfg = config or dispatch_config(x.shape[0], topk_ids.shape[1], x.shape[1], num_experts)
+    row_map, m_indices, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
+    m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
+    return x_fp8, x_scale, *_contiguous_scatter(x_fp8, x_scale, row_map, m_indices, m_rows, cfg)
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,0 +1,219 @@
+"""Where one ``Fp8FusedMoE`` forward spends its time on the GPU (the bench's DeepSeek-V3 EP-rank layer).
+
+For each token count: one forward under ``torch.profiler`` (L2 flushed first) — every kernel's device
+time in launch order, the sum, and the forward's span from first kernel start to last kernel end (the
+difference is the GPU idle time: host syncs and launch gaps) — plus the host time of the layer's ops.
+
+    python scripts/profile_layer.py [--tokens 512 8192] [--path contiguous] [--combine-sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import itertools
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moe_fp8.benchmarks.harness import bench_us
+from moe_fp8.benchmarks.moe import LOCAL_EXPERTS, NUM_EXPERTS, build_layer
+from moe_fp8.kernels.triton.configs import CombineConfig
+from moe_fp8.kernels.triton.dispatch import combine as triton_combine
+from moe_fp8.layers import dispatch_contiguous
+from moe_fp8.quant import per_token_group
+
+
+def host_us(fn, calls: int = 20) -> float:
+    """Median wall time of ``fn`` with a sync after each call (what the GPU waits on, host included)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def kernel_timeline(fn) -> tuple[list[tuple[str, float, float]], float]:
+    """``[(name, start_us, dur_us)]`` of the GPU kernels (and memsets/copies) of one ``fn()``, and its span."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    flush.zero_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    if not events:
+        return [], 0.0
+    t0 = events[0].time_range.start
+    span = max(e.time_range.end for e in events) - t0
+    return [(e.name, e.time_range.start - t0, e.time_range.end - e.time_range.start) for e in events], span
+
+
+def profile_tokens(layer, t: int, path: str, sweep: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32, generator=gen)
+
+    def forward():
+        return layer(hidden, logits, path=path)
+
+    for _ in range(3):
+        forward()
+    timeline, span = kernel_timeline(forward)
+    busy = sum(d for _, _, d in timeline)
+    print(f"\n## tokens {t} {path}: GPU span {span:.1f} us, kernels {busy:.1f} us, idle {span - busy:.1f} us; "
+          f"bench_us {bench_us(forward):.1f} us")
+    prev_end = 0.0
+    for name, start, dur in timeline:
+        print(f"  {start:8.1f} +{dur:7.1f}  (gap {start - prev_end:6.1f})  {name[:110]}")
+        prev_end = start + dur
+    weights, ids = layer.route(logits)
+    x_fp8, x_scale = per_token_group(hidden)
+
+    def dispatch():
+        return dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
+
+    print(f"  host+GPU per op: route {host_us(lambda: layer.route(logits)):.1f}, "
+          f"quant {host_us(lambda: per_token_group(hidden)):.1f}, dispatch_contiguous {host_us(dispatch):.1f}, "
+          f"forward {host_us(forward):.1f} us")
+    if not sweep:
+        return
+    a, _, _, row_map = dispatch()
+    y = torch.randn(a.shape[0], layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    combine_sweep(y, row_map, weights, t)
+    # every slot local (a single-GPU layer): each row read once, as the moe-data bench
+    dense = torch.randperm(t * layer.top_k, device="cuda").view(t, layer.top_k)
+    combine_sweep(torch.randn(t * layer.top_k, layer.hidden_size, device="cuda", dtype=torch.bfloat16), dense,
+                  weights, t)
+
+
+def combine_sweep(y: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor, t: int) -> None:
+    local = int((row_map >= 0).sum())
+    nbytes = 2 * y.shape[1] * (local + t)
+    results = []
+    for bt, bh, nw, ga in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True)):
+        cfg = CombineConfig(bt, bh, nw, ga)
+        try:
+            us = bench_us(lambda cfg=cfg: triton_combine(y, row_map, weights, None, config=cfg))
+        except Exception as exc:  # a config that does not compile is skipped
+            print(f"  combine {cfg}: {type(exc).__name__}")
+            continue
+        results.append((us, cfg))
+    results.sort(key=lambda r: r[0])
+    print(f"  combine sweep ({local} local rows of {row_map.numel()} pairs, {nbytes / 1e6:.0f} MB moved):")
+    for us, cfg in results[:8]:
+        print(f"    {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  {cfg}")
+    print(f"    default: {bench_us(lambda: triton_combine(y, row_map, weights, None)):.1f} us")
+
+
+def host_profile(layer, t: int, path: str, calls: int = 200) -> None:
+    """Where the host time of a forward goes (cProfile; the GPU is far from limiting at small ``t``)."""
+    hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32)
+    for _ in range(5):
+        layer(hidden, logits, path=path)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        layer(hidden, logits, path=path)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"\n## host profile, tokens {t} {path}, {calls} forwards")
+    stats = pstats.Stats(prof, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+
+
+def enqueue_us(fn, calls: int = 200) -> float:
+    """Host microseconds per call of ``fn`` without syncs (the GPU work is small: only the host shows)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def host_ops(layer, t: int) -> None:
+    """Host time per call of each op of the layer at ``t`` tokens, and of a bare Triton launch."""
+    import triton
+    import triton.language as tl
+
+    from moe_fp8.ops import quant_dispatch_masked
+    from moe_fp8.quant import silu_mul_per_token_group
+
+    @triton.jit
+    def _noop(a_ptr, b_ptr, c_ptr, n, m, k, s0, s1, s2, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(a_ptr + i, tl.load(b_ptr + i) + n + m + k + s0 + s1 + s2, mask=i < n)
+
+    a = torch.zeros(1024, device="cuda", dtype=torch.int32)
+    hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32)
+    weights, ids = layer.route(logits)
+    h = torch.randn(t, 2 * layer.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    row_map = torch.arange(t * layer.top_k, device="cuda").view(t, -1) % t
+    ops = {
+        "bare triton launch (11 args)": lambda: _noop[(1,)](a, a, a, 7, 8, 9, 10, 11, 12, BLOCK=1024, FLAG=True),
+        "torch.empty x4": lambda: [torch.empty(t, 128, device="cuda") for _ in range(4)],
+        "route": lambda: layer.route(logits),
+        "per_token_group": lambda: per_token_group(hidden),
+        "quant_dispatch_masked": lambda: quant_dispatch_masked(hidden, ids, LOCAL_EXPERTS, t, layer.expert_map),
+        "silu_mul_per_token_group": lambda: silu_mul_per_token_group(h),
+        "combine": lambda: triton_combine(y, row_map, weights, None),
+        "forward masked": lambda: layer(hidden, logits, path="masked"),
+    }
+    print(f"\n## host us per call, tokens {t} (no sync between calls)")
+    for name, fn in ops.items():
+        print(f"  {name:32s} {enqueue_us(fn):7.1f}")
+
+
+def dispatch_timeline(t: int, hidden_size: int = 7168, experts: int = 256, top_k: int = 8) -> None:
+    """Kernels of one ``dispatch_contiguous`` (all experts local, uniform random ids), as the moe-data bench."""
+    x = torch.randn(t, hidden_size, device="cuda", dtype=torch.bfloat16)
+    x_fp8, x_scale = per_token_group(x)
+    ids = torch.rand(t, experts, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+    timeline, span = kernel_timeline(lambda: dispatch_contiguous(x_fp8, x_scale, ids, experts))
+    print(f"\n## dispatch_contiguous {t}x{hidden_size}, {experts} experts, top-{top_k}: GPU span {span:.1f} us, "
+          f"bench_us {bench_us(lambda: dispatch_contiguous(x_fp8, x_scale, ids, experts)):.1f} us")
+    for name, start, dur in timeline:
+        print(f"  {start:8.1f} +{dur:7.1f}  {name[:100]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="*", default=[512, 8192])
+    p.add_argument("--path", default="contiguous")
+    p.add_argument("--combine-sweep", action="store_true")
+    p.add_argument("--host-profile", action="store_true", help="cProfile of 200 forwards instead")
+    p.add_argument("--host-ops", action="store_true", help="host time per call of each op instead")
+    p.add_argument("--dispatch", action="store_true", help="dispatch_contiguous kernel timelines instead")
+    args = p.parse_args()
+    layer, _ = build_layer()
+    for t in args.tokens:
+        if args.dispatch:
+            dispatch_timeline(t)
+        elif args.host_ops:
+            host_ops(layer, t)
+        elif args.host_profile:
+            host_profile(layer, t, args.path)
+        else:
+            profile_tokens(layer, t, args.path, args.combine_sweep)
+
+
+if __name__ == "__main__":
+    main()
