@@ -194,6 +194,26 @@ def dispatch_timeline(t: int, hidden_size: int = 7168, experts: int = 256, top_k
         print(f"  {start:8.1f} +{dur:7.1f}  {name[:100]}")
 
 
+def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: int = 8) -> None:
+    """The contiguous dispatch's scatter kernel alone, per variant (``dispatch._scatter``)."""
+    from moe_fp8.kernels.triton import dispatch as D
+    from moe_fp8.kernels.triton.configs import dispatch_config
+    from moe_fp8.utils import get_tma_aligned_m
+
+    x = torch.randn(t, hidden_size, device="cuda", dtype=torch.bfloat16)
+    x_fp8, x_scale = per_token_group(x)
+    ids = torch.rand(t, experts, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+    out, out_scale, _, row_map = dispatch_contiguous(x_fp8, x_scale, ids, experts)
+    m_pad = get_tma_aligned_m(out.shape[0])
+    nbytes = t * hidden_size * (1 + top_k)
+    print(f"\n## scatter {t}x{hidden_size}, {experts} experts, top-{top_k} ({nbytes / 1e6:.0f} MB)")
+    for bt, bk, nw in ((2, 4096, 8), (1, 4096, 4), (1, 8192, 8), (2, 2048, 4), (4, 2048, 8), (4, 4096, 8),
+                       (1, 2048, 4)):
+        cfg = dispatch_config(t, top_k, hidden_size, experts, block_t=bt, block_k=bk, num_warps=nw)
+        us = bench_us(lambda cfg=cfg: D._scatter(x_fp8, x_scale, row_map, out, out_scale, 0, m_pad, False, cfg))
+        print(f"  block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="*", default=[512, 8192])
@@ -202,10 +222,13 @@ def main() -> None:
     p.add_argument("--host-profile", action="store_true", help="cProfile of 200 forwards instead")
     p.add_argument("--host-ops", action="store_true", help="host time per call of each op instead")
     p.add_argument("--dispatch", action="store_true", help="dispatch_contiguous kernel timelines instead")
+    p.add_argument("--scatter", action="store_true", help="scatter kernel variants instead")
     args = p.parse_args()
     layer, _ = build_layer()
     for t in args.tokens:
-        if args.dispatch:
+        if args.scatter:
+            scatter_sweep(t)
+        elif args.dispatch:
             dispatch_timeline(t)
         elif args.host_ops:
             host_ops(layer, t)

@@ -76,9 +76,11 @@ DISPATCH_RANK_TILE = 4096
 # block_k 8192 / 8 warps 11.7 us vs 14.4 at 2048 / 4 warps.
 DISPATCH_FUSED_BLOCK_K = 8192
 DISPATCH_FUSED_WARPS = 8
-# Chunked path's scatter: sweep winner at 4096×7168, 32 experts (139 vs 146 us under a graph).
-DISPATCH_BLOCK_K = 4096
-DISPATCH_BLOCK_T = 2
+# Chunked path's scatter (every destination of a program's tokens preloaded in one load): session 5
+# sweep, 16384 / 4096 tokens × 7168, 256 experts, top-8 (scripts/profile_layer.py --scatter): 4 tokens ×
+# 2048 bytes / 8 warps 477 / 123 us vs 511 / 129 us for the earlier 2 × 4096 / 8 without the preload.
+DISPATCH_BLOCK_K = 2048
+DISPATCH_BLOCK_T = 4
 DISPATCH_WARPS = 8
 # Routing kernels of the chunked path (count / scan / row map).
 DISPATCH_ROUTE_WARPS = 4

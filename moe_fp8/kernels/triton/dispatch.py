@@ -384,7 +384,8 @@ def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, num_experts, m_rows,
 def _scatter_kernel(
     x_ptr, xs_ptr, row_map_ptr, out_ptr, out_s_ptr,
     T, K, KG, max_m, m_pad, xs_stride_t, xs_stride_g,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -393,6 +394,10 @@ def _scatter_kernel(
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok = cols < K
     t64 = t.to(tl.int64)
+    # every destination in one load, issued with the row's (a load per slot waited between the stores)
+    jk = tl.arange(0, K_P2)
+    dests = tl.load(row_map_ptr + t64[:, None] * TOP_K + jk[None, :], mask=t_ok[:, None] & (jk[None, :] < TOP_K),
+                    other=-1)
     row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
     # scale groups whose first column lies in this column block (GROUP_K = 128 per group)
     SG: tl.constexpr = (BLOCK_K + 127) // 128
@@ -401,7 +406,7 @@ def _scatter_kernel(
     sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
                  mask=t_ok[:, None] & g_ok[None, :])
     for j in tl.static_range(TOP_K):
-        dest = tl.load(row_map_ptr + t64 * TOP_K + j, mask=t_ok, other=-1)
+        dest = tl.sum(tl.where(jk[None, :] == j, dests, 0), axis=1)  # column j (register work)
         keep = dest >= 0
         dest = tl.where(keep, dest, 0)
         if MASKED:  # dest = e·max_m + position; scales in the 3-D TMA layout [E, max_m, KG]
@@ -529,8 +534,8 @@ def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, 
     _scatter_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
         x_fp8.view(torch.uint8), x_scale, row_map, out.view(torch.uint8), out_scale,
         num_tokens, k, x_scale.shape[1], max(max_m, 1), m_pad, x_scale.stride(0), x_scale.stride(1),
-        TOP_K=row_map.shape[1], BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, MASKED=masked,
-        num_warps=cfg.num_warps)
+        TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]), BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k, MASKED=masked, num_warps=cfg.num_warps)
 
 
 def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
