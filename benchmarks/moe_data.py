@@ -14,6 +14,9 @@ Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepS
 - the decode step (T ≤ 256): quant → route → dispatch_masked → SiLU·mul+quant on ``[E, max_m, 2I]`` →
   combine, under a CUDA graph (``moe_fp8``) and eagerly (``moe_fp8_eager``).
 
+Each op's ``moe_fp8`` row is an eager call (launches and host work included); the ops with no host sync
+(``GRAPH_KINDS``) also get a ``moe_fp8_graph`` row, the same call replayed from a CUDA graph.
+
 ``gbps`` counts the bytes the op must read and write once. Every row of ours is also checked against
 the reference once (bit for bit; SiLU·mul+quant within its documented tolerance); a mismatch is a
 note under the tables.
@@ -299,17 +302,7 @@ def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]
             and _same(out, ref.combine(y, r_row_map, w, shared)))
     if not same:
         notes.append(f"decode step {t} tokens: an output differs from the reference")
-    replay = ours  # without a GPU (--smoke on CPU) there is no graph to capture
-    if dev == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile everything outside the capture
-            ours()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ours()
-        replay = graph.replay
+    replay = _graph_replay(ours) if dev == "cuda" else ours  # without a GPU (--smoke on CPU): no graph
     rows_used = int(r_masked_m.sum())
     nbytes = (t * hidden * 3 + t * e * 4 + _dispatch_bytes(t, rows_used, sz)
               + rows_used * (2 * inter * 2 + inter) + rows_used * hidden * 2 + 2 * t * hidden * 2)
@@ -326,6 +319,24 @@ def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]
 # ============================================================================================
 # Driver
 # ============================================================================================
+
+# Ops without a host sync: their rows also run under a CUDA graph (``moe_fp8_graph``), the kernels'
+# own time without the eager launches' host overhead (~15 us per launch on the H100 machines we get).
+GRAPH_KINDS = ("quant", "silu_mul_quant", "routing", "dispatch_masked", "combine")
+
+
+def _graph_replay(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured once in a CUDA graph (compiled and warmed on a side stream first); its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile everything outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
 
 def run_case(case: Case, b: Bench, notes: list[str]) -> list[dict[str, Any]]:
     label = f"{case.kind} {case.shape}"
@@ -344,6 +355,12 @@ def run_case(case: Case, b: Bench, notes: list[str]) -> list[dict[str, Any]]:
     dst = torch.empty_like(src)
     rows = [row(case.kind, case.shape, "moe_fp8", ours_us, 0, case.nbytes),
             row(case.kind, case.shape, "torch_copy", b.time_us(lambda: dst.copy_(src)), 0, case.nbytes)]
+    if case.kind in GRAPH_KINDS and b.device == "cuda" and not b.smoke:
+        try:
+            rows.append(row(case.kind, case.shape, "moe_fp8_graph", b.time_us(_graph_replay(case.ours)), 0,
+                            case.nbytes))
+        except Exception as exc:  # record, do not hide
+            notes.append(f"{label} under a CUDA graph: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     if case.reference is not None:
         try:
             rows.append(row(case.kind, case.shape, "torch_reference", b.time_us(case.reference), 0, case.nbytes))
@@ -404,6 +421,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 TABLES = {kind: ("torch_copy", "torch_reference") for kind in
           ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine")}
+for _kind in GRAPH_KINDS:
+    TABLES[_kind] = ("moe_fp8_graph", *TABLES[_kind])
 TABLES["decode_step"] = ("moe_fp8_eager", "torch_reference")
 
 KIND = BenchKind(

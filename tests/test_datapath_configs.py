@@ -78,7 +78,7 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     assert not C.dispatch_config(16384, 8, 7168, 256).fused
     assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
     p = C.dispatch_config(4096, 8, 7168, 32)  # sweep winner of the chunked scatter
-    assert (p.block_t, p.block_k, p.num_warps) == (4, 2048, 8)
+    assert (p.block_t, p.block_k, p.num_warps) == (1, 2048, 4)
     assert C.combine_config(16384, 7168).block_t == 1  # sweep winner at every size
 
 

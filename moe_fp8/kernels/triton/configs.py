@@ -77,11 +77,13 @@ DISPATCH_RANK_TILE = 4096
 DISPATCH_FUSED_BLOCK_K = 8192
 DISPATCH_FUSED_WARPS = 8
 # Chunked path's scatter (every destination of a program's tokens preloaded in one load): session 5
-# sweep, 16384 / 4096 tokens × 7168, 256 experts, top-8 (scripts/profile_layer.py --scatter): 4 tokens ×
-# 2048 bytes / 8 warps 477 / 123 us vs 511 / 129 us for the earlier 2 × 4096 / 8 without the preload.
+# sweeps on an H100. Contiguous, 16384 / 4096 tokens × 7168, 256 experts, top-8
+# (scripts/profile_layer.py --scatter): one token × 2048 bytes / 4 warps 477 / 123 us vs 511 / 129 us for
+# the earlier 2 × 4096 / 8 warps without the preload. Masked under a CUDA graph: 4096 tokens, 32 experts,
+# max_m 2048: 136 vs 140 us; 16384 tokens, 256 experts: 557 vs 579 us; 1024 tokens: 50 us for both.
 DISPATCH_BLOCK_K = 2048
-DISPATCH_BLOCK_T = 4
-DISPATCH_WARPS = 8
+DISPATCH_BLOCK_T = 1
+DISPATCH_WARPS = 4
 # Routing kernels of the chunked path (count / scan / row map).
 DISPATCH_ROUTE_WARPS = 4
 
