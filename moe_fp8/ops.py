@@ -57,10 +57,10 @@ graph holds no per-call ``[E, max_m, ·]`` buffer); with either given, compiled 
 destination-passing op (``moe_fp8::<op>_out``, ``mutates_args=("out", "out_scale")``) whose fake
 returns only the tensors it creates.
 
-``dispatch_contiguous`` (and ``quant_dispatch_contiguous``) is deliberately *not* a custom op: its output row count
-``M_total = Σ_e align(count_e, 128)`` depends on the routing data, so a fake could not give its
-shape from input shapes (it would need an unbacked SymInt, and eager needs a host sync to size the
-buffers anyway). It is a plain function hidden from the compiler (``torch.compiler.disable``): under
+``dispatch_contiguous`` (and ``quant_dispatch_contiguous``) is deliberately *not* a custom op: its
+output row count ``M_total = Σ_e align(count_e, 128)`` depends on the routing data, so a fake could
+not give its shape from input shapes (it would need an unbacked SymInt, and eager needs a host sync to
+size the buffers anyway). It is a plain function hidden from the compiler (``torch.compiler.disable``): under
 ``torch.compile`` it is a graph break, and ``fullgraph=True`` refuses it — use ``dispatch_masked``
 (fixed size, no sync) inside compiled regions and CUDA graphs.
 """

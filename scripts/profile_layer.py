@@ -2,9 +2,14 @@
 
 For each token count: one forward under ``torch.profiler`` (L2 flushed first) — every kernel's device
 time in launch order, the sum, and the forward's span from first kernel start to last kernel end (the
-difference is the GPU idle time: host syncs and launch gaps) — plus the host time of the layer's ops.
+difference is the GPU idle time: host syncs and launch gaps; the profiler inflates the gaps) — plus
+the host time of the layer's ops. Other modes, one per flag:
 
     python scripts/profile_layer.py [--tokens 512 8192] [--path contiguous] [--combine-sweep]
+      --host-ops       host microseconds per call of each op (and of a bare Triton launch)
+      --host-profile   cProfile of 200 forwards
+      --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local)
+      --scatter        the contiguous dispatch's scatter kernel alone, per block shape
 """
 
 from __future__ import annotations

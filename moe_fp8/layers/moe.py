@@ -496,7 +496,6 @@ class Fp8FusedMoE(nn.Module):
         topk_weights, topk_ids = self.route(router_logits)
         if mark is not None:
             mark("routing")
-        if mark is not None:
             mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
         if chosen == "contiguous":
             y, row_map, shared = self._experts_contiguous(hidden, topk_ids, mark)

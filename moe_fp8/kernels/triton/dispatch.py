@@ -22,14 +22,15 @@ The order is made deterministic without atomics on positions. Routing the pairs 
 
 Then ``_m_indices_kernel`` (contiguous; one program per 128 rows, over the upper bound of rows and
 before the host sync: the layout keeps a prefix) finds each row's segment from the segment starts
-(expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads
-each token row once and stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales
-into the TMA layout).
+(expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per
+``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads each token row once and stores it to each of its
+``top_k`` destinations (FP8 bytes and scales, scales into the TMA layout).
 
 The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
-the host reads it (with the id range, to raise the reference's errors) in one sync — a copy to pinned
-memory and an event, so GPU work enqueued after the routing (``quant_dispatch_contiguous``: the
-quantization) keeps running while the host waits and allocates — and allocates exactly. ``sync=False``: no host sync — the outputs get the upper bound
+the host reads it (with the id range, to raise the reference's errors) in one sync and allocates
+exactly; the sync is a copy to pinned memory and an event, so GPU work enqueued after the routing
+(``quant_dispatch_contiguous``: the quantization) keeps the GPU busy while the host waits and
+allocates. ``sync=False``: no host sync — the outputs get the upper bound
 ``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
 (``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
 dispatch) instead of an error.
