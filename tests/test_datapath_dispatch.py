@@ -202,22 +202,29 @@ def test_quant_dispatch_contiguous_raises_the_reference_errors_and_ue8m0():
         dispatch.quant_dispatch_contiguous(x.t(), d.topk_ids, e, None, 128)
 
 
+def _select_triton_kernel(monkeypatch, op: str, kernel) -> list[str]:
+    """Make ``backends.select`` give ``kernel`` for ``op`` (as on a GPU); returns the list of its selections."""
+    from moe_fp8 import backends
+
+    real_select, calls = backends.select, []
+
+    def select(name, device):
+        if name == op:
+            calls.append(name)
+            return "portable", kernel
+        return real_select(name, device)
+
+    monkeypatch.setattr(backends, "select", select)
+    return calls
+
+
 @pytest.mark.parametrize("t", [11, 0])
 def test_public_quant_dispatch_contiguous_through_the_triton_kernel(monkeypatch, t):
     """``moe_fp8.ops.quant_dispatch_contiguous`` with the Triton kernel as its backend (as on a GPU): the
     calling convention reaches the kernel (sync=False by keyword), results equal the reference's two ops."""
     import moe_fp8.ops
-    from moe_fp8 import backends
 
-    real_select, calls = backends.select, []
-
-    def select(op, device):
-        if op == "quant_dispatch_contiguous":
-            calls.append(op)
-            return "portable", dispatch.quant_dispatch_contiguous
-        return real_select(op, device)
-
-    monkeypatch.setattr(backends, "select", select)
+    calls = _select_triton_kernel(monkeypatch, "quant_dispatch_contiguous", dispatch.quant_dispatch_contiguous)
     h, e_global, e_local, k = 272, 16, 6, 4
     d = make_dispatch_inputs(t, h, e_global, k, seed=13, device=DEVICE, skew=2.0)
     emap = make_expert_map(e_global, e_local, seed=4)
@@ -242,17 +249,8 @@ def test_public_quant_dispatch_masked_through_the_triton_kernel(monkeypatch, t):
     and the result is the reference's ``per_token_group_quant`` then ``dispatch_masked``, bit for bit;
     allocating and into given destinations (rows past ``masked_m`` untouched); no tokens."""
     import moe_fp8.ops
-    from moe_fp8 import backends
 
-    real_select, calls = backends.select, []
-
-    def select(op, device):
-        if op == "quant_dispatch_masked":
-            calls.append(op)
-            return "portable", dispatch.quant_dispatch_masked
-        return real_select(op, device)
-
-    monkeypatch.setattr(backends, "select", select)
+    calls = _select_triton_kernel(monkeypatch, "quant_dispatch_masked", dispatch.quant_dispatch_masked)
     h, e_global, e_local, k, max_m = 272, 16, 6, 4, 8  # partial last scale group, an expert map
     d = make_dispatch_inputs(t, h, e_global, k, seed=12, device=DEVICE, skew=2.0)
     emap = make_expert_map(e_global, e_local, seed=3)

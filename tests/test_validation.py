@@ -382,7 +382,7 @@ def quant_dispatch_args() -> dict:
                 max_m=4)
 
 
-@pytest.mark.parametrize("name,kwargs,exc,pattern", [
+QUANT_DISPATCH_REJECTS = [  # both quant_dispatch ops: the quantized input and the dispatch arguments
     ("x fp8", dict(x=torch.ones(4, 48).to(torch.float8_e4m3fn)), TypeError,
      r"x must be torch\.bfloat16 or torch\.float16 or torch\.float32, got torch\.float8_e4m3fn"),
     ("x 3-D", dict(x=torch.ones(1, 4, 48, dtype=BF16)), ValueError, r"x must be 2-D \[T, K\]"),
@@ -397,10 +397,15 @@ def quant_dispatch_args() -> dict:
     ("expert_map float", dict(expert_map=torch.zeros(8)), TypeError, r"expert_map must be torch\.int32 or torch\.int64"),
     ("expert_map device", dict(expert_map=torch.zeros(8, dtype=torch.int32, device=META)), ValueError,
      r"expert_map must be on the same device as x\b"),
-    ("max_m negative", dict(max_m=-1), ValueError, r"max_m must be >= 0, got -1"),
-    ("max_m float", dict(max_m=4.0), TypeError, r"max_m must be an int"),
     ("ue8m0 int", dict(ue8m0=1), TypeError, r"ue8m0 must be a bool"),
     ("eps zero", dict(eps=0.0), ValueError, r"eps must be > 0"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,exc,pattern", [
+    *QUANT_DISPATCH_REJECTS,
+    ("max_m negative", dict(max_m=-1), ValueError, r"max_m must be >= 0, got -1"),
+    ("max_m float", dict(max_m=4.0), TypeError, r"max_m must be an int"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_quant_dispatch_masked_rejects(name, kwargs, exc, pattern):
     args = quant_dispatch_args()
@@ -408,6 +413,20 @@ def test_quant_dispatch_masked_rejects(name, kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         layers.quant_dispatch_masked(**args)
     assert moe_fp8.ops.quant_dispatch_masked is layers.quant_dispatch_masked
+
+
+@pytest.mark.parametrize("name,kwargs,exc,pattern", [
+    *QUANT_DISPATCH_REJECTS,
+    ("align_m zero", dict(align_m=0), ValueError, r"align_m must be >= 1, got 0"),
+    ("sync int", dict(sync=1), TypeError, r"sync must be a bool"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_quant_dispatch_contiguous_rejects(name, kwargs, exc, pattern):
+    args = quant_dispatch_args()
+    del args["max_m"]  # the contiguous layout has none
+    args.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        layers.quant_dispatch_contiguous(**args)
+    assert moe_fp8.ops.quant_dispatch_contiguous is layers.quant_dispatch_contiguous
 
 
 def test_dispatch_rejects_bad_sizes():

@@ -147,6 +147,17 @@ def quantize_exact(y, scale, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def quantize_groups(x, eps, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
+    """``(codes uint8, scales)`` of float32 ``x [segments, group]``, one scale per row (segment), exactly
+    as the reference's per-token-group quantization. Masked-off lanes must hold 0: they never raise
+    amax nor flag NaN."""
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
+    return quantize_exact(x, scale[:, None], NATIVE), scale
+
+
+@triton.jit
 def sort_key(v):
     """int32 key whose signed order is the order ``torch.sort`` uses for float32 ``v``.
 

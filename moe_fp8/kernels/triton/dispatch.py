@@ -57,8 +57,7 @@ from moe_fp8.kernels.triton.common import (
     check_launch_device,
     native_cvt,
     native_fp8,
-    quantize_exact,
-    scale_from_amax,
+    quantize_groups,
     to_bf16,
 )
 from moe_fp8.kernels.triton.configs import (
@@ -145,6 +144,20 @@ def _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, f, T, num_experts, num_globa
 
 
 @triton.jit
+def _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
+                     num_global, max_m, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+                     RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):
+    """The routing part of a fused masked-dispatch program: ranks its own pairs, writes their ``row_map``
+    (column block 0) and the ``masked_m`` slice its flat index owns; returns ``dest [BLOCK_T, K_P2]``."""
+    p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
+                                    TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
+    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))
+    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
+                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+    return dest
+
+
+@triton.jit
 def _dispatch_fused_kernel(
     x_ptr, xs_ptr, ids_ptr, map_ptr, out_ptr, out_s_ptr, row_map_ptr, masked_m_ptr,
     T, K, KG, num_experts, num_global, max_m, m_pad, xs_stride_t, xs_stride_g,
@@ -170,11 +183,8 @@ def _dispatch_fused_kernel(
     sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=t_ok[:, None] & g_ok[None, :])
 
     j = tl.arange(0, K_P2)
-    p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
-                                    TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
-    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
-    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
-                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+    dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
+                            num_global, max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, E_BLOCK, HAS_MAP)
 
     # ---- scatter: each kept pair's slice of the row and its scales ----
     for jj in tl.static_range(TOP_K):
@@ -217,17 +227,10 @@ def _quant_dispatch_fused_kernel(
     xv = tl.load(x_ptr + ts64[:, None] * K + col, mask=mask, other=0.0).to(tl.float32)
 
     j = tl.arange(0, K_P2)
-    p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
-                                    TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
-    tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))  # column block 0 writes it
-    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
-                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+    dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
+                            num_global, max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, E_BLOCK, HAS_MAP)
 
-    # ---- quantize (masked-off lanes hold 0: they never raise amax nor flag NaN) ----
-    amax = tl.max(tl.abs(xv), axis=1)
-    has_nan = tl.max((xv != xv).to(tl.int32), axis=1) > 0
-    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
-    code = quantize_exact(xv, scale[:, None], NATIVE_FP8)
+    code, scale = quantize_groups(xv, eps, UE8M0, NATIVE_FP8)  # masked-off lanes hold 0
     tl.store(xq_ptr + ts64[:, None] * K + col, code, mask=mask)
     tl.store(xqs_ptr + ts64 + g.to(tl.int64) * t_pad, scale, mask=seg_ok)
 

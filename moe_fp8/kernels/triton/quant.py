@@ -39,8 +39,7 @@ import triton.language as tl
 from moe_fp8.kernels.triton.common import (
     check_launch_device,
     native_fp8,
-    quantize_exact,
-    scale_from_amax,
+    quantize_groups,
 )
 from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, QUANT_FLAT_MAX_GROUPS, QuantConfig, quant_config
 from moe_fp8.utils import (
@@ -138,11 +137,7 @@ def _quant_tile(in_ptr, q_ptr, s_ptr, row, s_row, r_ok, kg, col, col_ok, N, in_r
     if SILU:
         u = tl.load(in_ptr + in_offs + N, mask=mask, other=0.0).to(tl.float32)
         x = _silu_mul(x, u, PRECISE)
-    # masked-off lanes hold 0 (or silu(0)·0 = 0): they never raise amax nor flag NaN
-    amax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
-    code = quantize_exact(x, scale[:, None], NATIVE_FP8)
+    code, scale = quantize_groups(x, eps, UE8M0, NATIVE_FP8)  # masked-off lanes hold 0 (or silu(0)·0 = 0)
     tl.store(q_ptr + row[:, None] * N + col, code, mask=mask)
     tl.store(s_ptr + s_row + kg.to(tl.int64) * m_pad, scale, mask=seg_ok)
 
