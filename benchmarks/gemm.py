@@ -91,7 +91,7 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, boo
         for bm, bn, mc, on_a, st in sweep or []:
             tag = f"{bm}x{bn}" + ("" if mc == 1 else "a" if on_a else "b")
             try:
-                c = make_config(bm, bn, get_num_sms(), num_stages=st, multicast=mc, multicast_on_a=on_a)
+                c = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a)
                 us = bench_us(lambda c=c, t=t, out=out: fp8_gemm_hopper(
                     t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out, config=c))
                 notes.append(f"  sweep {m}x{n}x{k} block {tag} s{c.num_stages}: {us:.1f} us "

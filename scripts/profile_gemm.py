@@ -28,7 +28,7 @@ out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 cfg = None
 if args.block:
     bm, bn, mc, on_a, st = parse_block(args.block)
-    cfg = make_config(bm, bn, get_num_sms(), num_stages=st, multicast=mc, multicast_on_a=on_a)
+    cfg = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a)
 x_scale_cm = x_scale.t().contiguous().t()
 for _ in range(args.iters):
     if args.impl == "ours":

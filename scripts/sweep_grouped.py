@@ -54,7 +54,7 @@ def main() -> None:
         line = [f"{shape}: heuristic {cfg.block_m}x{cfg.block_n}s{cfg.num_stages} {flops / us / 1e6:.0f} TF |"]
         for bm, bn, _multicast, _on_a, st in args.blocks:  # grouped layouts never multicast
             try:
-                c = make_config(bm, bn, sms, num_stages=st)
+                c = make_config(bm, bn, sms, k=k, num_stages=st)
                 line.append(f"{bm}x{bn}s{c.num_stages} {flops / bench_us(lambda c=c: fn(c)) / 1e6:.0f}")
             except Exception as e:  # record and go on: a sweep is calibration data
                 line.append(f"{bm}x{bn}: {type(e).__name__}")

@@ -62,7 +62,7 @@ def test_gemm_several_seeds(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("block_n", [16, 24, 56, 64, 96, 112, 128, 136, 144, 160, 192, 256])
 def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
-    cfg = make_config(block_m, block_n, get_num_sms())
+    cfg = make_config(block_m, block_n, get_num_sms(), k=1152)
     out, inp = _run(300, 2112, 1152, seed=block_n, config=cfg)
     _check(out, inp, 1152)
 
@@ -73,7 +73,7 @@ def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
                                                   (64, 112, False), (128, 160, False),
                                                   (128, 256, False), (64, 256, True), (128, 192, False)])
 def test_gemm_multicast(m: int, n: int, k: int, block_m: int, block_n: int, on_a: bool) -> None:
-    cfg = make_config(block_m, block_n, get_num_sms(), multicast=2, multicast_on_a=on_a)
+    cfg = make_config(block_m, block_n, get_num_sms(), k=k, multicast=2, multicast_on_a=on_a)
     out, inp = _run(m, n, k, seed=block_n + m, config=cfg)
     _check(out, inp, k)
 

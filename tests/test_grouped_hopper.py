@@ -49,7 +49,7 @@ def test_contiguous_block_shapes(block_m: int, block_n: int) -> None:
     inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n, device="cuda", num_empty=1)
     out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
     fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
-                                       config=make_config(block_m, block_n, get_num_sms()))
+                                       config=make_config(block_m, block_n, get_num_sms(), k=1024))
     torch.cuda.synchronize()
     _check_contiguous(inp, out)
 

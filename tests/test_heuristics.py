@@ -23,13 +23,13 @@ from moe_fp8.kernels.heuristics import (
 from moe_fp8.utils import get_align_m
 
 
-def _valid(cfg) -> None:
+def _valid(cfg, k: int) -> None:
     assert cfg.block_m in BLOCK_MS
     assert cfg.block_n in BLOCK_NS
     assert straddle_ok(cfg.block_n)
-    full = max_stages(cfg.block_m, cfg.block_n)
+    full = max_stages(cfg.block_m, cfg.block_n, k)
     assert 2 <= cfg.num_stages == (min(TWO_WG_STAGES, full) if cfg.block_m == 128 else full)
-    assert cfg.smem_bytes == smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages) <= MAX_SMEM_BYTES
+    assert cfg.smem_bytes == smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k) <= MAX_SMEM_BYTES
     assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
 
 
@@ -41,7 +41,7 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
     desc = GemmDesc(m, n, k, num_groups=groups if layout != "normal" else 1, layout=layout, num_sms=num_sms,
                     expected_m=max(1, m // 3) if layout == "masked" else None)
     cfg = get_config(desc)
-    _valid(cfg)
+    _valid(cfg, k)
     if layout == "contiguous":
         assert get_align_m() % cfg.block_m == 0, "a tile must not straddle two expert segments"
     if layout != "normal":
@@ -72,17 +72,17 @@ def test_large_m_fills_the_machine() -> None:
 
 def test_make_config_rejects_bad_blocks() -> None:
     with pytest.raises(ValueError, match="unsupported block"):
-        make_config(96, 128, 132)
+        make_config(96, 128, 132, k=7168)
     with pytest.raises(ValueError, match="unsupported block"):
-        make_config(128, 152, 132)  # would straddle three scale blocks
+        make_config(128, 152, 132, k=7168)  # would straddle three scale blocks
     with pytest.raises(ValueError, match="stages"):
-        make_config(128, 160, 132, num_stages=50)
+        make_config(128, 160, 132, k=7168, num_stages=50)
 
 
 def test_masked_hint_changes_speed_not_validity() -> None:
     """Any expected_m gives a config; the kernel itself handles every masked_m <= max_m."""
     for expected in (1, 8, 64, 256, 4096):
-        _valid(get_config(GemmDesc(4096, 4096, 7168, num_groups=4, layout="masked", expected_m=expected)))
+        _valid(get_config(GemmDesc(4096, 4096, 7168, num_groups=4, layout="masked", expected_m=expected)), 7168)
 
 
 def test_large_row_counts_share_bucketed_configs() -> None:

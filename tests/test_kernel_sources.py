@@ -18,13 +18,13 @@ from moe_fp8.kernels.tools import gen_wgmma
 COMPILERS = [c.name for c in find_compilers() if c.available]
 
 VARIANTS = [
-    ("normal", 7168, 16384, make_config(128, 128, 132)),
-    ("normal", 2112, 576, make_config(64, 136, 132)),  # ragged N and K, straddling scale blocks
-    ("contiguous", 4096, 7168, make_config(128, 160, 132)),
-    ("masked", 7168, 2048, make_config(64, 16, 132)),
+    ("normal", 7168, 16384, make_config(128, 128, 132, k=16384)),
+    ("normal", 2112, 576, make_config(64, 136, 132, k=576)),  # ragged N and K, straddling scale blocks
+    ("contiguous", 4096, 7168, make_config(128, 160, 132, k=7168)),
+    ("masked", 7168, 2048, make_config(64, 16, 132, k=2048)),
     ("normal", 24576, 1536, get_config(GemmDesc(4096, 24576, 1536))),
-    ("normal", 7168, 2048, make_config(128, 128, 132, multicast=2)),
-    ("normal", 2112, 7168, make_config(64, 24, 132, multicast=2, multicast_on_a=True)),
+    ("normal", 7168, 2048, make_config(128, 128, 132, k=2048, multicast=2)),
+    ("normal", 2112, 7168, make_config(64, 24, 132, k=7168, multicast=2, multicast_on_a=True)),
 ]
 
 
@@ -56,9 +56,9 @@ def test_host_smem_size_matches_kernel_layout(tmp_path) -> None:
     """The kernel static_asserts kSmemBytes >= its own layout size: the host formula passes, and
     16 bytes less fails — so both sides compute the same layout."""
     compiler = get_compiler(COMPILERS[0])
-    cfg = make_config(128, 112, 132)
+    cfg = make_config(128, 112, 132, k=2048)
     compiler.compile(generate_source("normal", 7168, 2048, cfg), "ok", [include_dir()], tmp_path / "ok")
-    short = dataclasses.replace(cfg, smem_bytes=smem_bytes(128, 112, cfg.num_stages) - 16)
+    short = dataclasses.replace(cfg, smem_bytes=smem_bytes(128, 112, cfg.num_stages, 2048) - 16)
     with pytest.raises(JitCompileError, match="shared-memory size disagrees"):
         compiler.compile(generate_source("normal", 7168, 2048, short), "short", [include_dir()], tmp_path / "bad")
 
@@ -70,7 +70,7 @@ def test_every_block_shape_is_spill_free(block_m, tmp_path) -> None:
 
     compiler = get_compiler(COMPILERS[-1])  # NVRTC when present: the faster of the two
     for bn in (bn for bn in BLOCK_NS if straddle_ok(bn)):
-        cfg = make_config(block_m, bn, 132)
+        cfg = make_config(block_m, bn, 132, k=2048)
         res = compiler.compile_ex(generate_source("normal", 7168, 2048, cfg), f"b{bn}", [include_dir()],
                                   tmp_path / str(bn))
         for fn in res.ptxas.values():

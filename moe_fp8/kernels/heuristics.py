@@ -94,11 +94,18 @@ def staging_tile_bytes(block_m: int, block_n: int) -> int:
     return block_m * (block_n * 2 + 16)
 
 
-def smem_bytes(block_m: int, block_n: int, num_stages: int) -> int:
+def w_scale_bytes(k: int) -> int:
+    """A tile's weight scales staged in shared memory: 2 buffers x 2 scale blocks x K blocks (rows
+    padded to 4 floats; mirrors GemmSmem::kSBBytes)."""
+    return 2 * 2 * align(ceil_div(k, BLOCK_K), 4) * 4
+
+
+def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
     """Dynamic shared memory of one variant (mirrors GemmSmem in impls/fp8_gemm.cuh, which
     static_asserts that the value passed here covers its layout)."""
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
-    return num_stages * per_stage + staging_tile_bytes(block_m, block_n) + 2 * num_stages * BARRIER_BYTES
+    return (num_stages * per_stage + staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
+            + 2 * num_stages * BARRIER_BYTES)
 
 
 def straddle_ok(block_n: int) -> bool:
@@ -106,8 +113,8 @@ def straddle_ok(block_n: int) -> bool:
     return block_n <= 128 + math.gcd(block_n, 128)
 
 
-def max_stages(block_m: int, block_n: int) -> int:
-    fixed = staging_tile_bytes(block_m, block_n)
+def max_stages(block_m: int, block_n: int, k: int) -> int:
+    fixed = staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4 + 2 * BARRIER_BYTES
     return (MAX_SMEM_BYTES - fixed) // per_stage
 
@@ -185,21 +192,23 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     return out
 
 
-def make_config(block_m: int, block_n: int, num_sms: int, num_stages: int | None = None, multicast: int = 1,
-                multicast_on_a: bool = False, swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
-    """A configuration for an explicit block shape (tests and benchmark sweeps); stages default to
-    as many as fit."""
+def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
+                multicast: int = 1, multicast_on_a: bool = False,
+                swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
+    """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
+    K (the staged weight scales take shared memory); stages default to as many as fit."""
     if (block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n)
             or (block_n > 160 and block_n not in WAVE_BLOCK_NS)):
         raise ValueError(f"unsupported block shape {block_m}x{block_n}")
     if multicast not in (1, 2) or (multicast == 2 and (block_m if multicast_on_a else block_n) % 16):
         raise ValueError(f"unsupported multicast {multicast} (on {'A' if multicast_on_a else 'B'}) "
                          f"for block {block_m}x{block_n}")
-    stages = max_stages(block_m, block_n) if num_stages is None else num_stages
-    if not 2 <= stages <= max_stages(block_m, block_n):
-        raise ValueError(f"block {block_m}x{block_n} fits 2..{max_stages(block_m, block_n)} stages, got {stages}")
+    most = max_stages(block_m, block_n, k)
+    stages = most if num_stages is None else num_stages
+    if not 2 <= stages <= most:
+        raise ValueError(f"block {block_m}x{block_n} at K={k} fits 2..{most} stages, got {stages}")
     return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
-                      num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages), multicast=multicast,
+                      num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
                       multicast_on_a=multicast_on_a and multicast > 1)
 
 
@@ -264,5 +273,5 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
-    stages = min(TWO_WG_STAGES, max_stages(bm, bn)) if bm == 128 else None
-    return make_config(bm, bn, desc.num_sms, num_stages=stages, multicast=mc, multicast_on_a=on_a)
+    stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
+    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a)

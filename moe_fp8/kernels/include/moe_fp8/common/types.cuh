@@ -27,6 +27,11 @@ __host__ __device__ constexpr T ceil_div(T a, T b) {
 }
 
 template <typename T>
+__host__ __device__ constexpr T align_up(T a, T b) {
+    return ceil_div(a, b) * b;
+}
+
+template <typename T>
 __host__ __device__ constexpr T constexpr_min(T a, T b) {
     return a < b ? a : b;
 }

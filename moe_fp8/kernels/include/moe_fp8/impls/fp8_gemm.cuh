@@ -3,8 +3,9 @@
 // Roles (warp specialisation): warpgroups 0 .. kNumMathWGs-1 run wgmma on 64-row slices of the
 // tile and promote each 128-K partial sum on CUDA cores (x_scale[row] · w_scale[n-block]); the last
 // warpgroup is the producer: one thread issues the TMA loads of A, B and A's scales into a
-// kNumStages ring (full / empty mbarriers), and its warps 1-3 copy each finished bf16 tile from
-// shared memory to global memory while the math warpgroups start the next tile. The grid is persistent; `Scheduler` decides the tile
+// kNumStages ring (full / empty mbarriers), and its warps 1-3 stage each tile's weight scales in
+// shared memory one tile ahead and copy each finished bf16 tile from shared memory to global memory
+// while the math warpgroups start the next tile. The grid is persistent; `Scheduler` decides the tile
 // order and which rows each tile may read and write (normal, contiguous-grouped, masked-grouped).
 #pragma once
 
@@ -24,20 +25,26 @@ constexpr uint32_t kWgmmaK = 32;   // K of one fp8 wgmma
 // tile is full (math -> store warps) / has been copied out (store warps -> math).
 constexpr uint32_t kBarStagingFull = 1;
 constexpr uint32_t kBarStagingEmpty = 2;
+// The store warps have staged a tile's weight scales (store warps -> math), one barrier per buffer.
+constexpr uint32_t kBarScalesFull = 3;  // and 4
 constexpr uint32_t kNumStoreThreads = 96;  // warps 1-3 of the producer warpgroup
 
 // Shared-memory layout of one kernel variant; the host passes the total it computed as
 // kSmemBytes and the kernel checks it covers this layout (one formula, checked on both sides).
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages>
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages, uint32_t SHAPE_K>
 struct GemmSmem {
     static constexpr uint32_t kABytes = BLOCK_M * kBlockK;  // fp8, 128-byte rows
     static constexpr uint32_t kBBytes = BLOCK_N * kBlockK;
     static constexpr uint32_t kSABytes = BLOCK_M * sizeof(float);
+    // a tile's weight scales: two 128-column blocks x every K block, double-buffered across tiles
+    static constexpr uint32_t kSBPitch = align_up(ceil_div(SHAPE_K, kBlockK), 4u);  // floats per row
+    static constexpr uint32_t kSBBytes = 2 * 2 * kSBPitch * sizeof(float);
     static constexpr uint32_t kA = 0;
     static constexpr uint32_t kB = kA + kNumStages * kABytes;
     static constexpr uint32_t kSA = kB + kNumStages * kBBytes;
     static constexpr uint32_t kD = kSA + kNumStages * kSABytes;
-    static constexpr uint32_t kBar = kD + epi::StagingTile<BLOCK_N>::template bytes<BLOCK_M>();
+    static constexpr uint32_t kSB = kD + epi::StagingTile<BLOCK_N>::template bytes<BLOCK_M>();
+    static constexpr uint32_t kBar = kSB + kSBBytes;
     static constexpr uint32_t kTotal = kBar + 2 * kNumStages * sizeof(uint64_t);
     static constexpr uint32_t kTxBytes = kABytes + kBBytes + kSABytes;
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "sw128 tiles must stay 1024-byte aligned");
@@ -48,6 +55,36 @@ struct GemmSmem {
 struct BlockScales {
     float a_top, a_bot, b_lo, b_hi;
 };
+
+// NOTE: the math warpgroups read two weight scales per 128-K block. Read from global memory (DRAM
+// latency, ~0.5 us, as a scale is first touched) they stalled every block at small M even when
+// loaded one block ahead: a 64-row tile's block of math is far shorter than that latency. So the
+// store warps, idle during the mainloop, copy a tile's scales into shared memory one tile ahead.
+// `dst` gets the tile's first 128-column scale block in row 0 and the next one in row 1, kPitch
+// floats apart; both clamped to the last block (a multicast partner tile past N, or the second wave
+// of N's last tile, reads it for columns that are never stored).
+template <uint32_t kNumKBlocks, uint32_t kNumNScales, uint32_t kPitch, uint32_t kNumThreads>
+__device__ __forceinline__ void stage_w_scales(float* dst, const float* w_scale, uint32_t group, uint32_t n0,
+                                               uint32_t thread_idx) {
+    const uint32_t sb0 = min(n0 / 128, kNumNScales - 1);
+    const float* lo = w_scale + (group * kNumNScales + sb0) * kNumKBlocks;
+    const float* hi = w_scale + (group * kNumNScales + min(sb0 + 1, kNumNScales - 1)) * kNumKBlocks;
+    constexpr uint32_t kUnroll = 4;  // loads in flight per thread before their stores
+#pragma unroll 1
+    for (uint32_t base = thread_idx; base < 2 * kNumKBlocks; base += kUnroll * kNumThreads) {
+        float v[kUnroll];
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            const uint32_t i = base + u * kNumThreads;
+            if (i < 2 * kNumKBlocks) v[u] = ptx::ldg_f32(i < kNumKBlocks ? lo + i : hi + (i - kNumKBlocks));
+        }
+#pragma unroll
+        for (uint32_t u = 0; u < kUnroll; ++u) {
+            const uint32_t i = base + u * kNumThreads;
+            if (i < 2 * kNumKBlocks) dst[i < kNumKBlocks ? i : kPitch + (i - kNumKBlocks)] = v[u];
+        }
+    }
+}
 
 // total += acc · x_scale[row] · w_scale[n-block], on the D-fragment layout of WgmmaFp8<BLOCK_N>;
 // tile columns below `split` take the first weight-scale block, the rest the next one.
@@ -111,9 +148,6 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr uint32_t kNumWaves = BLOCK_N / kWaveN;
     constexpr uint32_t kNumAccum = BLOCK_N / 2;      // running totals (the whole tile's D fragment)
     constexpr uint32_t kWaveAccum = kWaveN / 2;      // wgmma accumulators of one wave
-    // A wave may straddle two 128-wide B-scale blocks when it does not divide 128; three never
-    // happen while BLOCK_N <= 128 + gcd(BLOCK_N, 128) (the host filters other sizes).
-    constexpr bool kMayStraddle = 128 % kWaveN != 0;
     constexpr uint32_t kMulticast = Scheduler::kMulticast;  // CTAs per cluster sharing one operand
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
@@ -126,7 +160,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
     // The 80 left for addresses, scales and loop state is measured too: at 72, 64x104 spilled one.
     constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
-    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages>;
+    using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, SHAPE_K>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
     static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8, tiles up to 256");
     static_assert(BLOCK_N <= 128 + constexpr_gcd(BLOCK_N, 128u), "a tile may touch at most two B-scale blocks");
@@ -137,6 +171,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     uint8_t* smem_a = smem + Smem::kA;
     uint8_t* smem_b = smem + Smem::kB;
     float* smem_sa = reinterpret_cast<float*>(smem + Smem::kSA);
+    float* smem_sb = reinterpret_cast<float*>(smem + Smem::kSB);  // [2 buffers][2 scale blocks][kSBPitch]
     uint8_t* smem_d = smem + Smem::kD;
     uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Smem::kBar);
     uint64_t* empty_bar = full_bar + kNumStages;
@@ -165,8 +200,23 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         if (threadIdx.x % 128 >= 32) {
             // ---- store warps: copy each staged tile out (same tile sequence as the math warpgroups) ----
             const uint32_t store_idx = threadIdx.x % 128 - 32;
+            // a second scheduler walks one tile ahead: the weight scales of tile t + 1 are staged
+            // while the math warpgroups run tile t (buffer (t + 1) % 2, free since tile t - 1 ended)
+            Scheduler ahead = scheduler;
+            sched::Tile next_tile;
+            uint32_t scale_buf = 0;
+            auto stage_next_scales = [&]() {
+                if (!ahead.next(next_tile)) return;
+                stage_w_scales<kNumKBlocks, kNumNScales, Smem::kSBPitch, kNumStoreThreads>(
+                    smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, next_tile.n_block * BLOCK_N,
+                    store_idx);
+                ptx::named_barrier_arrive(kBarScalesFull + scale_buf, kNumStagingThreads);
+                scale_buf ^= 1;
+            };
+            stage_next_scales();
             ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);  // the staging tile starts empty
             while (scheduler.next(tile)) {
+                stage_next_scales();
                 ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
                 epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                              tile.n_block * BLOCK_N, store_idx);
@@ -220,42 +270,29 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     float total[kNumAccum];
     uint32_t stage = 0, phase = 0;  // next slot to issue from (continues across tiles)
     uint32_t release_stage = 0;     // next slot to hand back (retired in issue order)
+    uint32_t scale_buf = 0;         // the store warps' weight-scale buffer of this tile
     // stage 0's descriptors; a stage's are these plus its byte offset / 16 (keeps the loop short)
     const uint64_t desc_a0 = mma::make_desc_k_major_sw128(smem_a + warpgroup * 64 * kBlockK);
     const uint64_t desc_b0 = mma::make_desc_k_major_sw128(smem_b);
 
     while (scheduler.next(tile)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
-        // The tile's first weight-scale block, and the second one: a straddling wave's upper columns
-        // or the second wave's. Both clamped: a multicast partner tile past N, or N's last tile whose
-        // second wave lies past N, reads the last block (those columns are never stored).
-        const uint32_t sb0 = min(n0 / 128, kNumNScales - 1);
-        const float* tile_w_scale = w_scale + (tile.group * kNumNScales + sb0) * kNumKBlocks;
-        const float* tile_w_scale_hi =
-            w_scale + (tile.group * kNumNScales + min(sb0 + 1, kNumNScales - 1)) * kNumKBlocks;
-        const uint32_t split = kMayStraddle ? 128 - n0 % 128 : BLOCK_N;
-        const bool two_blocks = kNumWaves == 2 || (kMayStraddle && split < BLOCK_N);
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) total[i] = 0.0f;
 
-        // NOTE: B scales come from global memory (tiny, L2-resident, but ~600 cycles away). A load
-        // consumed in the same iteration stalled every 128-K block by that latency (~460 ns/block
-        // measured, even with the wgmmas removed), so each block's B scales are loaded one block
-        // earlier; only the first block of a tile waits.
+        // The tile's weight scales, staged by the store warps: row 0 holds its first scale block,
+        // row 1 the next (a straddling wave's upper columns or the second wave's).
+        const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
+        ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
+        scale_buf ^= 1;
         // k-block of the i-th issue (the producer walks K in the same order)
         auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
-        float b_lo_next = ptx::ldg_f32(tile_w_scale + k_block(0));
-        float b_hi_next = two_blocks ? ptx::ldg_f32(tile_w_scale_hi + k_block(0)) : b_lo_next;
 
         // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
         auto acquire = [&](uint32_t i, BlockScales& sc) {
-            sc.b_lo = b_lo_next;
-            sc.b_hi = b_hi_next;
-            if (i + 1 < kNumKBlocks) {
-                const uint32_t kb_next = k_block(i + 1);
-                b_lo_next = ptx::ldg_f32(tile_w_scale + kb_next);
-                b_hi_next = two_blocks ? ptx::ldg_f32(tile_w_scale_hi + kb_next) : b_lo_next;
-            }
+            const uint32_t kb = k_block(i);
+            sc.b_lo = ptx::ld_shared_f32(tile_w_scale + kb);
+            sc.b_hi = ptx::ld_shared_f32(tile_w_scale + Smem::kSBPitch + kb);
             ptx::mbar_wait(&full_bar[stage], phase);
             sc.a_top = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row);
             sc.a_bot = ptx::ld_shared_f32(smem_sa + stage * BLOCK_M + frag_row + 8);
