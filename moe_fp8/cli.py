@@ -338,6 +338,15 @@ def format_info(info: dict[str, Any]) -> str:
     lines: list[str] = []
     add = lines.append
 
+    def section(title: str, data: dict[str, Any]) -> bool:
+        """Start a section; False (after an 'unavailable' line) when collecting it failed."""
+        add("")
+        add(title)
+        if data.get("error"):
+            add(f"  unavailable: {data['error']}")
+            return False
+        return True
+
     pkg, py, tch, tri, cb = (info[k] for k in ("moe_fp8", "python", "torch", "triton", "cuda_bindings"))
     commit = f", commit {pkg['commit']}" if pkg.get("commit") else ""
     versions = {
@@ -357,21 +366,13 @@ def format_info(info: dict[str, Any]) -> str:
         add(f"  {name:<18} {text}")
 
     system = info.get("system") or {}
-    add("")
-    add("System")
-    if system.get("error"):
-        add(f"  unavailable: {system['error']}")
-    else:
+    if section("System", system):
         add(f"  os                 {system.get('platform')}")
         add(f"  cpu                {system.get('machine')}, {system.get('cpus')} cores"
             + (f", {system['libc']}" if system.get("libc") else ""))
 
     gpus = info["gpus"]
-    add("")
-    add("GPUs")
-    if gpus.get("error"):
-        add(f"  unavailable: {gpus['error']}")
-    else:
+    if section("GPUs", gpus):
         add(f"  driver         {cb.get('driver_version') or 'unavailable: {}'.format(cb.get('error'))}")
         if gpus.get("reason"):
             add(f"  no CUDA GPU visible: {gpus['reason']}")
@@ -382,47 +383,32 @@ def format_info(info: dict[str, Any]) -> str:
             add(f"  torch archs    {' '.join(tch['arch_list'])}")
 
     comp = info["jit_compilers"]
-    add("")
-    add("JIT compilers")
-    if comp.get("error"):
-        add(f"  unavailable: {comp['error']}")
-    elif not comp.get("compilers"):
-        add("  none found")
-    else:
-        width = max(len(c["version"] or "-") for c in comp["compilers"])
-        for c in comp["compilers"]:
+    if section("JIT compilers", comp):
+        compilers = comp.get("compilers") or []
+        if not compilers:
+            add("  none found")
+        width = max((len(c["version"] or "-") for c in compilers), default=1)
+        for c in compilers:
             state = "available" if c["available"] else f"not available: {c['reason']}"
             add(f"  {c['name']:<10} {c['version'] or '-':<{width}}  {state}")
-        if "selected" in comp:
+        if compilers and "selected" in comp:
             add(f"  selected   {comp['selected'] or 'none: ' + str(comp.get('selected_error'))}")
 
     cache = info["cache"]
-    add("")
-    add("JIT cache")
-    if cache.get("error"):
-        add(f"  unavailable: {cache['error']}")
-    else:
+    if section("JIT cache", cache):
         add(f"  dir            {cache['dir']}" + ("" if cache.get("writable", True) else "  (NOT WRITABLE)"))
         add(f"  entries        {cache['entries']} ({_fmt_bytes(cache['bytes'])})")
         if cache.get("failed"):
             add(f"  failed         {cache['failed']} (sources and logs in {Path(cache['dir']) / 'failed'})")
 
     be = info["backends"]
-    add("")
-    add("Backends")
-    if be.get("error"):
-        add(f"  unavailable: {be['error']}")
-    else:
+    if section("Backends", be):
         for name, b in be["backends"].items():
             state = "available" if b["available"] else "not available"
             add(f"  {name:<10} {state}" + (f": {b['reason']}" if b["reason"] else ""))
 
     ops = info.get("ops") or {}
-    add("")
-    add(f"Ops (device {ops.get('device', '?')})")
-    if ops.get("error"):
-        add(f"  unavailable: {ops['error']}")
-    else:
+    if section(f"Ops (device {ops.get('device', '?')})", ops):
         for op, o in ops.get("ops", {}).items():
             add(f"  {op:<32} {o['backend'] or 'error: ' + str(o['error'])}")
 

@@ -8,12 +8,13 @@ Used by tests to check that a kernel really issues what it should (``QGMMA`` for
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+
+from .jit.compiler import nvidia_wheel_dirs
 
 
 class SassToolNotFoundError(RuntimeError):
@@ -21,17 +22,8 @@ class SassToolNotFoundError(RuntimeError):
 
 
 def _wheel_bins(tool: str) -> list[Path]:
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    found = []
-    for loc in spec.submodule_search_locations:
-        # cu13 wheels: nvidia/cu13/bin/<tool>; cu12 wheels: nvidia/cuda_<tool>/bin/<tool>
-        found.extend(sorted(Path(loc).glob(f"*/bin/{tool}")))
-    return found
+    # cu13 wheels: nvidia/cu13/bin/<tool>; cu12 wheels: nvidia/cuda_<tool>/bin/<tool>
+    return [d / tool for d in nvidia_wheel_dirs("bin") if (d / tool).is_file()]
 
 
 def _find_tool(tool: str) -> str | None:

@@ -257,7 +257,7 @@ def toolkit_include_dirs() -> list[Path]:
     nvcc, _ = _find_nvcc()
     if nvcc is not None:
         cands.append(nvcc.resolve().parent.parent / "include")
-    cands.extend(_wheel_dirs("include"))
+    cands.extend(nvidia_wheel_dirs("include"))
     for inc in cands:
         if (inc / "cuda_bf16.h").is_file():
             dirs = [inc.resolve()]
@@ -267,7 +267,7 @@ def toolkit_include_dirs() -> list[Path]:
     return []
 
 
-def _wheel_dirs(sub: str) -> list[Path]:
+def nvidia_wheel_dirs(sub: str) -> list[Path]:
     """``nvidia/<pkg>/<sub>`` folders of the installed NVIDIA PyPI wheels (cu13 layout and older)."""
     try:
         import importlib.util
