@@ -35,6 +35,18 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_
         : "memory");
 }
 
+// Arrive on CTA `cta_id`'s barrier at the same offset, publishing this thread's prior shared-memory
+// writes to the whole cluster (a cluster-scope release: for data peers read through DSMEM, once per
+// tile, unlike the per-stage arrivals above). Pairs with mbar_wait_cluster.
+__device__ __forceinline__ void mbar_arrive_cluster_release(uint64_t* bar, uint32_t cta_id) {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+        "r"(cta_id)
+        : "memory");
+}
+
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
@@ -46,6 +58,18 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
         "{\n.reg .pred done;\n"
         "LAB_WAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(phase)
+        : "memory");
+}
+
+// mbar_wait with a cluster-scope acquire: peers' writes released by mbar_arrive_cluster_release
+// are visible afterwards.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, uint32_t phase) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "LAB_WAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)),
         "r"(phase)
         : "memory");
