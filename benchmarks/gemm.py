@@ -93,6 +93,7 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[Block] | None = None,
                 continue
             rows.append(row("gemm", shape, impl, us, flops, nbytes))
         mc = "" if cfg.multicast == 1 else f", multicast {'A' if cfg.multicast_on_a else 'B'}"
+        mc += "" if cfg.split_k == 1 else f", K split over {cfg.split_k} CTAs"
         note = f"{m}x{n}x{k}: config block {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} stages{mc}"
         if (m, n, k) in DEEPGEMM_GEMM_TFLOPS:
             ours = next(r for r in rows[::-1] if r["impl"] == "moe_fp8" and r["shape"] == shape)
