@@ -26,8 +26,8 @@ __device__ __forceinline__ void reduce_split_k(float* partial, uint64_t* reduce_
 #pragma unroll
     for (uint32_t i = 0; i < kNumAccum; ++i) ptx::st_shared_f32(partial + i * kNumMathThreads + t, total[i]);
 #pragma unroll
-    for (uint32_t p = 0; p < kSplitK; ++p) ptx::mbar_arrive_cluster_release(reduce_bar, p);
-    ptx::mbar_wait_cluster(reduce_bar, 0);
+    for (uint32_t p = 0; p < kSplitK; ++p) ptx::mbar_arrive_cluster<true>(reduce_bar, p);
+    ptx::mbar_wait<true>(reduce_bar, 0);
 
     const uint32_t chunk0 = ptx::cluster_cta_rank() * kChunks;
     uint32_t peer[kSplitK];
