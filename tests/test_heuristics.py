@@ -77,6 +77,14 @@ def test_make_config_rejects_bad_blocks() -> None:
         make_config(128, 152, 132, k=7168)  # would straddle three scale blocks
     with pytest.raises(ValueError, match="stages"):
         make_config(128, 160, 132, k=7168, num_stages=50)
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 48, 132, k=7168, split_k=4)  # 6 column chunks do not split 4 ways
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=256, split_k=4)  # 2 K blocks
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=7168, split_k=2, multicast=2)
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=7168, split_k=3)
 
 
 def test_masked_hint_changes_speed_not_validity() -> None:

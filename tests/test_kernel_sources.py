@@ -25,6 +25,8 @@ VARIANTS = [
     ("normal", 24576, 1536, get_config(GemmDesc(4096, 24576, 1536))),
     ("normal", 7168, 2048, make_config(128, 128, 132, k=2048, multicast=2)),
     ("normal", 2112, 7168, make_config(64, 24, 132, k=7168, multicast=2, multicast_on_a=True)),
+    ("normal", 4096, 7168, make_config(64, 128, 132, k=7168, split_k=4)),
+    ("normal", 7168, 2048, make_config(128, 256, 132, k=2048, split_k=2)),
 ]
 
 

@@ -24,7 +24,7 @@ __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::fp8_gemm_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
         /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes},
-        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{multicast_args}>>;
+        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{cluster_args}>>;
 }}
 """
 
@@ -37,11 +37,13 @@ SCHEDULERS: dict[Layout, str] = {
 
 def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
     """The tiny generated .cu of one variant (named fields from the config, nothing positional)."""
-    if cfg.multicast > 1 and layout != "normal":
-        raise ValueError(f"multicast is only implemented for the normal layout, not {layout}")
-    multicast_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
-                      if cfg.multicast > 1 else "")
-    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], multicast_args=multicast_args, **{
+    if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
+        raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
+    cluster_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
+                      if cfg.multicast > 1 or cfg.split_k > 1 else "")
+    if cfg.split_k > 1:
+        cluster_args += f", /*kSplitK=*/{cfg.split_k}"
+    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], cluster_args=cluster_args, **{
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
@@ -58,7 +60,8 @@ def _source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
 def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
     """Cache-entry name of one variant (readable; the cache key hashes the full source anyway)."""
     mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
-    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
+    sk = f"_sk{cfg.split_k}" if cfg.split_k > 1 else ""
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}"
 
 
 def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:
@@ -110,8 +113,11 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     )
     # masked: an upper bound (the device-side counts may skip tiles)
     tiles = num_tiles(desc, cfg.block_m, cfg.block_n, cfg.multicast, cfg.multicast_on_a)
-    grid = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles))
-    return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cfg.multicast, 1, 1), tmaps, cfg
+    if cfg.split_k > 1:  # one cluster of split_k CTAs per tile, not persistent
+        grid, cluster = tiles * cfg.split_k, cfg.split_k
+    else:
+        grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles)), cfg.multicast
+    return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,

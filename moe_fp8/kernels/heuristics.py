@@ -52,6 +52,9 @@ TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
 BLOCK_NS = (*range(16, 161, 8), 192, 256)  # 192 / 256: two 96 / 128-column waves per smem stage
 WAVE_BLOCK_NS = (192, 256)
+SPLIT_KS = (1, 2, 4)
+# Split-K's DSMEM reduction and cluster barrier per tile (an estimate, not yet measured on a GPU).
+SPLIT_K_REDUCE_NS = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class GemmConfig:
     smem_bytes: int
     multicast: int = 1  # CTAs per cluster sharing one TMA load (normal layout only)
     multicast_on_a: bool = False  # share A (same m-block, n-block pair) instead of B
+    split_k: int = 1  # CTAs per cluster splitting one tile's K, reduced through DSMEM (normal layout only)
 
     @property
     def num_math_threads(self) -> int:
@@ -105,7 +109,7 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
     static_asserts that the value passed here covers its layout)."""
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
     return (num_stages * per_stage + staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
-            + 2 * num_stages * BARRIER_BYTES)
+            + (2 * num_stages + 1) * BARRIER_BYTES)
 
 
 def straddle_ok(block_n: int) -> bool:
@@ -114,7 +118,7 @@ def straddle_ok(block_n: int) -> bool:
 
 
 def max_stages(block_m: int, block_n: int, k: int) -> int:
-    fixed = staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
+    fixed = staging_tile_bytes(block_m, block_n) + w_scale_bytes(k) + BARRIER_BYTES
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4 + 2 * BARRIER_BYTES
     return (MAX_SMEM_BYTES - fixed) // per_stage
 
@@ -135,7 +139,7 @@ def num_tiles(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1, on
 
 
 def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
-                on_a: bool = False) -> tuple[float, int]:
+                on_a: bool = False, split_k: int = 1) -> tuple[float, int]:
     """Model time and tile count of one candidate (see the module docstring)."""
     if desc.layout == "masked" and desc.expected_m:
         # spread in whole m-blocks, so the choice depends on rows only via ceil(rows / block_m)
@@ -144,37 +148,43 @@ def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
         runs = [_estimate_ns(dataclasses.replace(desc, expected_m=block_m * max(1, math.ceil(f * m_blocks))),
                              block_m, block_n, multicast, on_a) for f in MASKED_SPREAD]
         return sum(ns for ns, _ in runs) / len(runs), num_tiles(desc, block_m, block_n, multicast, on_a)
-    return _estimate_ns(desc, block_m, block_n, multicast, on_a)
+    return _estimate_ns(desc, block_m, block_n, multicast, on_a, split_k)
 
 
 def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
-                 on_a: bool = False) -> tuple[float, int]:
+                 on_a: bool = False, split_k: int = 1) -> tuple[float, int]:
     tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     m_blocks = ceil_div(_rows_per_group(desc), block_m)
-    k_blocks = ceil_div(desc.k, BLOCK_K)
+    k_blocks = ceil_div(ceil_div(desc.k, BLOCK_K), split_k)  # the largest share
     k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n), MMA_NS_PER_ELEM * block_m * block_n)
     if block_m == 64 and 128 % block_n and block_n % 128:
         k_block_ns += STRADDLE_NS * (1 if math.gcd(block_n, 128) >= 16 else 2)
 
     def wave_ns(active: int) -> float:
-        band = min(m_blocks, SWIZZLE_GROUP_M, active)
-        dram_ns = (band * block_m + ceil_div(active, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
-        shared_a_ns = active / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
-        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS
+        # split-K: the CTAs of one split read one K slice; the split_k slices are distinct bytes
+        per_split = ceil_div(active, split_k)
+        band = min(m_blocks, SWIZZLE_GROUP_M, per_split)
+        dram_ns = split_k * (band * block_m + ceil_div(per_split, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
+        shared_a_ns = per_split / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
+        reduce_ns = SPLIT_K_REDUCE_NS if split_k > 1 else 0.0
+        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS + reduce_ns
 
-    full, last = divmod(max(tiles, 1), desc.num_sms)
+    full, last = divmod(max(tiles * split_k, 1), desc.num_sms)
     return full * wave_ns(desc.num_sms) + (wave_ns(last) if last else 0.0), tiles
 
 
-def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
-    """(block_m, block_n, multicast, multicast_on_a) valid for the descriptor; rejected ones, and why:
+def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
+    """(block_m, block_n, multicast, multicast_on_a, split_k) valid for the descriptor; rejected ones,
+    and why:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
-    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it).
+    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
+    - split-K only for the normal layout, only where the unsplit tiles leave SMs idle (under one
+      wave), with whole 8-column chunks per split and at least two K blocks per split.
     """
     rows = _rows_per_group(desc)
     out = []
@@ -188,12 +198,15 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
                 continue
             if bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS:
                 continue
-            out.append((bm, bn, 1, False))
+            out.append((bm, bn, 1, False, 1))
+            if desc.layout == "normal" and num_tiles(desc, bm, bn) < desc.num_sms:
+                out.extend((bm, bn, 1, False, sk) for sk in SPLIT_KS[1:]
+                           if bn % (8 * sk) == 0 and ceil_div(desc.k, BLOCK_K) >= 2 * sk)
     return out
 
 
 def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
-                multicast: int = 1, multicast_on_a: bool = False,
+                multicast: int = 1, multicast_on_a: bool = False, split_k: int = 1,
                 swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
     K (the staged weight scales take shared memory); stages default to as many as fit."""
@@ -203,13 +216,16 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     if multicast not in (1, 2) or (multicast == 2 and (block_m if multicast_on_a else block_n) % 16):
         raise ValueError(f"unsupported multicast {multicast} (on {'A' if multicast_on_a else 'B'}) "
                          f"for block {block_m}x{block_n}")
+    if split_k not in SPLIT_KS or (split_k > 1 and (multicast > 1 or block_n % (8 * split_k)
+                                                    or ceil_div(k, BLOCK_K) < split_k)):
+        raise ValueError(f"unsupported split-K {split_k} for block {block_m}x{block_n}, K={k}, multicast {multicast}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
     if not 2 <= stages <= most:
         raise ValueError(f"block {block_m}x{block_n} at K={k} fits 2..{most} stages, got {stages}")
     return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
-                      multicast_on_a=multicast_on_a and multicast > 1)
+                      multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k)
 
 
 def representative_rows(max_rows: int) -> list[int]:
@@ -267,11 +283,12 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
     best = None
     for cand in candidates(desc):
         ns, tiles = estimate_ns(desc, *cand)
-        key = (round(ns, 3), tiles, -cand[1], cand[2])
+        key = (round(ns, 3), tiles, -cand[1], cand[2], cand[4])
         if best is None or key < best[0]:
             best = (key, cand)
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
-    bm, bn, mc, on_a = best[1]
+    bm, bn, mc, on_a, sk = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
-    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a)
+    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
+                       split_k=sk)

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "../common/types.cuh"
+#include "../epilogue/split_k.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/wgmma.cuh"
 #include "../ptx/barrier.cuh"
@@ -45,7 +46,7 @@ struct GemmSmem {
     static constexpr uint32_t kD = kSA + kNumStages * kSABytes;
     static constexpr uint32_t kSB = kD + epi::StagingTile<BLOCK_N>::template bytes<BLOCK_M>();
     static constexpr uint32_t kBar = kSB + kSBBytes;
-    static constexpr uint32_t kTotal = kBar + 2 * kNumStages * sizeof(uint64_t);
+    static constexpr uint32_t kTotal = kBar + (2 * kNumStages + 1) * sizeof(uint64_t);  // + split-K's
     static constexpr uint32_t kTxBytes = kABytes + kBBytes + kSABytes;
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "sw128 tiles must stay 1024-byte aligned");
     static_assert(kSABytes % 128 == 0, "TMA destinations must be 128-byte aligned");
@@ -150,6 +151,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr uint32_t kWaveAccum = kWaveN / 2;      // wgmma accumulators of one wave
     constexpr uint32_t kMulticast = Scheduler::kMulticast;  // CTAs per cluster sharing one operand
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
+    constexpr uint32_t kSplitK = Scheduler::kSplitK;  // CTAs per cluster splitting one tile's K
+    constexpr bool kCluster = kMulticast > 1 || kSplitK > 1;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -166,6 +169,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     static_assert(BLOCK_N <= 128 + constexpr_gcd(BLOCK_N, 128u), "a tile may touch at most two B-scale blocks");
     static_assert(SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "16-byte rows for TMA and stores");
     static_assert(kSmemBytes >= Smem::kTotal, "host shared-memory size disagrees with the kernel layout");
+    static_assert(kSplitK == 1 || (kNumStages * (Smem::kABytes + Smem::kBBytes) >= BLOCK_M * BLOCK_N * sizeof(float) &&
+                                   BLOCK_N % (8 * kSplitK) == 0),
+                  "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -175,6 +181,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     uint8_t* smem_d = smem + Smem::kD;
     uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Smem::kBar);
     uint64_t* empty_bar = full_bar + kNumStages;
+    uint64_t* reduce_bar = empty_bar + kNumStages;  // split-K: every partial of the cluster is published
 
     const uint32_t warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -183,10 +190,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // with multicast a slot is refilled for both CTAs, so both CTAs' consumers release it
             ptx::mbar_init(&empty_bar[s], kNumMathThreads / 32 * kMulticast);
         }
+        ptx::mbar_init(reduce_bar, kSplitK * kNumMathThreads);
         ptx::fence_barrier_init();
     }
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
-    if constexpr (kMulticast > 1) ptx::cluster_sync(); else __syncthreads();
+    if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
 
     Scheduler scheduler(shape_m, grouped_layout, num_groups);
     sched::Tile tile;
@@ -218,8 +226,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 stage_next_scales();
                 ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
-                epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
-                                                                             tile.n_block * BLOCK_N, store_idx);
+                // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
+                constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
+                const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
+                epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
+                    smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
                 ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);
             }
         } else if (threadIdx.x % 128 == 0) {
@@ -233,11 +244,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+                const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;  // constants unless split-K
+                const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
                 // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
                 // unrolled loop spills (ptxas unrolls it by the stage count)
 #pragma unroll 1
-                for (uint32_t kb_iter = 0; kb_iter < kNumKBlocks; ++kb_iter) {
-                    const uint32_t kb = tile.k_reverse ? kNumKBlocks - 1 - kb_iter : kb_iter;
+                for (uint32_t kb_iter = 0; kb_iter < num_kb; ++kb_iter) {
+                    const uint32_t kb = kb0 + (tile.k_reverse ? num_kb - 1 - kb_iter : kb_iter);
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
                     ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
@@ -285,8 +298,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
         ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
         scale_buf ^= 1;
-        // k-block of the i-th issue (the producer walks K in the same order)
-        auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
+        // the tile's K blocks (a split's share with split-K); the i-th issue's block, as the producer walks them
+        const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;
+        const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
+        auto k_block = [&](uint32_t i) { return kb0 + (tile.k_reverse ? num_kb - 1 - i : i); };
 
         // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
         auto acquire = [&](uint32_t i, BlockScales& sc) {
@@ -365,16 +380,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 promote_wave(0, acc, sc);
             };
             issue(0, acc0, sc0);
-            for (uint32_t kb = 0; kb < kNumKBlocks; kb += 2) {
-                if (kb + 1 < kNumKBlocks) {
+            for (uint32_t kb = 0; kb < num_kb; kb += 2) {
+                if (kb + 1 < num_kb) {
                     issue(kb + 1, acc1, sc1);
                     mma::wgmma_wait<1>();
                 } else {
                     mma::wgmma_wait<0>();
                 }
                 retire(acc0, sc0);
-                if (kb + 1 < kNumKBlocks) {
-                    if (kb + 2 < kNumKBlocks) {
+                if (kb + 1 < num_kb) {
+                    if (kb + 2 < num_kb) {
                         issue(kb + 2, acc0, sc0);
                         mma::wgmma_wait<1>();
                     } else {
@@ -386,7 +401,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+            for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 acquire(kb, sc);
 #pragma unroll
                 for (uint32_t w = 0; w < kNumWaves; ++w) {
@@ -403,12 +418,19 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
         ptx::named_barrier_sync(kBarStagingEmpty, kNumStagingThreads);
-        epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
+        if constexpr (kSplitK > 1) {
+            // one tile per CTA: its stage buffers are drained and hold the partial sums
+            epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,
+                                                                  smem_d, warpgroup * 64);
+        } else {
+            epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
+        }
         ptx::named_barrier_arrive(kBarStagingFull, kNumStagingThreads);
     }
     }
-    // no CTA may exit while its peer can still multicast into it or arrive on its barriers
-    if constexpr (kMulticast > 1) ptx::cluster_sync();
+    // no CTA may exit while its peer can still multicast into it, arrive on its barriers or (split-K)
+    // read its partial sums
+    if constexpr (kCluster) ptx::cluster_sync();
 }
 
 }  // namespace moe_fp8
