@@ -65,6 +65,9 @@ class GemmDesc:
     layout: Layout = "normal"
     num_sms: int = 132
     expected_m: int | None = None  # masked only: rows per group the caller expects
+    # 1 / 2: the fused SiLU·mul + FP8 quant epilogue (FP32 / UE8M0 scales) on [gate; up] weights of
+    # n rows: 256-wide tiles only (a gate and an up block each)
+    act_quant: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +177,15 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
-    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it).
+    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
+    - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
     rows = _rows_per_group(desc)
     out = []
     for bm in BLOCK_MS:
         if bm == 128 and rows <= 64:
             continue
-        for bn in BLOCK_NS:
+        for bn in (256,) if desc.act_quant else BLOCK_NS:
             if not straddle_ok(bn):
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:

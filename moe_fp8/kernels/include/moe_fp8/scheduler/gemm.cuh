@@ -50,6 +50,7 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K
 struct NormalScheduler {
     static constexpr uint32_t kMulticast = kMulticast_;
     static constexpr bool kMulticastOnA = kMulticastOnA_;
+    static constexpr bool kGroupedScales = false;  // an output scale layout per group (masked)
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
     int32_t iter = -1;
@@ -87,6 +88,7 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K
 struct ContiguousScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
+    static constexpr bool kGroupedScales = false;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
     const int32_t* m_indices;
@@ -124,6 +126,7 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K
 struct MaskedScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
+    static constexpr bool kGroupedScales = true;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     const int32_t* masked_m;
