@@ -68,6 +68,9 @@ class GemmDesc:
     layout: Layout = "normal"
     num_sms: int = 132
     expected_m: int | None = None  # masked only: rows per group the caller expects
+    # 1 / 2: the fused SiLU·mul + FP8 quant epilogue (FP32 / UE8M0 scales) on [gate; up] weights of
+    # n rows: 256-wide tiles only (a gate and an up block each)
+    act_quant: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +187,15 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
     - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - split-K only for the normal layout, only where the unsplit tiles leave SMs idle (under one
-      wave), with whole 8-column chunks per split and at least two K blocks per split.
+      wave), with whole 8-column chunks per split and at least two K blocks per split;
+    - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
     rows = _rows_per_group(desc)
     out = []
     for bm in BLOCK_MS:
         if bm == 128 and rows <= 64:
             continue
-        for bn in BLOCK_NS:
+        for bn in (256,) if desc.act_quant else BLOCK_NS:
             if not straddle_ok(bn):
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
@@ -199,7 +203,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
             if bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS:
                 continue
             out.append((bm, bn, 1, False, 1))
-            if desc.layout == "normal" and num_tiles(desc, bm, bn) < desc.num_sms:
+            if desc.layout == "normal" and not desc.act_quant and num_tiles(desc, bm, bn) < desc.num_sms:
                 out.extend((bm, bn, 1, False, sk) for sk in SPLIT_KS[1:]
                            if bn % (8 * sk) == 0 and ceil_div(desc.k, BLOCK_K) >= 2 * sk)
     return out

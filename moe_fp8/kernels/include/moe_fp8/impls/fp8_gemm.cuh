@@ -10,6 +10,7 @@
 #pragma once
 
 #include "../common/types.cuh"
+#include "../epilogue/act_quant.cuh"
 #include "../epilogue/split_k.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/wgmma.cuh"
@@ -61,15 +62,13 @@ struct BlockScales {
 // latency, ~0.5 us, as a scale is first touched) they stalled every block at small M even when
 // loaded one block ahead: a 64-row tile's block of math is far shorter than that latency. So the
 // store warps, idle during the mainloop, copy a tile's scales into shared memory one tile ahead.
-// `dst` gets the tile's first 128-column scale block in row 0 and the next one in row 1, kPitch
-// floats apart; both clamped to the last block (a multicast partner tile past N, or the second wave
-// of N's last tile, reads it for columns that are never stored).
+// `dst` gets the scales of 128-row weight block sb0 (every K block) in row 0 and of block sb1 in row
+// 1, kPitch floats apart.
 template <uint32_t kNumKBlocks, uint32_t kNumNScales, uint32_t kPitch, uint32_t kNumThreads>
-__device__ __forceinline__ void stage_w_scales(float* dst, const float* w_scale, uint32_t group, uint32_t n0,
-                                               uint32_t thread_idx) {
-    const uint32_t sb0 = min(n0 / 128, kNumNScales - 1);
+__device__ __forceinline__ void stage_w_scales(float* dst, const float* w_scale, uint32_t group, uint32_t sb0,
+                                               uint32_t sb1, uint32_t thread_idx) {
     const float* lo = w_scale + (group * kNumNScales + sb0) * kNumKBlocks;
-    const float* hi = w_scale + (group * kNumNScales + min(sb0 + 1, kNumNScales - 1)) * kNumKBlocks;
+    const float* hi = w_scale + (group * kNumNScales + sb1) * kNumKBlocks;
     constexpr uint32_t kUnroll = 4;  // loads in flight per thread before their stores
 #pragma unroll 1
     for (uint32_t base = thread_idx; base < 2 * kNumKBlocks; base += kUnroll * kNumThreads) {
@@ -127,8 +126,12 @@ __device__ __forceinline__ void promote(float* total, const float* acc, const Bl
     }
 }
 
+// kActQuant: 0 = bf16 out[M, N]; 1 / 2 = the fused SiLU·mul + quantisation epilogue (FP32 / UE8M0
+// scales, epilogue/act_quant.cuh): `w` holds [gate; up] halves of N rows each per group, tile j
+// multiplies gate rows j*128.. and up rows N/2 + j*128.., and `out` gets FP8 act[M, N/2] with its
+// scales in `out_scale` (column-major, `out_scale_stride` rows per 128-column block).
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kSmemBytes, class Scheduler>
+          uint32_t kSmemBytes, uint32_t kActQuant, class Scheduler>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     fp8_gemm_kernel(const __grid_constant__ TmaDesc tmap_a,   // x_fp8 as [rows, K] fp8, box [BLOCK_M, 128]
                     const __grid_constant__ TmaDesc tmap_b,   // w as [groups * N, K] fp8, box [BLOCK_N, 128]
@@ -137,7 +140,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     uint16_t* __restrict__ out,               // bf16 [rows, N]
                     const int32_t* __restrict__ grouped_layout,  // m_indices / masked_m / unused
                     uint32_t shape_m,                          // rows of A (per group when masked)
-                    uint32_t num_groups) {
+                    uint32_t num_groups,
+                    float* __restrict__ out_scale,  // kActQuant only
+                    uint32_t out_scale_stride) {
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
@@ -172,6 +177,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     static_assert(kSplitK == 1 || (kNumStages * (Smem::kABytes + Smem::kBBytes) >= BLOCK_M * BLOCK_N * sizeof(float) &&
                                    BLOCK_N % (8 * kSplitK) == 0),
                   "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
+    static_assert(kActQuant == 0 || (BLOCK_N == 256 && SHAPE_N % 256 == 0 && !kCluster),
+                  "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -215,9 +222,14 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             uint32_t scale_buf = 0;
             auto stage_next_scales = [&]() {
                 if (!ahead.next(next_tile)) return;
+                // the tile's two weight-scale blocks: its gate and up blocks (kActQuant), or its first
+                // and next, both clamped to the last (a multicast partner tile past N, or the second
+                // wave of N's last tile, reads it for columns that are never stored)
+                const uint32_t j = next_tile.n_block;
+                const uint32_t sb0 = kActQuant ? j : min(j * BLOCK_N / 128, kNumNScales - 1);
+                const uint32_t sb1 = kActQuant ? kNumNScales / 2 + j : min(sb0 + 1, kNumNScales - 1);
                 stage_w_scales<kNumKBlocks, kNumNScales, Smem::kSBPitch, kNumStoreThreads>(
-                    smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, next_tile.n_block * BLOCK_N,
-                    store_idx);
+                    smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, sb0, sb1, store_idx);
                 ptx::named_barrier_arrive(kBarScalesFull + scale_buf, kNumStagingThreads);
                 scale_buf ^= 1;
             };
@@ -226,11 +238,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 stage_next_scales();
                 ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
-                // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
-                constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
-                const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
-                epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
-                    smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
+                if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
+                    epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
+                                                                              tile.n_block * 64, store_idx);
+                } else {
+                    // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
+                    constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
+                    const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
+                    epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
+                        smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
+                }
                 ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);
             }
         } else if (threadIdx.x % 128 == 0) {
@@ -266,6 +283,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     if constexpr (kMulticast > 1 && !kMulticastOnA) {
                         ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
                                                    b_row + rank * BLOCK_N / 2, 0b11);
+                    } else if constexpr (kActQuant) {  // gate block, then the matching up block
+                        const int32_t gate_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * 128);
+                        ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, gate_row);
+                        ptx::tma_load_2d(b_dst + Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
+                                         gate_row + static_cast<int32_t>(SHAPE_N / 2));
                     } else {
                         ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, b_row);
                     }
@@ -422,6 +444,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // one tile per CTA: its stage buffers are drained and hold the partial sums
             epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,
                                                                   smem_d, warpgroup * 64);
+        } else if constexpr (kActQuant) {
+            // scales of the tile's rows: group g's block j column of the [(G *) N/256, stride] layout
+            const uint32_t scale_group = Scheduler::kGroupedScales ? tile.group : 0;
+            float* row_scale = out_scale + static_cast<uint64_t>(scale_group * (SHAPE_N / 256) + tile.n_block) *
+                                               out_scale_stride + tile.scale_m0;
+            const uint32_t num_rows = tile.row_end > tile.row0 ? min(BLOCK_M, tile.row_end - tile.row0) : 0;
+            epi::silu_mul_quant_to_smem<kActQuant == 2>(smem_d, total, warpgroup * 64, row_scale, num_rows);
         } else {
             epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
         }

@@ -57,6 +57,10 @@ __device__ __forceinline__ void st_shared_f32(float* ptr, float v) {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "f"(v));
 }
 
+__device__ __forceinline__ void st_shared_u16(void* ptr, uint16_t v) {
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "h"(v));
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -56,6 +56,7 @@ struct NormalScheduler {
     static constexpr bool kMulticastOnA = kMulticastOnA_;
     static constexpr uint32_t kSplitK = kSplitK_;
     static_assert(kSplitK == 1 || kMulticast == 1, "a cluster either splits K or shares an operand");
+    static constexpr bool kGroupedScales = false;  // an output scale layout per group (masked)
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(kNumKBlocks >= kSplitK, "every split needs at least one K block");
@@ -112,6 +113,7 @@ struct ContiguousScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kSplitK = 1;
+    static constexpr bool kGroupedScales = false;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
@@ -153,6 +155,7 @@ struct MaskedScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kSplitK = 1;
+    static constexpr bool kGroupedScales = true;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     const int32_t* masked_m;
