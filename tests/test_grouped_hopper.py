@@ -150,8 +150,8 @@ def test_contiguous_silu_mul_quant(num_groups: int, expected_m: int, num_empty: 
     inp = make_contiguous_inputs(num_groups, expected_m, n, k, seed=num_groups + n, device="cuda",
                                  num_empty=num_empty)
     act, scale = _poisoned_act((inp.x_fp8.shape[0], n // 2))
-    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, act, scale,
-                                           m_indices=inp.m_indices, ue8m0=ue8m0)
+    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, None, 0,
+                                           ue8m0, act, scale)
     torch.cuda.synchronize()
     _check_act(inp, act, scale, inp.m_indices >= 0, ue8m0)
 
@@ -165,8 +165,8 @@ def test_masked_silu_mul_quant(num_groups: int, max_m: int, expected_m: int, num
 
     inp = make_masked_inputs(num_groups, max_m, expected_m, n, k, seed=n + max_m, device="cuda", num_empty=num_empty)
     act, scale = _poisoned_act((num_groups, max_m, n // 2), groups=num_groups)
-    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, act, scale,
-                                           masked_m=inp.masked_m, expected_m=expected_m, ue8m0=ue8m0)
+    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, None, inp.masked_m,
+                                           expected_m, ue8m0, act, scale)
     torch.cuda.synchronize()
     valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
     _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)

@@ -188,10 +188,10 @@ def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w
 
 
 def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
-                                           w13_scale: torch.Tensor, out_fp8: torch.Tensor, out_scale: torch.Tensor,
-                                           *, m_indices: torch.Tensor | None = None,
-                                           masked_m: torch.Tensor | None = None, expected_m: int | None = None,
-                                           ue8m0: bool = False, config: GemmConfig | None = None) -> None:
+                                           w13_scale: torch.Tensor, m_indices: torch.Tensor | None,
+                                           masked_m: torch.Tensor | None, expected_m: int, ue8m0: bool,
+                                           out_fp8: torch.Tensor, out_scale: torch.Tensor,
+                                           config: GemmConfig | None = None) -> None:
     """An expert's first GEMM with SiLU·mul + FP8 quantisation in its epilogue: with
     ``h = x @ w13[g]ᵀ`` in FP32 and ``w13 [G, 2I, K] = [gate; up]``, ``out_fp8 [..., I]`` /
     ``out_scale`` (TMA layout) get ``per_token_group_quant(silu(h[:, :I]) · h[:, I:])``; the bf16 ``h``
