@@ -52,9 +52,10 @@ TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
 BLOCK_NS = (*range(16, 161, 8), 192, 256)  # 192 / 256: two 96 / 128-column waves per smem stage
 WAVE_BLOCK_NS = (192, 256)
+# Split-K over a cluster: make_config builds it, the heuristic never picks it. On an H100 (session 7,
+# docs/kernels/gemm.md) no split beat the best unsplit tile by more than 2%, and a cost model that
+# offered it under one wave lost up to 41% (128x7168x2048 on 128x256k4).
 SPLIT_KS = (1, 2, 4)
-# Split-K's DSMEM reduction and cluster barrier per tile (an estimate, not yet measured on a GPU).
-SPLIT_K_REDUCE_NS = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ def num_tiles(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1, on
 
 
 def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
-                on_a: bool = False, split_k: int = 1) -> tuple[float, int]:
+                on_a: bool = False) -> tuple[float, int]:
     """Model time and tile count of one candidate (see the module docstring)."""
     if desc.layout == "masked" and desc.expected_m:
         # spread in whole m-blocks, so the choice depends on rows only via ceil(rows / block_m)
@@ -151,34 +152,30 @@ def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
         runs = [_estimate_ns(dataclasses.replace(desc, expected_m=block_m * max(1, math.ceil(f * m_blocks))),
                              block_m, block_n, multicast, on_a) for f in MASKED_SPREAD]
         return sum(ns for ns, _ in runs) / len(runs), num_tiles(desc, block_m, block_n, multicast, on_a)
-    return _estimate_ns(desc, block_m, block_n, multicast, on_a, split_k)
+    return _estimate_ns(desc, block_m, block_n, multicast, on_a)
 
 
 def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
-                 on_a: bool = False, split_k: int = 1) -> tuple[float, int]:
+                 on_a: bool = False) -> tuple[float, int]:
     tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     m_blocks = ceil_div(_rows_per_group(desc), block_m)
-    k_blocks = ceil_div(ceil_div(desc.k, BLOCK_K), split_k)  # the largest share
+    k_blocks = ceil_div(desc.k, BLOCK_K)
     k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n), MMA_NS_PER_ELEM * block_m * block_n)
     if block_m == 64 and 128 % block_n and block_n % 128:
         k_block_ns += STRADDLE_NS * (1 if math.gcd(block_n, 128) >= 16 else 2)
 
     def wave_ns(active: int) -> float:
-        # split-K: the CTAs of one split read one K slice; the split_k slices are distinct bytes
-        per_split = ceil_div(active, split_k)
-        band = min(m_blocks, SWIZZLE_GROUP_M, per_split)
-        dram_ns = split_k * (band * block_m + ceil_div(per_split, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
-        shared_a_ns = per_split / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
-        reduce_ns = SPLIT_K_REDUCE_NS if split_k > 1 else 0.0
-        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS + reduce_ns
+        band = min(m_blocks, SWIZZLE_GROUP_M, active)
+        dram_ns = (band * block_m + ceil_div(active, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
+        shared_a_ns = active / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
+        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS
 
-    full, last = divmod(max(tiles * split_k, 1), desc.num_sms)
+    full, last = divmod(max(tiles, 1), desc.num_sms)
     return full * wave_ns(desc.num_sms) + (wave_ns(last) if last else 0.0), tiles
 
 
-def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
-    """(block_m, block_n, multicast, multicast_on_a, split_k) valid for the descriptor; rejected ones,
-    and why:
+def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
+    """(block_m, block_n, multicast, multicast_on_a) valid for the descriptor; rejected ones, and why:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
@@ -186,8 +183,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
     - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
-    - split-K only for the normal layout, only where the unsplit tiles leave SMs idle (under one
-      wave), with whole 8-column chunks per split and at least two K blocks per split;
+    - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
     rows = _rows_per_group(desc)
@@ -202,10 +198,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool, int]]:
                 continue
             if bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS:
                 continue
-            out.append((bm, bn, 1, False, 1))
-            if desc.layout == "normal" and not desc.act_quant and num_tiles(desc, bm, bn) < desc.num_sms:
-                out.extend((bm, bn, 1, False, sk) for sk in SPLIT_KS[1:]
-                           if bn % (8 * sk) == 0 and ceil_div(desc.k, BLOCK_K) >= 2 * sk)
+            out.append((bm, bn, 1, False))
     return out
 
 
@@ -287,12 +280,11 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
     best = None
     for cand in candidates(desc):
         ns, tiles = estimate_ns(desc, *cand)
-        key = (round(ns, 3), tiles, -cand[1], cand[2], cand[4])
+        key = (round(ns, 3), tiles, -cand[1], cand[2])
         if best is None or key < best[0]:
             best = (key, cand)
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
-    bm, bn, mc, on_a, sk = best[1]
+    bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
-    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
-                       split_k=sk)
+    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a)
