@@ -4,7 +4,7 @@ and bf16 matmul, in one process, on the DeepSeek-V3 shape table (or given shapes
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,16 +42,26 @@ def _impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def parse_block(spec: str) -> tuple[int, int, int, bool, int | None]:
-    """'128x160' -> (128, 160, 1, False, None); suffix 'b' / 'a': 2-CTA multicast of B / A;
-    's4': 4 pipeline stages (default: the heuristic's)."""
+class Block(NamedTuple):
+    block_m: int
+    block_n: int
+    multicast: int
+    multicast_on_a: bool
+    num_stages: int | None  # None: as many as fit
+    split_k: int
+
+
+def parse_block(spec: str) -> Block:
+    """'128x160' -> Block(128, 160, 1, False, None, 1); suffix 'b' / 'a': 2-CTA multicast of B / A;
+    'k4': K split over a cluster of 4 CTAs; 's4': 4 pipeline stages (default: as many as fit)."""
     spec, _, stages = spec.lower().partition("s")
+    spec, _, split = spec.partition("k")
     on = spec[-1] if spec[-1] in "ab" else ""
     bm, bn = (int(v) for v in spec.rstrip("ab").split("x"))
-    return bm, bn, 2 if on else 1, on == "a", int(stages) if stages else None
+    return Block(bm, bn, 2 if on else 1, on == "a", int(stages) if stages else None, int(split) if split else 1)
 
 
-def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, bool, int | None]] | None = None,
+def run(shapes: list[tuple[int, int, int]], sweep: list[Block] | None = None,
         step: Step | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """Time every impl on every shape; returns JSON rows and notes (failures, sweep results).
     ``step(label)`` is called after each shape (progress)."""
@@ -83,15 +93,17 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[tuple[int, int, int, boo
                 continue
             rows.append(row("gemm", shape, impl, us, flops, nbytes))
         mc = "" if cfg.multicast == 1 else f", multicast {'A' if cfg.multicast_on_a else 'B'}"
+        mc += "" if cfg.split_k == 1 else f", K split over {cfg.split_k} CTAs"
         note = f"{m}x{n}x{k}: config block {cfg.block_m}x{cfg.block_n}, {cfg.num_stages} stages{mc}"
         if (m, n, k) in DEEPGEMM_GEMM_TFLOPS:
             ours = next(r for r in rows[::-1] if r["impl"] == "moe_fp8" and r["shape"] == shape)
             note += f"; DeepGEMM {DEEPGEMM_GEMM_TFLOPS[(m, n, k)]} TF, ours {ours['tflops']} TF"
         notes.append(note)
-        for bm, bn, mc, on_a, st in sweep or []:
-            tag = f"{bm}x{bn}" + ("" if mc == 1 else "a" if on_a else "b")
+        for bm, bn, mc, on_a, st, sk in sweep or []:
+            tag = f"{bm}x{bn}" + ("" if mc == 1 else "a" if on_a else "b") + ("" if sk == 1 else f"k{sk}")
             try:
-                c = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a)
+                c = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a,
+                                split_k=sk)
                 us = bench_us(lambda c=c, t=t, out=out: fp8_gemm_hopper(
                     t["x_fp8"], t["x_scale"], t["w_fp8"], t["w_scale"], out, config=c))
                 notes.append(f"  sweep {m}x{n}x{k} block {tag} s{c.num_stages}: {us:.1f} us "
@@ -112,8 +124,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sweep", nargs="+", default=[], type=parse_block, metavar="BMxBN[a|b][sS]",
-                   help="block shapes to time as well: BMxBN, suffix a/b for 2-CTA multicast of A/B, sS stages")
+    p.add_argument("--sweep", nargs="+", default=[], type=parse_block, metavar="BMxBN[a|b][kK][sS]",
+                   help="block shapes to time as well: BMxBN, suffix a/b for 2-CTA multicast of A/B, "
+                        "kK to split K over K CTAs, sS stages")
 
 
 def _run(shapes: list[tuple[int, ...]], args: argparse.Namespace, step: Step) -> tuple[list[dict[str, Any]], list[str]]:

@@ -5,6 +5,8 @@ Public API (DESIGN §3)::
     moe_fp8.fp8_gemm(x_fp8, x_scale, w, w_scale, out=None) -> out
     moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out=None) -> out
     moe_fp8.fp8_grouped_gemm_masked(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out=None) -> out
+    moe_fp8.fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, *, m_indices | masked_m, ...)
+        -> (act_fp8, act_scale)     # an expert's first GEMM with SiLU·mul + quant (fused on Hopper)
     moe_fp8.quant.per_token_group / per_block / silu_mul_per_token_group / dequant_*
     moe_fp8.layers.select_experts / dispatch_contiguous / dispatch_masked / combine
     moe_fp8.set_num_sms / get_num_sms / get_align_m / backend / calc_diff
@@ -20,7 +22,12 @@ from __future__ import annotations
 import torch
 
 from moe_fp8 import backends, compat, layers, quant
-from moe_fp8.ops import fp8_gemm, fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+from moe_fp8.ops import (
+    fp8_gemm,
+    fp8_grouped_gemm_contiguous,
+    fp8_grouped_gemm_masked,
+    fp8_grouped_gemm_silu_mul_quant,
+)
 from moe_fp8.utils import calc_diff, get_align_m, get_num_sms, set_num_sms
 
 # NOTE: keep equal to [project].version in pyproject.toml.
@@ -35,6 +42,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_grouped_gemm_contiguous",
     "fp8_grouped_gemm_masked",
+    "fp8_grouped_gemm_silu_mul_quant",
     "get_align_m",
     "get_num_sms",
     "layers",

@@ -21,6 +21,8 @@ Three layers per op:
    fp8_gemm                          fn(x_fp8, x_scale, w, w_scale, out) -> None
    fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out) -> None
    fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
+   fp8_grouped_gemm_silu_mul_quant   fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
+                                        ue8m0, out, out_scale) -> None (one of m_indices / masked_m)
    per_token_group_quant             fn(x, group_size, ue8m0, eps) -> (x_fp8, x_scale[TMA layout])
    per_block_quant                   fn(w, block, ue8m0, eps) -> (w_fp8, w_scale)
    silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps, *, out=None, out_scale=None)
@@ -85,6 +87,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_grouped_gemm_contiguous",
     "fp8_grouped_gemm_masked",
+    "fp8_grouped_gemm_silu_mul_quant",
     "per_block_quant",
     "per_token_group_quant",
     "quant_dispatch_contiguous",
@@ -207,6 +210,17 @@ def _ref_quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int
                                                       sync=sync))
 
 
+def _composed_grouped_silu_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
+                                 m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
+                                 out: Tensor, out_scale: Tensor) -> None:
+    # no fused kernel: the grouped GEMM (bf16 h) then SiLU·mul + quant, each on its own backend
+    if masked_m is None:
+        h = fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices)
+    else:
+        h = fp8_grouped_gemm_masked(x_fp8, x_scale, w13, w13_scale, masked_m, expected_m)
+    silu_mul_per_token_group_quant(h, GROUP_K, ue8m0, masked_m, out=out, out_scale=out_scale)
+
+
 _REFERENCE_IMPLS = {
     "fp8_gemm": _ref_fp8_gemm,
     "fp8_grouped_gemm_contiguous": _ref_grouped_contiguous,
@@ -220,6 +234,7 @@ _REFERENCE_IMPLS = {
     "quant_dispatch_contiguous": _ref_quant_dispatch_contiguous,
     "quant_dispatch_masked": _ref_quant_dispatch_masked,
     "combine": reference.combine,
+    "fp8_grouped_gemm_silu_mul_quant": _composed_grouped_silu_quant,
 }
 # Hopper kernels, imported lazily (only once a CUDA sm_90 device and a compiler are present). Add a
 # line here when a kernel lands; ops without one fall back (logged; an error under MOE_FP8_STRICT=1).
@@ -227,6 +242,7 @@ _HOPPER_IMPLS = {
     "fp8_gemm": "moe_fp8.kernels.gemm:fp8_gemm_hopper",
     "fp8_grouped_gemm_contiguous": "moe_fp8.kernels.gemm:fp8_grouped_gemm_contiguous_hopper",
     "fp8_grouped_gemm_masked": "moe_fp8.kernels.gemm:fp8_grouped_gemm_masked_hopper",
+    "fp8_grouped_gemm_silu_mul_quant": "moe_fp8.kernels.gemm:fp8_grouped_gemm_silu_mul_quant_hopper",
 }
 # Triton kernels of the MoE data path (moe_fp8.kernels.triton): the portable backend's implementation
 # and, on Hopper, the hopper backend's too (there is no CUDA-C kernel for these memory-bound ops, and
@@ -248,6 +264,7 @@ for _op, _fn in _HOPPER_IMPLS.items():
 for _op, _fn in _TRITON_IMPLS.items():
     backends.register(_op, "portable", _fn)
     backends.register(_op, "hopper", _fn)
+backends.register("fp8_grouped_gemm_silu_mul_quant", "portable", _composed_grouped_silu_quant)
 del _op, _fn
 
 
@@ -390,6 +407,65 @@ def fp8_grouped_gemm_masked(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: 
     else:
         _grouped_masked_impl(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out)
     return out
+
+
+def _grouped_silu_quant_impl(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
+                             m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
+                             out: Tensor, out_scale: Tensor) -> None:
+    if out.numel() == 0:
+        return
+    backends.select("fp8_grouped_gemm_silu_mul_quant", x_fp8.device)[1](
+        x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
+
+
+@torch.library.custom_op("moe_fp8::fp8_grouped_gemm_silu_mul_quant", mutates_args=("out", "out_scale"))
+def _grouped_silu_quant_op(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
+                           m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
+                           out: Tensor, out_scale: Tensor) -> None:
+    _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
+
+
+@_grouped_silu_quant_op.register_fake
+def _(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, m_indices: Tensor | None,
+      masked_m: Tensor | None, expected_m: int, ue8m0: bool, out: Tensor, out_scale: Tensor) -> None:
+    return None
+
+
+def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, *,
+                                    m_indices: Tensor | None = None, masked_m: Tensor | None = None,
+                                    expected_m: int | None = None, ue8m0: bool = False,
+                                    out: Tensor | None = None,
+                                    out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """An expert's first GEMM and its activation: ``silu_mul_per_token_group_quant`` of the grouped GEMM
+    ``h = x @ w13[g]ᵀ``, fused on Hopper (the quantisation runs in the GEMM's epilogue on the FP32
+    product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn.
+
+    Args:
+        x_fp8, x_scale, m_indices: as ``fp8_grouped_gemm_contiguous`` (contiguous layout), or x_fp8,
+            x_scale, masked_m, expected_m as ``fp8_grouped_gemm_masked`` (masked layout): exactly one of
+            ``m_indices`` / ``masked_m``.
+        w13: ``float8_e4m3fn [G, 2I, K]`` = ``[gate; up]`` (DeepSeek-V3's fused ``gate_up_proj``),
+            ``2I`` a multiple of 256; ``w13_scale`` ``float32 [G, 2I/128, ceil(K/128)]``.
+        ue8m0: power-of-two activation scales.
+        out, out_scale: optional destinations, ``float8_e4m3fn [..., I]`` contiguous and ``float32
+            [..., I/128]`` in the TMA layout.
+
+    Returns ``(act_fp8 [..., I], act_scale [..., I/128])`` (``out`` / ``out_scale`` when given): what the
+    second GEMM reads. Padding rows (contiguous) and rows past ``masked_m`` are unspecified.
+    """
+    _, i = V.check_fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
+                                                   ue8m0, out, out_scale)
+    shape = (*x_fp8.shape[:-1], i)
+    if out is None or out_scale is None:
+        alloc = _alloc_act_quant(shape, GROUP_K, x_fp8.device)
+        out, out_scale = (alloc[0] if out is None else out), (alloc[1] if out_scale is None else out_scale)
+    hint = 0 if expected_m is None else expected_m
+    if _compiling():
+        torch.ops.moe_fp8.fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, hint,
+                                                          ue8m0, out, out_scale)
+    else:
+        _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, hint, ue8m0, out, out_scale)
+    return out, out_scale
 
 
 # ============================================================================================

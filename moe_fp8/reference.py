@@ -36,6 +36,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_grouped_gemm_contiguous",
     "fp8_grouped_gemm_masked",
+    "fp8_grouped_gemm_silu_mul_quant",
     "per_block_quant",
     "per_token_group_quant",
     "select_experts",
@@ -399,6 +400,42 @@ def silu_mul_per_token_group_quant(
     y_fp8, y_scale = per_token_group_quant(torch.where(valid, y, 0.0), group_size, ue8m0, eps)
     y_scale.copy_(torch.where(valid, y_scale, 1.0))  # copy_ keeps the TMA layout
     return y_fp8, y_scale
+
+
+def fp8_grouped_gemm_silu_mul_quant(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale: torch.Tensor,
+    *,
+    m_indices: torch.Tensor | None = None,
+    masked_m: torch.Tensor | None = None,
+    ue8m0: bool = False,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's first GEMM with its activation fused: ``silu_mul_per_token_group_quant(h)`` of the
+    float32 product ``h = dequant(x) @ dequant(w13[g])ᵀ`` (the unfused path rounds ``h`` to bf16 first).
+
+    Contiguous (``m_indices``, ``x_fp8 [M_total, K]``) or masked (``masked_m``, ``x_fp8 [G, max_m, K]``),
+    as the grouped GEMMs; ``w13_fp8 [G, 2I, K] = [gate; up]``. Returns ``(act_fp8 [..., I],
+    act_scale [..., ceil(I/128)])`` in the TMA layout. Padding rows (-1) quantize zeros here (kernels
+    compute them from whatever those rows of ``x`` hold); rows past ``masked_m`` are FP8 zeros with
+    scale 1.0 (kernels leave them untouched).
+    """
+    if (m_indices is None) == (masked_m is None):
+        raise ValueError("give exactly one of m_indices (contiguous) and masked_m (masked)")
+    _check_gemm_operands(x_fp8, w13_fp8, 2 if masked_m is None else 3, 3)
+    if w13_fp8.shape[1] % 2:
+        raise ValueError(f"w13 must stack [gate; up] halves, got {w13_fp8.shape[1]} rows")
+    x = dequant_per_token_group(x_fp8, x_scale)
+    h = torch.zeros((*x_fp8.shape[:-1], w13_fp8.shape[1]), dtype=torch.float32, device=x_fp8.device)
+    for g in range(w13_fp8.shape[0]):
+        w_g = dequant_per_block(w13_fp8[g], w13_scale[g])
+        if masked_m is None:
+            h = torch.where((m_indices.long() == g).unsqueeze(1), _matmul_nt_f32(x, w_g), h)
+        else:
+            h[g] = _matmul_nt_f32(x[g], w_g)
+    return silu_mul_per_token_group_quant(h, ue8m0=ue8m0, masked_m=masked_m, eps=eps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -419,6 +419,31 @@ def check_fp8_grouped_gemm_masked(x_fp8: object, x_scale: object, w: object, w_s
     return g, max_m, n, k
 
 
+def check_fp8_grouped_gemm_silu_mul_quant(x_fp8: object, x_scale: object, w13: object, w13_scale: object,
+                                          m_indices: object, masked_m: object, expected_m: object, ue8m0: object,
+                                          out: object, out_scale: object) -> tuple[int, int]:
+    """Validate ``ops.fp8_grouped_gemm_silu_mul_quant``; returns ``(G, I)``.
+
+    The contiguous (``m_indices``) or masked (``masked_m``, ``expected_m``) grouped GEMM's operands with
+    ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256 (each output block of 128 columns pairs a
+    gate block with its up block); ``out`` / ``out_scale`` as ``check_act_quant_out`` for ``[..., I]``.
+    """
+    if (m_indices is None) == (masked_m is None):
+        raise ValueError("give exactly one of m_indices (contiguous layout) and masked_m (masked layout)")
+    if masked_m is None:
+        g, m, n, _ = check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices)
+        rows: tuple[int, ...] = (m,)
+    else:
+        g, max_m, n, _ = check_fp8_grouped_gemm_masked(x_fp8, x_scale, w13, w13_scale, masked_m, expected_m)
+        rows = (g, max_m)
+    if n % 256:
+        raise ValueError(f"w13 rows (2*I = {n}) must be a multiple of 256: each 128-column block of the "
+                         f"output pairs a gate block of w13 with its up block")
+    check_bool("ue8m0", ue8m0)
+    check_act_quant_out(out, out_scale, (*rows, n // 2), GROUP_K, x_fp8.device, "x_fp8")
+    return g, n // 2
+
+
 def check_masked_m(name: str, masked_m: object, groups: int, device: torch.device) -> None:
     """``masked_m`` must be an int32 [G] tensor on the data's device (values are not read)."""
     check_tensor(name, masked_m)

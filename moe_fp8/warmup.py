@@ -77,6 +77,7 @@ class GemmShape:
     k: int
     layouts: tuple[Layout, ...] = ("normal",)
     num_groups: int = 1
+    act_quant: int = 0  # the experts' w13 on Hopper: GEMM1 with the SiLU·mul + quant epilogue (2: UE8M0)
 
 
 @dataclasses.dataclass
@@ -218,7 +219,10 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
                                    f"{GROUP_K} (expert weight-scale blocks would straddle ranks); use a smaller --tp")
         local = _split("the routed expert count", n_experts, ep, "--ep")
         _get(cfg, "num_experts_per_tok")  # needed for the contiguous row bound; fail early if absent
-        out.append(GemmShape("experts.w13", 2 * i_tp, h, ("contiguous", "masked"), local))
+        # Fp8FusedMoE runs GEMM1 with SiLU·mul + quant in its epilogue where 2I is a multiple of 256
+        ue8m0 = (cfg.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
+        act_quant = (2 if ue8m0 else 1) if (2 * i_tp) % 256 == 0 else 0
+        out.append(GemmShape("experts.w13", 2 * i_tp, h, ("contiguous", "masked"), local, act_quant))
         out.append(GemmShape("experts.w2", h, i_tp, ("contiguous", "masked"), local))
     if fp8_lm_head:
         out.append(GemmShape("lm_head", _split("vocab_size", _get(cfg, "vocab_size"), tp, "--tp"), h))
@@ -229,7 +233,7 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
                                    f"(N must be a multiple of {N_ALIGN}, K of {K_ALIGN}); try another --tp")
     unique: dict[tuple, GemmShape] = {}
     for g in out:  # e.g. shared experts and the dense MLP can coincide
-        key = (g.n, g.k, g.layouts, g.num_groups)
+        key = (g.n, g.k, g.layouts, g.num_groups, g.act_quant)
         if key in unique:
             unique[key] = dataclasses.replace(unique[key], name=f"{unique[key].name}, {g.name}")
         else:
@@ -255,14 +259,15 @@ def _descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list[tupl
             out += [(layout, lo, hi, GemmDesc(hi, g.n, g.k, num_sms=num_sms)) for lo, hi in _row_classes(max_tokens)]
         elif layout == "masked":
             # the config depends on expected_m (the per-expert count hint), which is at most max_tokens
-            out += [(layout, lo, hi, GemmDesc(max_tokens, g.n, g.k, g.num_groups, "masked", num_sms, expected_m=hi))
+            out += [(layout, lo, hi, GemmDesc(max_tokens, g.n, g.k, g.num_groups, "masked", num_sms, expected_m=hi,
+                                              act_quant=g.act_quant))
                     for lo, hi in _row_classes(max_tokens)]
         else:
             # M_total = Σ_e align(count_e, 128): a multiple of 128, at most every routed row plus a
             # padding segment per local expert; each value is enumerated (a few hundred at most)
             upper = min(align(max_tokens * top_k, ALIGN_M) + ALIGN_M * g.num_groups,
                         g.num_groups * align(max_tokens, ALIGN_M))
-            out += [(layout, m, m, GemmDesc(m, g.n, g.k, g.num_groups, "contiguous", num_sms))
+            out += [(layout, m, m, GemmDesc(m, g.n, g.k, g.num_groups, "contiguous", num_sms, act_quant=g.act_quant))
                     for m in range(ALIGN_M, upper + 1, ALIGN_M)]
     return out
 

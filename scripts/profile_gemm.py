@@ -18,7 +18,7 @@ from moe_fp8.utils import get_num_sms
 p = argparse.ArgumentParser()
 p.add_argument("--shape", required=True)
 p.add_argument("--impl", default="ours", choices=("ours", "torch_blockwise"))
-p.add_argument("--block", default=None, help="BMxBN[a|b][sS] (default: the heuristic's)")
+p.add_argument("--block", default=None, help="BMxBN[a|b][kK][sS] (default: the heuristic's)")
 p.add_argument("--iters", type=int, default=3)
 args = p.parse_args()
 m, n, k = (int(v) for v in args.shape.split(","))
@@ -27,8 +27,8 @@ w_fp8, w_scale = ref.per_block_quant(torch.randn(n, k, device="cuda", dtype=torc
 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 cfg = None
 if args.block:
-    bm, bn, mc, on_a, st = parse_block(args.block)
-    cfg = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a)
+    bm, bn, mc, on_a, st, sk = parse_block(args.block)
+    cfg = make_config(bm, bn, get_num_sms(), k=k, num_stages=st, multicast=mc, multicast_on_a=on_a, split_k=sk)
 x_scale_cm = x_scale.t().contiguous().t()
 for _ in range(args.iters):
     if args.impl == "ours":

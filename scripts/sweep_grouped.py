@@ -52,7 +52,7 @@ def main() -> None:
         cfg = get_config(desc)
         us = bench_us(lambda cfg=cfg: fn(cfg))
         line = [f"{shape}: heuristic {cfg.block_m}x{cfg.block_n}s{cfg.num_stages} {flops / us / 1e6:.0f} TF |"]
-        for bm, bn, _multicast, _on_a, st in args.blocks:  # grouped layouts never multicast
+        for bm, bn, _multicast, _on_a, st, _split_k in args.blocks:  # grouped layouts never multicast
             try:
                 c = make_config(bm, bn, sms, k=k, num_stages=st)
                 line.append(f"{bm}x{bn}s{c.num_stages} {flops / bench_us(lambda c=c: fn(c)) / 1e6:.0f}")

@@ -81,10 +81,13 @@ def test_known_ops_cover_the_public_ops():
     assert set(backends.known_ops()) == {
         "fp8_gemm", "fp8_grouped_gemm_contiguous", "fp8_grouped_gemm_masked", "per_token_group_quant",
         "per_block_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
-        "dispatch_masked", "quant_dispatch_contiguous", "quant_dispatch_masked", "combine"}
+        "dispatch_masked", "quant_dispatch_contiguous", "quant_dispatch_masked", "combine",
+        "fp8_grouped_gemm_silu_mul_quant"}
     for op in backends.known_ops():
         assert "reference" in backends.implementations(op)
     assert backends.implementations("fp8_gemm") == ("hopper", "reference")
+    # fused on Hopper; elsewhere the grouped GEMM and SiLU·mul + quant ops in turn, each on its backend
+    assert backends.implementations("fp8_grouped_gemm_silu_mul_quant") == ("hopper", "portable", "reference")
 
 
 def test_available_backends_on_cpu():

@@ -62,6 +62,10 @@ def test_deepseek_v3_shapes_per_rank():
     assert tp8["q_b_proj"][:2] == (3072, 1536)
     assert tp8["o_proj"][:2] == (7168, 2048)
     assert tp8["experts.w13"] == (512, 7168, ("contiguous", "masked"), 256)
+    act = {g.name: g.act_quant for g in W.model_gemms(DEEPSEEK_V3, tp=8)}
+    assert act["experts.w13"] == 1 and act["experts.w2"] == 0  # GEMM1 with the SiLU·mul + quant epilogue
+    v31 = {**DEEPSEEK_V3, "quantization_config": {**DEEPSEEK_V3.get("quantization_config", {}), "scale_fmt": "ue8m0"}}
+    assert {g.name: g.act_quant for g in W.model_gemms(v31)}["experts.w13"] == 2
     assert tp8["experts.w2"] == (7168, 256, ("contiguous", "masked"), 256)
     ep8 = _shapes(W.model_gemms(DEEPSEEK_V3, tp=1, ep=8))
     assert ep8["experts.w13"] == (4096, 7168, ("contiguous", "masked"), 32)
@@ -113,7 +117,7 @@ def test_enumerated_variants_are_what_calls_compile():
     assert len(names) == len(variants)
     # spot checks: the call a rank makes at some token count maps onto an enumerated variant
     for desc in (GemmDesc(1, 3072, 1536), GemmDesc(4096, 7168, 2048), GemmDesc(333, 2112, 7168),
-                 GemmDesc(4096, 512, 7168, 256, "masked", 132, expected_m=17),
+                 GemmDesc(4096, 512, 7168, 256, "masked", 132, expected_m=17, act_quant=1),  # w13: fused act
                  GemmDesc(128 * 37, 7168, 256, 256, "contiguous", 132)):
         name, source = kernel_variant(desc)
         assert name in names, desc

@@ -78,6 +78,24 @@ def test_gemm_multicast(m: int, n: int, k: int, block_m: int, block_n: int, on_a
     _check(out, inp, k)
 
 
+# Split-K over a cluster: uneven K shares (K blocks not divisible by the split, a partial last
+# block), ragged M and N, and a single token; the DSMEM reduction sums partials in rank order, so the
+# result is also bit-identical between runs.
+@pytest.mark.parametrize("m,n,k", [(300, 2112, 1152), (1, 200, 256), (128, 7168, 576), (64, 4096, 7168),
+                                   (129, 1000, 2064)])
+@pytest.mark.parametrize("block_m,block_n,split_k", [(64, 128, 2), (64, 64, 4), (64, 256, 2), (128, 128, 2),
+                                                     (64, 32, 4), (128, 256, 2)])
+def test_gemm_split_k(m: int, n: int, k: int, block_m: int, block_n: int, split_k: int) -> None:
+    if -(-k // 128) < split_k:
+        pytest.skip("fewer K blocks than splits: make_config refuses it (tests/test_heuristics.py)")
+    cfg = make_config(block_m, block_n, get_num_sms(), k=k, split_k=split_k)
+    out, inp = _run(m, n, k, seed=block_n + m + split_k, config=cfg)
+    _check(out, inp, k)
+    again = torch.full_like(out, float("nan"))
+    fp8_gemm_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, again, config=cfg)
+    assert torch.equal(again, out), "split-K reduction is not deterministic"
+
+
 def test_gemm_m_zero() -> None:
     out, _ = _run(0, 256, 256, seed=0)
     assert out.shape == (0, 256)

@@ -106,3 +106,70 @@ def test_masked_cuda_graph_replay(expected_m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         _check_masked(new, out)
+
+
+# ---- the fused SiLU·mul + quant epilogue (GEMM1 of an expert: w13 = [gate; up]) ----
+POISON_CODE = 0x3C  # an FP8 code the kernel writes only by chance; rows it must not write keep it
+
+
+def _check_act(inp, act_fp8: torch.Tensor, act_scale: torch.Tensor, valid: torch.Tensor, ue8m0: bool,
+               masked_m: torch.Tensor | None = None) -> None:
+    """Valid rows vs the reference. The tensor cores accumulate each 128-K block in their own order and
+    precision (~1e-4 relative on an H100), so an amax, hence a scale, moves by that much: scales to 1e-3
+    relative, at most 2% of the codes one step apart; with masked_m, rows past it untouched."""
+    kw = {"masked_m": masked_m} if masked_m is not None else {"m_indices": inp.m_indices}
+    want_fp8, want_scale = ref.fp8_grouped_gemm_silu_mul_quant(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
+                                                               ue8m0=ue8m0, **kw)
+    got_s, want_s = act_scale[valid], want_scale[valid]
+    assert not got_s.isnan().any(), f"{int(got_s.isnan().sum())} scales unwritten"
+    close = ((got_s - want_s).abs() <= 1e-3 * want_s).double().mean().item()  # float32 mean rounds
+    assert close > (0.99 if ue8m0 else 1 - 1e-9), f"scales differ: {close:.4f} within 1e-3"
+    got, want = act_fp8[valid], want_fp8[valid]
+    differ = (got.view(torch.uint8) != want.view(torch.uint8)).double().mean().item()
+    assert differ < 0.02, f"{differ:.4f} of the codes differ"
+    deq = ref.dequant_per_token_group(got, got_s)
+    assert calc_diff(deq, ref.dequant_per_token_group(want, want_s)) < 1e-4
+    if masked_m is not None:
+        assert (act_fp8[~valid].view(torch.uint8) == POISON_CODE).all(), "rows past masked_m were written"
+        assert act_scale[~valid].isnan().all(), "scales past masked_m were written"
+
+
+def _poisoned_act(shape: tuple[int, ...], groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from moe_fp8.utils import empty_scale_tma
+
+    act = torch.full(shape, POISON_CODE, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    scale = empty_scale_tma(shape[-2], shape[-1] // 128, groups=groups, device="cuda")
+    scale.fill_(float("nan"))
+    return act, scale
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (512, 7168), (256, 576)])
+@pytest.mark.parametrize("num_groups,expected_m,num_empty", [(1, 300, 0), (8, 64, 2), (32, 16, 5)])
+def test_contiguous_silu_mul_quant(num_groups: int, expected_m: int, num_empty: int, n: int, k: int,
+                                   ue8m0: bool) -> None:
+    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+
+    inp = make_contiguous_inputs(num_groups, expected_m, n, k, seed=num_groups + n, device="cuda",
+                                 num_empty=num_empty)
+    act, scale = _poisoned_act((inp.x_fp8.shape[0], n // 2))
+    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, None, 0,
+                                           ue8m0, act, scale)
+    torch.cuda.synchronize()
+    _check_act(inp, act, scale, inp.m_indices >= 0, ue8m0)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("n,k", [(4096, 7168), (512, 2048)])
+@pytest.mark.parametrize("num_groups,max_m,expected_m,num_empty", [(4, 256, 100, 1), (32, 128, 8, 4), (3, 100, 33, 1)])
+def test_masked_silu_mul_quant(num_groups: int, max_m: int, expected_m: int, num_empty: int, n: int, k: int,
+                               ue8m0: bool) -> None:
+    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+
+    inp = make_masked_inputs(num_groups, max_m, expected_m, n, k, seed=n + max_m, device="cuda", num_empty=num_empty)
+    act, scale = _poisoned_act((num_groups, max_m, n // 2), groups=num_groups)
+    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, None, inp.masked_m,
+                                           expected_m, ue8m0, act, scale)
+    torch.cuda.synchronize()
+    valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
+    _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)

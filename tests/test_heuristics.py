@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,6 +53,26 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
         assert 128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS, "two math warpgroups: no run-time straddle"
 
 
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 20000), i=st.integers(1, 32).map(lambda v: v * 128), k=st.integers(1, 512).map(lambda v: v * 16),
+       layout=st.sampled_from(["normal", "contiguous", "masked"]), groups=st.integers(1, 64), ue8m0=st.booleans())
+def test_chosen_and_fused_act_configs_are_valid(m, i, k, layout, groups, ue8m0) -> None:
+    """The heuristic never splits K; the fused SiLU·mul + quant epilogue (w13 of 2I rows) always runs on
+    256-wide tiles without a cluster; both generate a source."""
+    from moe_fp8.kernels.gemm import generate_source
+
+    desc = GemmDesc(m, 2 * i, k, num_groups=groups if layout != "normal" else 1, layout=layout,
+                    expected_m=max(1, m // 3) if layout == "masked" else None)
+    cfg = get_config(desc)
+    assert cfg.split_k == 1, "split-K measured no gain: never chosen"
+    generate_source(layout, desc.n, k, cfg)
+    if layout != "normal":
+        act = dataclasses.replace(desc, act_quant=2 if ue8m0 else 1)
+        fused = get_config(act)
+        assert fused.block_n == 256 and fused.split_k == 1 and fused.multicast == 1
+        assert "/*kActQuant=*/" + str(act.act_quant) in generate_source(layout, desc.n, k, fused, act.act_quant)
+
+
 def test_straddle_rule() -> None:
     # a tile touches at most two 128-column weight-scale blocks
     for bn in range(8, 257, 8):
@@ -77,6 +99,14 @@ def test_make_config_rejects_bad_blocks() -> None:
         make_config(128, 152, 132, k=7168)  # would straddle three scale blocks
     with pytest.raises(ValueError, match="stages"):
         make_config(128, 160, 132, k=7168, num_stages=50)
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 48, 132, k=7168, split_k=4)  # 6 column chunks do not split 4 ways
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=256, split_k=4)  # 2 K blocks
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=7168, split_k=2, multicast=2)
+    with pytest.raises(ValueError, match="split-K"):
+        make_config(64, 128, 132, k=7168, split_k=3)
 
 
 def test_masked_hint_changes_speed_not_validity() -> None:

@@ -25,6 +25,8 @@ VARIANTS = [
     ("normal", 24576, 1536, get_config(GemmDesc(4096, 24576, 1536))),
     ("normal", 7168, 2048, make_config(128, 128, 132, k=2048, multicast=2)),
     ("normal", 2112, 7168, make_config(64, 24, 132, k=7168, multicast=2, multicast_on_a=True)),
+    ("normal", 4096, 7168, make_config(64, 128, 132, k=7168, split_k=4)),
+    ("normal", 7168, 2048, make_config(128, 256, 132, k=2048, split_k=2)),
 ]
 
 
@@ -50,6 +52,25 @@ def test_variant_compiles_to_qgmma(compiler, layout, n, k, cfg, tmp_path) -> Non
     assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
     for fn in res.ptxas.values():
         assert fn.get("spill_stores", 0) == 0 and fn.get("spill_loads", 0) == 0, res.ptxas
+
+
+@pytest.mark.parametrize("layout,act_quant", [("contiguous", 1), ("masked", 2)])
+def test_silu_mul_quant_variant_compiles(layout, act_quant, tmp_path) -> None:
+    """The fused SiLU·mul + quant epilogue: 64-column FP8 wgmmas of the two waves, no local memory."""
+    from moe_fp8.kernels.sass import count_instructions, dump_sass
+
+    compiler = get_compiler(COMPILERS[-1])
+    for block_m in (64, 128):
+        cfg = make_config(block_m, 256, 132, k=7168)
+        res = compiler.compile_ex(generate_source(layout, 4096, 7168, cfg, act_quant), "t", [include_dir()],
+                                  tmp_path / str(block_m))
+        sass = dump_sass(res.cubin)
+        assert set(re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", sass)) == {"128"}
+        assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
+        for fn in res.ptxas.values():
+            assert fn.get("spill_stores", 0) == 0 and fn.get("stack", 0) == 0, (block_m, res.ptxas)
+    with pytest.raises(ValueError, match="256-wide tiles"):
+        generate_source(layout, 4096, 7168, make_config(128, 128, 132, k=7168), act_quant)
 
 
 def test_host_smem_size_matches_kernel_layout(tmp_path) -> None:

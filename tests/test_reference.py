@@ -415,3 +415,35 @@ def test_silu_mul_quant_masked():
         assert bool((y_scale[e, m:] == 1.0).all())
     with pytest.raises(ValueError, match="masked_m"):
         ref.silu_mul_per_token_group_quant(h[0], masked_m=masked_m)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_grouped_gemm_silu_mul_quant_is_the_unrounded_composition(ue8m0):
+    """The fused GEMM1 + activation oracle: the grouped GEMM's FP32 product, not rounded to bf16, through
+    silu_mul_per_token_group_quant; contiguous and masked agree row for row."""
+    inp = make_contiguous_inputs(3, 20, 512, 384, seed=21, num_empty=1)
+    act, scale = ref.fp8_grouped_gemm_silu_mul_quant(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
+                                                     m_indices=inp.m_indices, ue8m0=ue8m0)
+    assert act.shape == (inp.x_fp8.shape[0], 256) and is_scale_tma_layout(scale) and scale.shape[-1] == 2
+    x = ref.dequant_per_token_group(inp.x_fp8, inp.x_scale)
+    valid = inp.m_indices >= 0
+    for g in range(3):
+        rows = inp.m_indices == g
+        h = x[rows] @ ref.dequant_per_block(inp.w_fp8[g], inp.w_scale[g]).t()
+        e_fp8, e_scale = ref.silu_mul_per_token_group_quant(h, ue8m0=ue8m0)
+        # (an FP32 product over other rows may round an ulp apart: scales to 1e-6, codes nearly all equal)
+        assert torch.allclose(scale[rows], e_scale, rtol=1e-6, atol=0)
+        assert int((act[rows].view(torch.uint8) != e_fp8.view(torch.uint8)).sum()) <= 0.005 * e_fp8.numel()
+        # the same rows in the masked layout
+        mx = torch.zeros(1, 32, inp.x_fp8.shape[1], dtype=inp.x_fp8.dtype)
+        mx[0, :int(rows.sum())] = inp.x_fp8[rows]
+        ms = ref.per_token_group_quant(torch.zeros(1, 32, inp.x_fp8.shape[1]))[1]
+        ms[0, :int(rows.sum())] = inp.x_scale[rows]
+        m_act, m_scale = ref.fp8_grouped_gemm_silu_mul_quant(mx, ms, inp.w_fp8[g:g + 1], inp.w_scale[g:g + 1],
+                                                             masked_m=rows.sum().view(1).int(), ue8m0=ue8m0)
+        n = int(rows.sum())
+        assert int((m_act[0, :n].view(torch.uint8) != e_fp8.view(torch.uint8)).sum()) <= 0.005 * e_fp8.numel()
+        assert torch.allclose(m_scale[0, :n], e_scale, rtol=1e-6, atol=0)
+    assert bool(valid.any()) and bool((~valid).any())
+    with pytest.raises(ValueError, match="exactly one"):
+        ref.fp8_grouped_gemm_silu_mul_quant(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale)

@@ -23,8 +23,8 @@ KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::fp8_gemm_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
-        /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes},
-        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{multicast_args}>>;
+        /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes}, /*kActQuant=*/{act_quant},
+        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{cluster_args}>>;
 }}
 """
 
@@ -35,13 +35,21 @@ SCHEDULERS: dict[Layout, str] = {
 }
 
 
-def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
-    """The tiny generated .cu of one variant (named fields from the config, nothing positional)."""
-    if cfg.multicast > 1 and layout != "normal":
-        raise ValueError(f"multicast is only implemented for the normal layout, not {layout}")
-    multicast_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
-                      if cfg.multicast > 1 else "")
-    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], multicast_args=multicast_args, **{
+def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
+    """The tiny generated .cu of one variant (named fields from the config, nothing positional);
+    ``act_quant`` 1 / 2 selects the fused SiLU·mul + quant epilogue (FP32 / UE8M0 scales)."""
+    if act_quant not in (0, 1, 2) or (act_quant and (cfg.block_n != 256 or n % 256 or cfg.multicast > 1
+                                                     or cfg.split_k > 1)):
+        raise ValueError(f"the SiLU·mul + quant epilogue needs 256-wide tiles, N a multiple of 256, no "
+                         f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
+    if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
+        raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
+    cluster_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
+                    if cfg.multicast > 1 or cfg.split_k > 1 else "")
+    if cfg.split_k > 1:
+        cluster_args += f", /*kSplitK=*/{cfg.split_k}"
+    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], cluster_args=cluster_args,
+                                  act_quant=act_quant, **{
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
@@ -50,15 +58,17 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
 ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
 
 
-def _source(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
+def _source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
     defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
-    return defines + generate_source(layout, n, k, cfg)
+    return defines + generate_source(layout, n, k, cfg, act_quant)
 
 
-def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig) -> str:
+def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
     """Cache-entry name of one variant (readable; the cache key hashes the full source anyway)."""
     mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
-    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}"
+    sk = f"_sk{cfg.split_k}" if cfg.split_k > 1 else ""
+    act = ("", "_silu_quant", "_silu_quant_ue8m0")[act_quant]
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{act}"
 
 
 def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:
@@ -67,13 +77,14 @@ def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[st
     ``moe-fp8 warmup`` enumerates a model's descriptors through this, so it precompiles exactly what
     ``launch_fp8_gemm`` will ask ``build`` for (same heuristic, same name, same generated source)."""
     cfg = get_config(desc) if config is None else config
-    return variant_name(desc.layout, desc.n, desc.k, cfg), _source(desc.layout, desc.n, desc.k, cfg)
+    return (variant_name(desc.layout, desc.n, desc.k, cfg, desc.act_quant),
+            _source(desc.layout, desc.n, desc.k, cfg, desc.act_quant))
 
 
 @functools.cache
-def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig):
+def get_kernel(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0):
     """Compile (or fetch from the disk cache) and return the variant for (layout, N, K, config)."""
-    return build(variant_name(layout, n, k, cfg), _source(layout, n, k, cfg))
+    return build(variant_name(layout, n, k, cfg, act_quant), _source(layout, n, k, cfg, act_quant))
 
 
 def _tma_scale(x_scale: torch.Tensor, rows: int, kb_rows: int, block_m: int):
@@ -91,18 +102,19 @@ _PREPARED_MAX = 4096
 
 
 def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, rows_per_group: int,
-             num_groups: int, expected_m: int | None, config: GemmConfig | None) -> tuple:
+             num_groups: int, expected_m: int | None, config: GemmConfig | None, act_quant: int) -> tuple:
     k = x_fp8.shape[-1]
     n = w.shape[-2]
     total_rows = x_fp8.numel() // k
     desc = GemmDesc(m=rows_per_group, n=n, k=k, num_groups=num_groups, layout=layout,
-                    num_sms=get_num_sms(), expected_m=expected_m)
+                    num_sms=get_num_sms(), expected_m=expected_m, act_quant=act_quant)
     cfg = get_config(desc) if config is None else config
-    kernel = get_kernel(layout, n, k, cfg)
+    kernel = get_kernel(layout, n, k, cfg, act_quant)
     kb = ceil_div(k, BLOCK_K)
-    # with multicast each CTA of the pair loads half of the shared operand's box
+    # with multicast each CTA of the pair loads half of the shared operand's box; the SiLU·mul + quant
+    # epilogue loads B as two 128-row boxes (the gate block and its up block)
     half_a = cfg.multicast if cfg.multicast_on_a else 1
-    half_b = 1 if cfg.multicast_on_a else cfg.multicast
+    half_b = 2 if act_quant else 1 if cfg.multicast_on_a else cfg.multicast
     tmaps = (
         make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B"),
         make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n // half_b, swizzle="128B"),
@@ -110,29 +122,36 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     )
     # masked: an upper bound (the device-side counts may skip tiles)
     tiles = num_tiles(desc, cfg.block_m, cfg.block_n, cfg.multicast, cfg.multicast_on_a)
-    grid = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles))
-    return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cfg.multicast, 1, 1), tmaps, cfg
+    if cfg.split_k > 1:  # one cluster of split_k CTAs per tile, not persistent
+        grid, cluster = tiles * cfg.split_k, cfg.split_k
+    else:
+        grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles)), cfg.multicast
+    return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                     w_scale: torch.Tensor, out: torch.Tensor, grouped_layout: torch.Tensor | None,
                     rows_per_group: int, num_groups: int, expected_m: int | None = None,
-                    config: GemmConfig | None = None) -> GemmConfig:
+                    config: GemmConfig | None = None, act_quant: int = 0,
+                    out_scale: torch.Tensor | None = None) -> GemmConfig:
     """Shared launch path of the three layouts.
 
     ``x_fp8`` is viewed as [rows, K] (rows = M, M_total or G·max_m), ``w`` as [G·N, K], ``x_scale`` as
-    [G·Kb, rows_per_group], ``out`` as [rows, N]. ``config`` overrides the heuristic (tests and
-    benchmark sweeps). Returns the config used.
+    [G·Kb, rows_per_group], ``out`` as [rows, N]; with ``act_quant`` (the fused SiLU·mul + quant
+    epilogue) ``out`` is FP8 [rows, N/2] and ``out_scale`` its scales in the TMA layout. ``config``
+    overrides the heuristic (tests and benchmark sweeps). Returns the config used.
     """
     key = (layout, x_fp8.data_ptr(), x_fp8.shape, x_scale.data_ptr(), x_scale.stride(), w.data_ptr(), w.shape,
-           rows_per_group, num_groups, expected_m, get_num_sms(), config, x_fp8.device.index)
+           rows_per_group, num_groups, expected_m, get_num_sms(), config, x_fp8.device.index, act_quant)
     prep = _PREPARED.get(key)
     if prep is None:
         if len(_PREPARED) >= _PREPARED_MAX:
             _PREPARED.clear()
-        prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config)
+        prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
+                                         act_quant)
     kernel, grid, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
-    kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, rows_per_group, num_groups],
+    kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, rows_per_group, num_groups,
+                                out_scale, get_tma_aligned_m(rows_per_group)],
                   smem_bytes=smem, cluster=cluster)
     return cfg
 
@@ -166,3 +185,24 @@ def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w
         return
     launch_fp8_gemm("masked", x_fp8, x_scale, w, w_scale, out, masked_m, max_m, num_groups,
                     expected_m=expected_m, config=config)
+
+
+def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w13: torch.Tensor,
+                                           w13_scale: torch.Tensor, m_indices: torch.Tensor | None,
+                                           masked_m: torch.Tensor | None, expected_m: int, ue8m0: bool,
+                                           out_fp8: torch.Tensor, out_scale: torch.Tensor,
+                                           config: GemmConfig | None = None) -> None:
+    """An expert's first GEMM with SiLU·mul + FP8 quantisation in its epilogue: with
+    ``h = x @ w13[g]ᵀ`` in FP32 and ``w13 [G, 2I, K] = [gate; up]``, ``out_fp8 [..., I]`` /
+    ``out_scale`` (TMA layout) get ``per_token_group_quant(silu(h[:, :I]) · h[:, I:])``; the bf16 ``h``
+    is never written. Contiguous (``m_indices``, x ``[M_total, K]``) or masked (``masked_m`` and
+    ``expected_m``, x ``[G, max_m, K]``: rows past masked_m are not written). Inputs already validated.
+    """
+    act_quant = 2 if ue8m0 else 1
+    if masked_m is None:
+        if x_fp8.shape[0]:
+            launch_fp8_gemm("contiguous", x_fp8, x_scale, w13, w13_scale, out_fp8, m_indices, x_fp8.shape[0],
+                            w13.shape[0], config=config, act_quant=act_quant, out_scale=out_scale)
+    elif x_fp8.shape[0] and x_fp8.shape[1]:
+        launch_fp8_gemm("masked", x_fp8, x_scale, w13, w13_scale, out_fp8, masked_m, x_fp8.shape[1], x_fp8.shape[0],
+                        expected_m=expected_m, config=config, act_quant=act_quant, out_scale=out_scale)

@@ -52,6 +52,10 @@ TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
 BLOCK_NS = (*range(16, 161, 8), 192, 256)  # 192 / 256: two 96 / 128-column waves per smem stage
 WAVE_BLOCK_NS = (192, 256)
+# Split-K over a cluster: make_config builds it, the heuristic never picks it. On an H100 (session 7,
+# docs/kernels/gemm.md) no split beat the best unsplit tile by more than 2%, and a cost model that
+# offered it under one wave lost up to 41% (128x7168x2048 on 128x256k4).
+SPLIT_KS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,9 @@ class GemmDesc:
     layout: Layout = "normal"
     num_sms: int = 132
     expected_m: int | None = None  # masked only: rows per group the caller expects
+    # 1 / 2: the fused SiLU·mul + FP8 quant epilogue (FP32 / UE8M0 scales) on [gate; up] weights of
+    # n rows: 256-wide tiles only (a gate and an up block each)
+    act_quant: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +86,7 @@ class GemmConfig:
     smem_bytes: int
     multicast: int = 1  # CTAs per cluster sharing one TMA load (normal layout only)
     multicast_on_a: bool = False  # share A (same m-block, n-block pair) instead of B
+    split_k: int = 1  # CTAs per cluster splitting one tile's K, reduced through DSMEM (normal layout only)
 
     @property
     def num_math_threads(self) -> int:
@@ -105,7 +113,7 @@ def smem_bytes(block_m: int, block_n: int, num_stages: int, k: int) -> int:
     static_asserts that the value passed here covers its layout)."""
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4
     return (num_stages * per_stage + staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
-            + 2 * num_stages * BARRIER_BYTES)
+            + (2 * num_stages + 1) * BARRIER_BYTES)
 
 
 def straddle_ok(block_n: int) -> bool:
@@ -114,7 +122,7 @@ def straddle_ok(block_n: int) -> bool:
 
 
 def max_stages(block_m: int, block_n: int, k: int) -> int:
-    fixed = staging_tile_bytes(block_m, block_n) + w_scale_bytes(k)
+    fixed = staging_tile_bytes(block_m, block_n) + w_scale_bytes(k) + BARRIER_BYTES
     per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4 + 2 * BARRIER_BYTES
     return (MAX_SMEM_BYTES - fixed) // per_stage
 
@@ -174,14 +182,16 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
-    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it).
+    - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
+    - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
+    - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
     rows = _rows_per_group(desc)
     out = []
     for bm in BLOCK_MS:
         if bm == 128 and rows <= 64:
             continue
-        for bn in BLOCK_NS:
+        for bn in (256,) if desc.act_quant else BLOCK_NS:
             if not straddle_ok(bn):
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
@@ -193,7 +203,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
 
 
 def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
-                multicast: int = 1, multicast_on_a: bool = False,
+                multicast: int = 1, multicast_on_a: bool = False, split_k: int = 1,
                 swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
     K (the staged weight scales take shared memory); stages default to as many as fit."""
@@ -203,13 +213,16 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     if multicast not in (1, 2) or (multicast == 2 and (block_m if multicast_on_a else block_n) % 16):
         raise ValueError(f"unsupported multicast {multicast} (on {'A' if multicast_on_a else 'B'}) "
                          f"for block {block_m}x{block_n}")
+    if split_k not in SPLIT_KS or (split_k > 1 and (multicast > 1 or block_n % (8 * split_k)
+                                                    or ceil_div(k, BLOCK_K) < split_k)):
+        raise ValueError(f"unsupported split-K {split_k} for block {block_m}x{block_n}, K={k}, multicast {multicast}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
     if not 2 <= stages <= most:
         raise ValueError(f"block {block_m}x{block_n} at K={k} fits 2..{most} stages, got {stages}")
     return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
-                      multicast_on_a=multicast_on_a and multicast > 1)
+                      multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k)
 
 
 def representative_rows(max_rows: int) -> list[int]:

@@ -11,7 +11,9 @@ Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
       fp8_grouped_gemm_contiguous (w2)         |   fp8_grouped_gemm_masked (w2)
     combine(y, row_map, topk_weights, shared_output)             # + shared experts (Fp8MLP on x_fp8)
 
-One quantization of ``hidden`` per forward, shared by the routed and the shared experts.
+One quantization of ``hidden`` per forward, shared by the routed and the shared experts. On Hopper
+(``2I`` a multiple of 256) the first GEMM and SiLU·mul + quant are one kernel,
+``fp8_grouped_gemm_silu_mul_quant``: its epilogue quantizes the FP32 product, so ``h`` is never written.
 
 Every step is a public ``moe_fp8`` op, so the layer runs on the Hopper kernels where they exist and on
 the PyTorch reference elsewhere (CPU included).
@@ -45,6 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moe_fp8 import backends
 from moe_fp8.layers.dispatch import (
     combine,
     dispatch_contiguous,
@@ -54,7 +57,7 @@ from moe_fp8.layers.dispatch import (
 )
 from moe_fp8.layers.linear import Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
-from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
 from moe_fp8.quant import silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
 from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
@@ -263,6 +266,13 @@ def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return max(1, ceil_div(num_tokens * top_k, num_experts))
 
 
+def _fused_gemm1(w13: Tensor) -> bool:
+    """GEMM1 and SiLU·mul + quant in one kernel: where ``fp8_grouped_gemm_silu_mul_quant`` runs on
+    Hopper. Elsewhere that op is the two ops in turn, and the explicit steps keep ``h`` in the decode
+    workspace instead of a per-call buffer."""
+    return w13.shape[1] % 256 == 0 and backends.select("fp8_grouped_gemm_silu_mul_quant", w13.device)[0] == "hopper"
+
+
 def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,
                                w2: Tensor, w2_scale: Tensor, *, ue8m0: bool = False,
                                mark: Callable[[str], None] | None = None) -> Tensor:
@@ -272,10 +282,16 @@ def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor
     as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). Returns ``y [M_total, H]`` bf16. ``mark(stage)``
     is called after each stage (``StageTimer``).
     """
-    h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices)
-    if mark is not None:
-        mark("gemm1")
-    y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0)
+    if _fused_gemm1(w13):
+        y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, m_indices=m_indices,
+                                                         ue8m0=ue8m0)
+        if mark is not None:
+            mark("gemm1")
+    else:
+        h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices)
+        if mark is not None:
+            mark("gemm1")
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0)
     if mark is not None:
         mark("act_quant")
     y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices)
@@ -296,13 +312,18 @@ def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, exp
     a ``MaskedWorkspace`` view to write the intermediates into (CUDA-graph decode). Engines whose
     all-to-all delivers this layout (vLLM's batched format) call it directly.
     """
-    h = fp8_grouped_gemm_masked(a_fp8, a_scale, w13, w13_scale, masked_m, expected_m,
-                                out=None if bufs is None else bufs.h)
-    if mark is not None:
-        mark("gemm1")
-    y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0, masked_m=masked_m,
-                                              out=None if bufs is None else bufs.y_fp8,
-                                              out_scale=None if bufs is None else bufs.y_scale)
+    y_dst = {} if bufs is None else {"out": bufs.y_fp8, "out_scale": bufs.y_scale}
+    if _fused_gemm1(w13):
+        y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, masked_m=masked_m,
+                                                         expected_m=expected_m, ue8m0=ue8m0, **y_dst)
+        if mark is not None:
+            mark("gemm1")
+    else:
+        h = fp8_grouped_gemm_masked(a_fp8, a_scale, w13, w13_scale, masked_m, expected_m,
+                                    out=None if bufs is None else bufs.h)
+        if mark is not None:
+            mark("gemm1")
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0, masked_m=masked_m, **y_dst)
     if mark is not None:
         mark("act_quant")
     if out is None and bufs is not None:

@@ -10,6 +10,8 @@
 #pragma once
 
 #include "../common/types.cuh"
+#include "../epilogue/act_quant.cuh"
+#include "../epilogue/split_k.cuh"
 #include "../epilogue/store.cuh"
 #include "../mma/wgmma.cuh"
 #include "../ptx/barrier.cuh"
@@ -45,7 +47,7 @@ struct GemmSmem {
     static constexpr uint32_t kD = kSA + kNumStages * kSABytes;
     static constexpr uint32_t kSB = kD + epi::StagingTile<BLOCK_N>::template bytes<BLOCK_M>();
     static constexpr uint32_t kBar = kSB + kSBBytes;
-    static constexpr uint32_t kTotal = kBar + 2 * kNumStages * sizeof(uint64_t);
+    static constexpr uint32_t kTotal = kBar + (2 * kNumStages + 1) * sizeof(uint64_t);  // + split-K's
     static constexpr uint32_t kTxBytes = kABytes + kBBytes + kSABytes;
     static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0, "sw128 tiles must stay 1024-byte aligned");
     static_assert(kSABytes % 128 == 0, "TMA destinations must be 128-byte aligned");
@@ -60,15 +62,13 @@ struct BlockScales {
 // latency, ~0.5 us, as a scale is first touched) they stalled every block at small M even when
 // loaded one block ahead: a 64-row tile's block of math is far shorter than that latency. So the
 // store warps, idle during the mainloop, copy a tile's scales into shared memory one tile ahead.
-// `dst` gets the tile's first 128-column scale block in row 0 and the next one in row 1, kPitch
-// floats apart; both clamped to the last block (a multicast partner tile past N, or the second wave
-// of N's last tile, reads it for columns that are never stored).
+// `dst` gets the scales of 128-row weight block sb0 (every K block) in row 0 and of block sb1 in row
+// 1, kPitch floats apart.
 template <uint32_t kNumKBlocks, uint32_t kNumNScales, uint32_t kPitch, uint32_t kNumThreads>
-__device__ __forceinline__ void stage_w_scales(float* dst, const float* w_scale, uint32_t group, uint32_t n0,
-                                               uint32_t thread_idx) {
-    const uint32_t sb0 = min(n0 / 128, kNumNScales - 1);
+__device__ __forceinline__ void stage_w_scales(float* dst, const float* w_scale, uint32_t group, uint32_t sb0,
+                                               uint32_t sb1, uint32_t thread_idx) {
     const float* lo = w_scale + (group * kNumNScales + sb0) * kNumKBlocks;
-    const float* hi = w_scale + (group * kNumNScales + min(sb0 + 1, kNumNScales - 1)) * kNumKBlocks;
+    const float* hi = w_scale + (group * kNumNScales + sb1) * kNumKBlocks;
     constexpr uint32_t kUnroll = 4;  // loads in flight per thread before their stores
 #pragma unroll 1
     for (uint32_t base = thread_idx; base < 2 * kNumKBlocks; base += kUnroll * kNumThreads) {
@@ -126,8 +126,12 @@ __device__ __forceinline__ void promote(float* total, const float* acc, const Bl
     }
 }
 
+// kActQuant: 0 = bf16 out[M, N]; 1 / 2 = the fused SiLU·mul + quantisation epilogue (FP32 / UE8M0
+// scales, epilogue/act_quant.cuh): `w` holds [gate; up] halves of N rows each per group, tile j
+// multiplies gate rows j*128.. and up rows N/2 + j*128.., and `out` gets FP8 act[M, N/2] with its
+// scales in `out_scale` (column-major, `out_scale_stride` rows per 128-column block).
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kSmemBytes, class Scheduler>
+          uint32_t kSmemBytes, uint32_t kActQuant, class Scheduler>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     fp8_gemm_kernel(const __grid_constant__ TmaDesc tmap_a,   // x_fp8 as [rows, K] fp8, box [BLOCK_M, 128]
                     const __grid_constant__ TmaDesc tmap_b,   // w as [groups * N, K] fp8, box [BLOCK_N, 128]
@@ -136,7 +140,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     uint16_t* __restrict__ out,               // bf16 [rows, N]
                     const int32_t* __restrict__ grouped_layout,  // m_indices / masked_m / unused
                     uint32_t shape_m,                          // rows of A (per group when masked)
-                    uint32_t num_groups) {
+                    uint32_t num_groups,
+                    float* __restrict__ out_scale,  // kActQuant only
+                    uint32_t out_scale_stride) {
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
@@ -150,6 +156,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr uint32_t kWaveAccum = kWaveN / 2;      // wgmma accumulators of one wave
     constexpr uint32_t kMulticast = Scheduler::kMulticast;  // CTAs per cluster sharing one operand
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
+    constexpr uint32_t kSplitK = Scheduler::kSplitK;  // CTAs per cluster splitting one tile's K
+    constexpr bool kCluster = kMulticast > 1 || kSplitK > 1;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -166,6 +174,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     static_assert(BLOCK_N <= 128 + constexpr_gcd(BLOCK_N, 128u), "a tile may touch at most two B-scale blocks");
     static_assert(SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "16-byte rows for TMA and stores");
     static_assert(kSmemBytes >= Smem::kTotal, "host shared-memory size disagrees with the kernel layout");
+    static_assert(kSplitK == 1 || (kNumStages * (Smem::kABytes + Smem::kBBytes) >= BLOCK_M * BLOCK_N * sizeof(float) &&
+                                   BLOCK_N % (8 * kSplitK) == 0),
+                  "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
+    static_assert(kActQuant == 0 || (BLOCK_N == 256 && SHAPE_N % 256 == 0 && !kCluster),
+                  "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -175,6 +188,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     uint8_t* smem_d = smem + Smem::kD;
     uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Smem::kBar);
     uint64_t* empty_bar = full_bar + kNumStages;
+    uint64_t* reduce_bar = empty_bar + kNumStages;  // split-K: every partial of the cluster is published
 
     const uint32_t warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -183,10 +197,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // with multicast a slot is refilled for both CTAs, so both CTAs' consumers release it
             ptx::mbar_init(&empty_bar[s], kNumMathThreads / 32 * kMulticast);
         }
+        ptx::mbar_init(reduce_bar, kSplitK * kNumMathThreads);
         ptx::fence_barrier_init();
     }
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
-    if constexpr (kMulticast > 1) ptx::cluster_sync(); else __syncthreads();
+    if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
 
     Scheduler scheduler(shape_m, grouped_layout, num_groups);
     sched::Tile tile;
@@ -207,9 +222,14 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             uint32_t scale_buf = 0;
             auto stage_next_scales = [&]() {
                 if (!ahead.next(next_tile)) return;
+                // the tile's two weight-scale blocks: its gate and up blocks (kActQuant), or its first
+                // and next, both clamped to the last (a multicast partner tile past N, or the second
+                // wave of N's last tile, reads it for columns that are never stored)
+                const uint32_t j = next_tile.n_block;
+                const uint32_t sb0 = kActQuant ? j : min(j * BLOCK_N / 128, kNumNScales - 1);
+                const uint32_t sb1 = kActQuant ? kNumNScales / 2 + j : min(sb0 + 1, kNumNScales - 1);
                 stage_w_scales<kNumKBlocks, kNumNScales, Smem::kSBPitch, kNumStoreThreads>(
-                    smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, next_tile.n_block * BLOCK_N,
-                    store_idx);
+                    smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, sb0, sb1, store_idx);
                 ptx::named_barrier_arrive(kBarScalesFull + scale_buf, kNumStagingThreads);
                 scale_buf ^= 1;
             };
@@ -218,8 +238,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 stage_next_scales();
                 ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
-                epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
-                                                                             tile.n_block * BLOCK_N, store_idx);
+                if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
+                    epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
+                                                                              tile.n_block * 64, store_idx);
+                } else {
+                    // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
+                    constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
+                    const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
+                    epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
+                        smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
+                }
                 ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);
             }
         } else if (threadIdx.x % 128 == 0) {
@@ -233,11 +261,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             while (scheduler.next(tile)) {
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
+                const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;  // constants unless split-K
+                const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
                 // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
                 // unrolled loop spills (ptxas unrolls it by the stage count)
 #pragma unroll 1
-                for (uint32_t kb_iter = 0; kb_iter < kNumKBlocks; ++kb_iter) {
-                    const uint32_t kb = tile.k_reverse ? kNumKBlocks - 1 - kb_iter : kb_iter;
+                for (uint32_t kb_iter = 0; kb_iter < num_kb; ++kb_iter) {
+                    const uint32_t kb = kb0 + (tile.k_reverse ? num_kb - 1 - kb_iter : kb_iter);
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
                     ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
@@ -253,6 +283,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     if constexpr (kMulticast > 1 && !kMulticastOnA) {
                         ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
                                                    b_row + rank * BLOCK_N / 2, 0b11);
+                    } else if constexpr (kActQuant) {  // gate block, then the matching up block
+                        const int32_t gate_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * 128);
+                        ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, gate_row);
+                        ptx::tma_load_2d(b_dst + Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
+                                         gate_row + static_cast<int32_t>(SHAPE_N / 2));
                     } else {
                         ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, b_row);
                     }
@@ -285,8 +320,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
         ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
         scale_buf ^= 1;
-        // k-block of the i-th issue (the producer walks K in the same order)
-        auto k_block = [&](uint32_t i) { return tile.k_reverse ? kNumKBlocks - 1 - i : i; };
+        // the tile's K blocks (a split's share with split-K); the i-th issue's block, as the producer walks them
+        const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;
+        const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
+        auto k_block = [&](uint32_t i) { return kb0 + (tile.k_reverse ? num_kb - 1 - i : i); };
 
         // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
         auto acquire = [&](uint32_t i, BlockScales& sc) {
@@ -365,16 +402,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 promote_wave(0, acc, sc);
             };
             issue(0, acc0, sc0);
-            for (uint32_t kb = 0; kb < kNumKBlocks; kb += 2) {
-                if (kb + 1 < kNumKBlocks) {
+            for (uint32_t kb = 0; kb < num_kb; kb += 2) {
+                if (kb + 1 < num_kb) {
                     issue(kb + 1, acc1, sc1);
                     mma::wgmma_wait<1>();
                 } else {
                     mma::wgmma_wait<0>();
                 }
                 retire(acc0, sc0);
-                if (kb + 1 < kNumKBlocks) {
-                    if (kb + 2 < kNumKBlocks) {
+                if (kb + 1 < num_kb) {
+                    if (kb + 2 < num_kb) {
                         issue(kb + 2, acc0, sc0);
                         mma::wgmma_wait<1>();
                     } else {
@@ -386,7 +423,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            for (uint32_t kb = 0; kb < kNumKBlocks; ++kb) {
+            for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 acquire(kb, sc);
 #pragma unroll
                 for (uint32_t w = 0; w < kNumWaves; ++w) {
@@ -403,12 +440,26 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
         ptx::named_barrier_sync(kBarStagingEmpty, kNumStagingThreads);
-        epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
+        if constexpr (kSplitK > 1) {
+            // one tile per CTA: its stage buffers are drained and hold the partial sums
+            epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,
+                                                                  smem_d, warpgroup * 64);
+        } else if constexpr (kActQuant) {
+            // scales of the tile's rows: group g's block j column of the [(G *) N/256, stride] layout
+            const uint32_t scale_group = Scheduler::kGroupedScales ? tile.group : 0;
+            float* row_scale = out_scale + static_cast<uint64_t>(scale_group * (SHAPE_N / 256) + tile.n_block) *
+                                               out_scale_stride + tile.scale_m0;
+            const uint32_t num_rows = tile.row_end > tile.row0 ? min(BLOCK_M, tile.row_end - tile.row0) : 0;
+            epi::silu_mul_quant_to_smem<kActQuant == 2>(smem_d, total, warpgroup * 64, row_scale, num_rows);
+        } else {
+            epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
+        }
         ptx::named_barrier_arrive(kBarStagingFull, kNumStagingThreads);
     }
     }
-    // no CTA may exit while its peer can still multicast into it or arrive on its barriers
-    if constexpr (kMulticast > 1) ptx::cluster_sync();
+    // no CTA may exit while its peer can still multicast into it, arrive on its barriers or (split-K)
+    // read its partial sums
+    if constexpr (kCluster) ptx::cluster_sync();
 }
 
 }  // namespace moe_fp8

@@ -23,16 +23,19 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 
 // Arrive on the barrier at the same offset in CTA `cta_id` of the cluster.
-// NOTE: the default (.release.cta) semantics suffice: the only data this publishes is the slot's
-// smem, read by wgmma and waited for already. An explicit .release.cluster costs a cluster-wide
-// fence per arrive, measured at ~3x the whole GEMM's time on H100 with 2-CTA multicast.
+// NOTE: the default (.release.cta) semantics suffice for pipeline slots: the only data this publishes
+// is the slot's smem, read by wgmma and waited for already. An explicit .release.cluster costs a
+// cluster-wide fence per arrive, measured at ~3x the whole GEMM's time on H100 with 2-CTA multicast.
+// kReleaseCluster publishes this thread's prior shared-memory writes to the whole cluster (for data
+// peers read through DSMEM, once per tile); pair it with mbar_wait<true>.
+template <bool kReleaseCluster = false>
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_id) {
-    asm volatile(
-        "{\n.reg .b32 remote;\n"
-        "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
-        "r"(cta_id)
-        : "memory");
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta_id));
+    if constexpr (kReleaseCluster)
+        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+    else
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
@@ -40,15 +43,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                  : "memory");
 }
 
-// Spin until the phase with parity `phase` of the barrier has completed.
+// Spin until the phase with parity `phase` of the barrier has completed; kAcquireCluster makes the
+// writes peers released with mbar_arrive_cluster<true> visible.
+template <bool kAcquireCluster = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "LAB_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)),
-        "r"(phase)
-        : "memory");
+    if constexpr (kAcquireCluster)
+        asm volatile(
+            "{\n.reg .pred done;\n"
+            "LAB_WAIT:\n"
+            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+            "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)),
+            "r"(phase)
+            : "memory");
+    else
+        asm volatile(
+            "{\n.reg .pred done;\n"
+            "LAB_WAIT:\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+            "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)),
+            "r"(phase)
+            : "memory");
 }
 
 // bar.sync on a hardware named barrier shared by `num_threads` threads (a multiple of 32).

@@ -38,6 +38,29 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t v) {
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(v));
 }
 
+// The shared::cluster address of `ptr`'s counterpart in CTA `cta_id` of the cluster (DSMEM).
+__device__ __forceinline__ uint32_t map_shared_to_cta(const void* ptr, uint32_t cta_id) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(cta_id));
+    return remote;
+}
+
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t cluster_addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr));
+    return v;
+}
+
+__device__ __forceinline__ void st_shared_f32(float* ptr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "f"(v));
+}
+
+__device__ __forceinline__ void st_shared_u16(void* ptr, uint16_t v) {
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "h"(v));
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(const void* ptr) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

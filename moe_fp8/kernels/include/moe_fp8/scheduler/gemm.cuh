@@ -17,6 +17,8 @@ struct Tile {
     uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
     uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
+    uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's share
+    uint32_t num_k_blocks;
 };
 
 // NOTE: consecutive waves of a persistent GEMM share operands (the same band of A rows, say), but a
@@ -44,13 +46,20 @@ __device__ __forceinline__ void swizzle_tile(uint32_t idx, uint32_t num_m_blocks
 // Normal GEMM: rows [0, shape_m). With kMulticast == 2 the two CTAs of a cluster take the two
 // halves of one "cluster tile": m-blocks 2p, 2p+1 of one n-block (they share B) or, on A, n-blocks
 // 2q, 2q+1 of one m-block. A half past the matrix still runs (its peer needs its half of the shared
-// operand) but stores nothing.
+// operand) but stores nothing. With kSplitK > 1 the kSplitK CTAs of a cluster share one tile, each
+// over its own share of K, and the grid has one cluster per tile (no persistent loop: the partial
+// sums are reduced once, through DSMEM, see epilogue/split_k.cuh).
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
-          uint32_t kMulticast_ = 1, bool kMulticastOnA_ = false>
+          uint32_t kMulticast_ = 1, bool kMulticastOnA_ = false, uint32_t kSplitK_ = 1>
 struct NormalScheduler {
     static constexpr uint32_t kMulticast = kMulticast_;
     static constexpr bool kMulticastOnA = kMulticastOnA_;
+    static constexpr uint32_t kSplitK = kSplitK_;
+    static_assert(kSplitK == 1 || kMulticast == 1, "a cluster either splits K or shares an operand");
+    static constexpr bool kGroupedScales = false;  // an output scale layout per group (masked)
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+    static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
+    static_assert(kNumKBlocks >= kSplitK, "every split needs at least one K block");
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
     int32_t iter = -1;
 
@@ -62,6 +71,20 @@ struct NormalScheduler {
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
+        if constexpr (kSplitK > 1) {
+            if (++iter > 0 || blockIdx.x / kSplitK >= num_units) return false;
+            swizzle_tile<kGroupM>(blockIdx.x / kSplitK, num_units_m, num_units_n, t.m_block, t.n_block);
+            const uint32_t split = blockIdx.x % kSplitK;
+            t.group = 0;
+            t.row0 = t.m_block * BLOCK_M;
+            t.row_end = shape_m;
+            t.scale_m0 = t.row0;
+            t.scale_k0 = 0;
+            t.k_reverse = false;
+            t.k_block0 = split * kNumKBlocks / kSplitK;
+            t.num_k_blocks = (split + 1) * kNumKBlocks / kSplitK - t.k_block0;
+            return true;
+        }
         const uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
         if (unit >= num_units) return false;
         uint32_t um, un;
@@ -75,6 +98,8 @@ struct NormalScheduler {
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
         t.k_reverse = kSerpentineK && (iter & 1);
+        t.k_block0 = 0;
+        t.num_k_blocks = kNumKBlocks;
         return true;
     }
 };
@@ -87,7 +112,10 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K
 struct ContiguousScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
+    static constexpr uint32_t kSplitK = 1;
+    static constexpr bool kGroupedScales = false;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
+    static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
     const int32_t* m_indices;
     uint32_t shape_m, num_m_blocks, num_tiles;
@@ -111,6 +139,8 @@ struct ContiguousScheduler {
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
             t.k_reverse = kSerpentineK && (iter & 1);
+            t.k_block0 = 0;
+            t.num_k_blocks = kNumKBlocks;
             return true;
         }
     }
@@ -124,6 +154,8 @@ template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K
 struct MaskedScheduler {
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
+    static constexpr uint32_t kSplitK = 1;
+    static constexpr bool kGroupedScales = true;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     const int32_t* masked_m;
@@ -157,6 +189,8 @@ struct MaskedScheduler {
         t.scale_m0 = t.m_block * BLOCK_M;
         t.scale_k0 = group * kNumKBlocks;
         t.k_reverse = kSerpentineK && (iter & 1);
+        t.k_block0 = 0;
+        t.num_k_blocks = kNumKBlocks;
         return true;
     }
 };
