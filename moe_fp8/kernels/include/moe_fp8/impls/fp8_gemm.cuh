@@ -172,10 +172,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
     // The 80 left for addresses, scales and loop state is measured too: at 72, 64x104 spilled one.
     constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
-    // The producer warpgroup's registers after setmaxnreg: what the math warpgroups' 232 leave of the
-    // SM's 65536 (48 with two math warpgroups: 232 x 256 + 48 x 128 = 65536). Its store warps walk two
-    // schedulers (one a tile ahead); at 40 the masked scheduler's tail-split state spilled there.
-    constexpr uint32_t kProducerRegs = kNumMathWGs == 2 ? 48 : 96;
+    // The producer warpgroup's registers after setmaxnreg. With two math warpgroups at 232, 40 (48 would
+    // fill the SM's 65536 exactly: measured to hang in setmaxnreg.inc); with one, 96 (its store warps
+    // walk two schedulers, one a tile ahead, which spilled at 40 with the tail-split state).
+    constexpr uint32_t kProducerRegs = kNumMathWGs == 2 ? 40 : 96;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, SHAPE_K>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
     static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8, tiles up to 256");

@@ -205,7 +205,9 @@ struct MaskedScheduler {
     static constexpr uint32_t kMaxTailSplitGroups = 8;
     const int32_t* masked_m;
     uint32_t max_m, num_groups;
-    uint32_t group = 0, group_first_tile = 0, group_rows = 0, group_tiles = 0;
+    // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
+    // needed rather than held (the store warps run two schedulers in 40 registers)
+    uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
     TailSplit<kTailSplit> tail;
     int32_t iter = -1;
 
@@ -228,8 +230,7 @@ struct MaskedScheduler {
         return min(static_cast<uint32_t>(max(ptx::ldg_s32(masked_m + g), 0)), max_m);
     }
     __device__ __forceinline__ void load_group() {
-        group_rows = rows_of(group);
-        group_tiles = ceil_div(group_rows, BLOCK_M) * kNumNBlocks;
+        group_end_tile = group_first_tile + ceil_div(rows_of(group), BLOCK_M) * kNumNBlocks;
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
@@ -237,11 +238,12 @@ struct MaskedScheduler {
         if constexpr (kTailSplit) {
             if (!tail.map(idx, idx, t)) return false;
         }
-        while (idx >= group_first_tile + group_tiles) {
+        while (idx >= group_end_tile) {
             if (++group >= num_groups) return false;
-            group_first_tile += group_tiles;
+            group_first_tile = group_end_tile;
             load_group();
         }
+        const uint32_t group_rows = rows_of(group);
         swizzle_tile<kGroupM>(idx - group_first_tile, ceil_div(group_rows, BLOCK_M), kNumNBlocks, t.m_block,
                               t.n_block);
         t.group = group;
