@@ -2,7 +2,8 @@
 
     python scripts/sweep_grouped.py --blocks 128x128 128x256 64x128 [--shapes G,M,N,K ... G,MAX_M,M,N,K ...]
 
-Prints, per shape, the heuristic's choice and the time of every swept block shape (do_bench medians).
+Prints, per shape, the heuristic's choice and the time of every swept block shape (do_bench medians);
+256-wide blocks also without the tail split ("-ts").
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def main() -> None:
         us = bench_us(lambda cfg=cfg: fn(cfg))
         line = [f"{shape}: heuristic {cfg.block_m}x{cfg.block_n}s{cfg.num_stages} {flops / us / 1e6:.0f} TF |"]
         for bm, bn, _multicast, _on_a, st, _split_k in args.blocks:  # grouped layouts never multicast
-            try:
-                c = make_config(bm, bn, sms, k=k, num_stages=st)
-                line.append(f"{bm}x{bn}s{c.num_stages} {flops / bench_us(lambda c=c: fn(c)) / 1e6:.0f}")
-            except Exception as e:  # record and go on: a sweep is calibration data
-                line.append(f"{bm}x{bn}: {type(e).__name__}")
+            # 256-wide tiles twice: with the tail split (the default) and without ("-ts")
+            for tail_split in ((True, False) if bn == 256 else (None,)):
+                try:
+                    c = make_config(bm, bn, sms, k=k, num_stages=st, tail_split=tail_split)
+                    name = f"{bm}x{bn}s{c.num_stages}{'-ts' if tail_split is False else ''}"
+                    line.append(f"{name} {flops / bench_us(lambda c=c: fn(c)) / 1e6:.0f}")
+                except Exception as e:  # record and go on: a sweep is calibration data
+                    line.append(f"{bm}x{bn}: {type(e).__name__}")
         print(" ".join(line), flush=True)
 
 

@@ -96,6 +96,28 @@ def test_gemm_split_k(m: int, n: int, k: int, block_m: int, block_n: int, split_
     assert torch.equal(again, out), "split-K reduction is not deterministic"
 
 
+def tail_split_sms(tiles: int) -> int:
+    """A grid size whose last wave holds 1 .. half as many tiles as CTAs, after a full wave (so the
+    tail runs as halves: sched::TailSplit)."""
+    return next(s for s in range(3, tiles) if 0 < tiles % s <= s // 2)
+
+
+@pytest.mark.parametrize("m,n,k", [(300, 2112, 1152), (1000, 7168, 576), (129, 4096, 2064), (64, 512, 256)])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gemm_tail_split(m: int, n: int, k: int, block_m: int) -> None:
+    """256-wide tiles whose last wave runs as tile halves (forced by a small grid; under half a wave of
+    tiles, 64x512, every tile runs as halves): right vs the reference, and bit-identical to the same
+    tiles run whole (a half sums the same products in the same order)."""
+    tiles = -(-m // block_m) * -(-n // 256)
+    sms = tail_split_sms(tiles) if tiles >= 4 else get_num_sms()
+    out, inp = _run(m, n, k, seed=m + block_m, config=make_config(block_m, 256, sms, k=k))
+    _check(out, inp, k)
+    whole = torch.full_like(out, float("nan"))
+    fp8_gemm_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, whole,
+                    config=make_config(block_m, 256, sms, k=k, tail_split=False))
+    assert torch.equal(whole, out)
+
+
 def test_gemm_m_zero() -> None:
     out, _ = _run(0, 256, 256, seed=0)
     assert out.shape == (0, 256)

@@ -65,6 +65,7 @@ def test_chosen_and_fused_act_configs_are_valid(m, i, k, layout, groups, ue8m0) 
                     expected_m=max(1, m // 3) if layout == "masked" else None)
     cfg = get_config(desc)
     assert cfg.split_k == 1, "split-K measured no gain: never chosen"
+    assert cfg.tail_split == (cfg.block_n == 256), "256-wide tiles split their last wave, no other tile can"
     generate_source(layout, desc.n, k, cfg)
     if layout != "normal":
         act = dataclasses.replace(desc, act_quant=2 if ue8m0 else 1)

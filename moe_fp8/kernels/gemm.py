@@ -24,7 +24,7 @@ __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::fp8_gemm_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
         /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes}, /*kActQuant=*/{act_quant},
-        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{cluster_args}>>;
+        moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{sched_args}>>;
 }}
 """
 
@@ -44,11 +44,13 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
                          f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
     if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
         raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
-    cluster_args = (f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
-                    if cfg.multicast > 1 or cfg.split_k > 1 else "")
+    # the fused epilogue needs both halves of a tile: no tail split there
+    sched_args = f", /*kTailSplit=*/{str(cfg.tail_split and not act_quant).lower()}"
+    if cfg.multicast > 1 or cfg.split_k > 1:
+        sched_args += f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
     if cfg.split_k > 1:
-        cluster_args += f", /*kSplitK=*/{cfg.split_k}"
-    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], cluster_args=cluster_args,
+        sched_args += f", /*kSplitK=*/{cfg.split_k}"
+    return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], sched_args=sched_args,
                                   act_quant=act_quant, **{
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
@@ -67,8 +69,9 @@ def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int
     """Cache-entry name of one variant (readable; the cache key hashes the full source anyway)."""
     mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
     sk = f"_sk{cfg.split_k}" if cfg.split_k > 1 else ""
+    ts = "_ts" if cfg.tail_split and not act_quant else ""
     act = ("", "_silu_quant", "_silu_quant_ue8m0")[act_quant]
-    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{act}"
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{act}"
 
 
 def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:
@@ -111,10 +114,11 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     cfg = get_config(desc) if config is None else config
     kernel = get_kernel(layout, n, k, cfg, act_quant)
     kb = ceil_div(k, BLOCK_K)
-    # with multicast each CTA of the pair loads half of the shared operand's box; the SiLU·mul + quant
-    # epilogue loads B as two 128-row boxes (the gate block and its up block)
+    # with multicast each CTA of the pair loads half of the shared operand's box; 256-wide tiles of single
+    # CTAs load B as two 128-row boxes (one per wave: the gate and up blocks with act_quant)
     half_a = cfg.multicast if cfg.multicast_on_a else 1
-    half_b = 2 if act_quant else 1 if cfg.multicast_on_a else cfg.multicast
+    two_box_b = cfg.block_n == 256 and cfg.multicast == 1 and cfg.split_k == 1
+    half_b = 2 if two_box_b else 1 if cfg.multicast_on_a else cfg.multicast
     tmaps = (
         make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B"),
         make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n // half_b, swizzle="128B"),
@@ -125,7 +129,9 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     if cfg.split_k > 1:  # one cluster of split_k CTAs per tile, not persistent
         grid, cluster = tiles * cfg.split_k, cfg.split_k
     else:
-        grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, tiles)), cfg.multicast
+        # tail halves: under half a wave of tiles, every tile runs as two halves on two CTAs
+        units = 2 * tiles if cfg.tail_split and not act_quant else tiles
+        grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, units)), cfg.multicast
     return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 

@@ -56,6 +56,9 @@ WAVE_BLOCK_NS = (192, 256)
 # docs/kernels/gemm.md) no split beat the best unsplit tile by more than 2%, and a cost model that
 # offered it under one wave lost up to 41% (128x7168x2048 on 128x256k4).
 SPLIT_KS = (1, 2, 4)
+# The masked scheduler counts its tiles (for the tail split) only up to this many groups
+# (sched::MaskedScheduler::kMaxTailSplitGroups): each thread reads every group's count once.
+MASKED_TAIL_SPLIT_MAX_GROUPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,9 @@ class GemmConfig:
     multicast: int = 1  # CTAs per cluster sharing one TMA load (normal layout only)
     multicast_on_a: bool = False  # share A (same m-block, n-block pair) instead of B
     split_k: int = 1  # CTAs per cluster splitting one tile's K, reduced through DSMEM (normal layout only)
+    # 256-wide tiles of single CTAs: a last wave of at most half as many tiles as CTAs runs as tile halves
+    # (sched::TailSplit); not with the fused SiLU·mul + quant epilogue (needs both halves)
+    tail_split: bool = False
 
     @property
     def num_math_threads(self) -> int:
@@ -160,18 +166,28 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
     tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     m_blocks = ceil_div(_rows_per_group(desc), block_m)
     k_blocks = ceil_div(desc.k, BLOCK_K)
-    k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + block_n), MMA_NS_PER_ELEM * block_m * block_n)
-    if block_m == 64 and 128 % block_n and block_n % 128:
-        k_block_ns += STRADDLE_NS * (1 if math.gcd(block_n, 128) >= 16 else 2)
 
-    def wave_ns(active: int) -> float:
+    def wave_ns(active: int, bn: int) -> float:
+        k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), MMA_NS_PER_ELEM * block_m * bn)
+        if block_m == 64 and 128 % bn and bn % 128:
+            k_block_ns += STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2)
         band = min(m_blocks, SWIZZLE_GROUP_M, active)
-        dram_ns = (band * block_m + ceil_div(active, band) * block_n) * BLOCK_K / DRAM_BYTES_PER_NS
-        shared_a_ns = active / band * (block_m + block_n) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
+        dram_ns = (band * block_m + ceil_div(active, band) * bn) * BLOCK_K / DRAM_BYTES_PER_NS
+        shared_a_ns = active / band * (block_m + bn) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
         return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS
 
     full, last = divmod(max(tiles, 1), desc.num_sms)
-    return full * wave_ns(desc.num_sms) + (wave_ns(last) if last else 0.0), tiles
+    # The last wave as tile halves (sched::TailSplit), counted for the masked layout only: there the tile
+    # count depends on rows drawn at run time, and a split tail keeps 128x256 near its average over draws
+    # (2 x 512 rows at 4096x7168: 840 TF on a draw where 128x192 ran at 591). Normal and contiguous choices
+    # are left as calibrated until measured. Not counted under one wave: there every tile runs as halves,
+    # i.e. 128-wide tiles with half the stages of a real 128-wide configuration.
+    if (desc.layout == "masked" and desc.num_groups <= MASKED_TAIL_SPLIT_MAX_GROUPS and full and last
+            and 2 * last <= desc.num_sms and not desc.act_quant and tail_split_ok(block_n, multicast)):
+        tail_ns = wave_ns(2 * last, block_n // 2)
+    else:
+        tail_ns = wave_ns(last, block_n) if last else 0.0
+    return full * wave_ns(desc.num_sms, block_n) + tail_ns, tiles
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
@@ -204,9 +220,10 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
 
 def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
                 multicast: int = 1, multicast_on_a: bool = False, split_k: int = 1,
-                swizzle_group_m: int = SWIZZLE_GROUP_M) -> GemmConfig:
+                swizzle_group_m: int = SWIZZLE_GROUP_M, tail_split: bool | None = None) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
-    K (the staged weight scales take shared memory); stages default to as many as fit."""
+    K (the staged weight scales take shared memory); stages default to as many as fit. ``tail_split``
+    defaults to where it applies (``tail_split_ok``)."""
     if (block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n)
             or (block_n > 160 and block_n not in WAVE_BLOCK_NS)):
         raise ValueError(f"unsupported block shape {block_m}x{block_n}")
@@ -216,13 +233,22 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     if split_k not in SPLIT_KS or (split_k > 1 and (multicast > 1 or block_n % (8 * split_k)
                                                     or ceil_div(k, BLOCK_K) < split_k)):
         raise ValueError(f"unsupported split-K {split_k} for block {block_m}x{block_n}, K={k}, multicast {multicast}")
+    if tail_split and not tail_split_ok(block_n, multicast, split_k):
+        raise ValueError(f"tail halves need 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
+                         f"multicast {multicast}, split-K {split_k}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
     if not 2 <= stages <= most:
         raise ValueError(f"block {block_m}x{block_n} at K={k} fits 2..{most} stages, got {stages}")
     return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
-                      multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k)
+                      multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k,
+                      tail_split=tail_split_ok(block_n, multicast, split_k) if tail_split is None else tail_split)
+
+
+def tail_split_ok(block_n: int, multicast: int = 1, split_k: int = 1) -> bool:
+    """Whether a last wave can run as tile halves: 256-wide tiles (two 128-column waves) of single CTAs."""
+    return block_n == 256 and multicast == 1 and split_k == 1
 
 
 def representative_rows(max_rows: int) -> list[int]:

@@ -158,6 +158,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
     constexpr uint32_t kSplitK = Scheduler::kSplitK;  // CTAs per cluster splitting one tile's K
     constexpr bool kCluster = kMulticast > 1 || kSplitK > 1;
+    // 256-wide tiles of single CTAs load B as two 128-row boxes, one per wave: the gate and up
+    // blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
+    constexpr bool kTwoBoxB = BLOCK_N == 256 && !kCluster;
+    constexpr bool kTailSplit = Scheduler::kTailSplit;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -168,6 +172,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
     // The 80 left for addresses, scales and loop state is measured too: at 72, 64x104 spilled one.
     constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
+    // The producer warpgroup's registers after setmaxnreg. With two math warpgroups at 232, 40 (48 would
+    // fill the SM's 65536 exactly: measured to hang in setmaxnreg.inc); with one, 96 (its store warps
+    // walk two schedulers, one a tile ahead, which spilled at 40 with the tail-split state).
+    constexpr uint32_t kProducerRegs = kNumMathWGs == 2 ? 40 : 96;
     using Smem = GemmSmem<BLOCK_M, BLOCK_N, kNumStages, SHAPE_K>;
     static_assert(BLOCK_M == 64 || BLOCK_M == 128, "one or two math warpgroups");
     static_assert(BLOCK_N % 8 == 0 && BLOCK_N <= 256, "wgmma N is a multiple of 8, tiles up to 256");
@@ -179,6 +187,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                   "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
     static_assert(kActQuant == 0 || (BLOCK_N == 256 && SHAPE_N % 256 == 0 && !kCluster),
                   "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
+    static_assert(!kTailSplit || (kTwoBoxB && kActQuant == 0), "tail halves: plain 256-wide tiles");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -211,7 +220,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // with the bounded stores, so global-store time leaves the tensor cores' critical path.
     constexpr uint32_t kNumStagingThreads = kNumMathThreads + kNumStoreThreads;
     if (warpgroup == kNumMathWGs) {
-        ptx::setmaxnreg_dec<40>();
+        ptx::setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x % 128 >= 32) {
             // ---- store warps: copy each staged tile out (same tile sequence as the math warpgroups) ----
             const uint32_t store_idx = threadIdx.x % 128 - 32;
@@ -241,6 +250,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);
+                } else if (kTailSplit && tile.num_waves == 1) {  // a tail half: its wave's 128 columns
+                    epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
+                        smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
                 } else {
                     // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
                     constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
@@ -270,7 +282,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     const uint32_t kb = kb0 + (tile.k_reverse ? num_kb - 1 - kb_iter : kb_iter);
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-                    ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes);
+                    ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes - (kTailSplit && tile.num_waves == 1
+                                                                                    ? Smem::kBBytes / 2 : 0));
                     const int32_t k0 = static_cast<int32_t>(kb * kBlockK);
                     uint8_t* a_dst = smem_a + stage * Smem::kABytes;
                     uint8_t* b_dst = smem_b + stage * Smem::kBBytes;
@@ -283,11 +296,17 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     if constexpr (kMulticast > 1 && !kMulticastOnA) {
                         ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
                                                    b_row + rank * BLOCK_N / 2, 0b11);
-                    } else if constexpr (kActQuant) {  // gate block, then the matching up block
-                        const int32_t gate_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * 128);
-                        ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, gate_row);
-                        ptx::tma_load_2d(b_dst + Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
-                                         gate_row + static_cast<int32_t>(SHAPE_N / 2));
+                    } else if constexpr (kTwoBoxB) {
+                        // wave w's 128 rows: the tile's columns w * 128.., or gate / up block n_block
+                        const int32_t row0 = kActQuant ? static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * 128)
+                                                       : b_row;
+                        const int32_t wave_rows = kActQuant ? static_cast<int32_t>(SHAPE_N / 2) : 128;
+#pragma unroll
+                        for (uint32_t w = 0; w < 2; ++w) {
+                            if (kTailSplit && (w < tile.wave0 || w >= tile.wave0 + tile.num_waves)) continue;
+                            ptx::tma_load_2d(b_dst + w * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
+                                             row0 + static_cast<int32_t>(w) * wave_rows);
+                        }
                     } else {
                         ptx::tma_load_2d(b_dst, &tmap_b, &full_bar[stage], k0, b_row);
                     }
@@ -423,15 +442,19 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
+            // the waves this tile runs: all, or one for a split tail half
+            const uint32_t wave0 = kTailSplit ? tile.wave0 : 0;
+            const uint32_t wave_end = kTailSplit ? tile.wave0 + tile.num_waves : kNumWaves;
             for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 acquire(kb, sc);
 #pragma unroll
                 for (uint32_t w = 0; w < kNumWaves; ++w) {
+                    if (kTailSplit && (w < wave0 || w >= wave_end)) continue;
                     mma_wave(w, acc);
                     mma::wgmma_wait<0>();
 #pragma unroll
                     for (uint32_t i = 0; i < kWaveAccum; ++i) mma::fence_operand(acc[i]);
-                    if (w + 1 == kNumWaves) release();
+                    if (w + 1 == wave_end) release();
                     promote_wave(w, acc, sc);
                 }
                 next_stage();

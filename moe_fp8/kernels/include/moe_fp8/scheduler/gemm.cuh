@@ -19,6 +19,35 @@ struct Tile {
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
     uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's share
     uint32_t num_k_blocks;
+    uint32_t wave0;      // 256-wide tiles: the 128-column waves to run, [wave0, wave0 + num_waves)
+    uint32_t num_waves;  //   (both, or one half of a split tail tile; see TailSplit)
+};
+
+// NOTE: a persistent grid whose last wave holds few tiles idles most SMs for a whole tile (a masked
+// 804-row group at 7168x2048: 196 tiles of 128x256 on 132 SMs). 256-wide tiles run as two 128-column
+// waves, so when the last wave holds at most half as many tiles as there are CTAs, its tiles are
+// handed out as halves, one wave each, to twice as many CTAs: that wave takes about half as long.
+// Units 0 .. full-1 are whole tiles, unit full + h the half h % 2 of tile full + h / 2.
+template <bool kEnabled>
+struct TailSplit {
+    uint32_t full = 0, halves = 0;
+
+    __device__ __forceinline__ void init(uint32_t num_tiles, uint32_t num_ctas) {
+        const uint32_t last = num_tiles % num_ctas;
+        const bool split = kEnabled && last > 0 && 2 * last <= num_ctas;
+        full = split ? num_tiles - last : num_tiles;
+        halves = split ? 2 * last : 0;
+    }
+    // unit -> tile index and waves; false past the last unit
+    __device__ __forceinline__ bool map(uint32_t unit, uint32_t& tile_idx, Tile& t) const {
+        if (unit < full) {
+            tile_idx = unit, t.wave0 = 0, t.num_waves = 2;
+            return true;
+        }
+        if (unit - full >= halves) return false;
+        tile_idx = full + (unit - full) / 2, t.wave0 = (unit - full) % 2, t.num_waves = 1;
+        return true;
+    }
 };
 
 // NOTE: consecutive waves of a persistent GEMM share operands (the same band of A rows, say), but a
@@ -50,17 +79,21 @@ __device__ __forceinline__ void swizzle_tile(uint32_t idx, uint32_t num_m_blocks
 // over its own share of K, and the grid has one cluster per tile (no persistent loop: the partial
 // sums are reduced once, through DSMEM, see epilogue/split_k.cuh).
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
-          uint32_t kMulticast_ = 1, bool kMulticastOnA_ = false, uint32_t kSplitK_ = 1>
+          bool kTailSplit_ = false, uint32_t kMulticast_ = 1, bool kMulticastOnA_ = false, uint32_t kSplitK_ = 1>
 struct NormalScheduler {
+    static constexpr bool kTailSplit = kTailSplit_;
     static constexpr uint32_t kMulticast = kMulticast_;
     static constexpr bool kMulticastOnA = kMulticastOnA_;
     static constexpr uint32_t kSplitK = kSplitK_;
     static_assert(kSplitK == 1 || kMulticast == 1, "a cluster either splits K or shares an operand");
+    static_assert(!kTailSplit || (BLOCK_N == 256 && kMulticast == 1 && kSplitK == 1),
+                  "tail halves: 256-wide tiles of single CTAs");
     static constexpr bool kGroupedScales = false;  // an output scale layout per group (masked)
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(kNumKBlocks >= kSplitK, "every split needs at least one K block");
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
+    TailSplit<kTailSplit> tail;
     int32_t iter = -1;
 
     __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/)
@@ -68,6 +101,7 @@ struct NormalScheduler {
         num_units_m = kMulticastOnA ? num_m_blocks : ceil_div(num_m_blocks, kMulticast);
         num_units_n = kMulticastOnA ? ceil_div(kNumNBlocks, kMulticast) : kNumNBlocks;
         num_units = num_units_m * num_units_n;
+        tail.init(num_units, gridDim.x);
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
@@ -83,10 +117,11 @@ struct NormalScheduler {
             t.k_reverse = false;
             t.k_block0 = split * kNumKBlocks / kSplitK;
             t.num_k_blocks = (split + 1) * kNumKBlocks / kSplitK - t.k_block0;
+            t.wave0 = 0, t.num_waves = 2;
             return true;
         }
-        const uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
-        if (unit >= num_units) return false;
+        uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
+        if (!tail.map(unit, unit, t)) return false;
         uint32_t um, un;
         swizzle_tile<kGroupM>(unit, num_units_m, num_units_n, um, un);
         const uint32_t rank = blockIdx.x % kMulticast;
@@ -108,8 +143,10 @@ struct NormalScheduler {
 // (>= BLOCK_M, so no tile spans two groups). m_indices[row] is the group, -1 on padding rows, which
 // come at the end of a segment: a tile whose first row is padding is all padding and is skipped
 // (no loads, no math, no stores).
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
+          bool kTailSplit_ = false>
 struct ContiguousScheduler {
+    static constexpr bool kTailSplit = kTailSplit_;
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kSplitK = 1;
@@ -117,19 +154,21 @@ struct ContiguousScheduler {
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
+    static_assert(!kTailSplit || BLOCK_N == 256, "tail halves: 256-wide tiles");
     const int32_t* m_indices;
-    uint32_t shape_m, num_m_blocks, num_tiles;
+    uint32_t shape_m, num_m_blocks;
+    TailSplit<kTailSplit> tail;  // over every tile, padding included (padding blocks are few and skipped)
     int32_t iter = -1;
 
     __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/)
         : m_indices(m_indices_), shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
-        num_tiles = num_m_blocks * kNumNBlocks;
+        tail.init(num_m_blocks * kNumNBlocks, gridDim.x);
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
         while (true) {
-            const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
-            if (idx >= num_tiles) return false;
+            uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
+            if (!tail.map(idx, idx, t)) return false;
             swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
             const int32_t group = ptx::ldg_s32(m_indices + t.m_block * BLOCK_M);
             if (group < 0) continue;
@@ -150,37 +189,61 @@ struct ContiguousScheduler {
 // masked_m lives on the device (no host sync, CUDA-graph safe). Tiles are numbered group by group,
 // each group contributing ceil(masked_m[g] / BLOCK_M) m-blocks; rows past masked_m[g] are never
 // written.
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM>
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
+          bool kTailSplit_ = false>
 struct MaskedScheduler {
+    static constexpr bool kTailSplit = kTailSplit_;
     static constexpr uint32_t kMulticast = 1;
     static constexpr bool kMulticastOnA = false;
     static constexpr uint32_t kSplitK = 1;
     static constexpr bool kGroupedScales = true;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
+    static_assert(!kTailSplit || BLOCK_N == 256, "tail halves: 256-wide tiles");
+    // The tail split needs the tile count: every thread sums the groups' counts once, so only for
+    // a few groups (the large-row shapes whose tail matters; decode's 32+ groups run small tiles).
+    static constexpr uint32_t kMaxTailSplitGroups = 8;
     const int32_t* masked_m;
     uint32_t max_m, num_groups;
-    uint32_t group = 0, group_first_tile = 0, group_rows = 0, group_tiles = 0;
+    // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
+    // needed rather than held (the store warps run two schedulers in 40 registers)
+    uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
+    TailSplit<kTailSplit> tail;
     int32_t iter = -1;
 
     __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
+        if constexpr (kTailSplit) {
+            uint32_t total = 0;
+            if (num_groups <= kMaxTailSplitGroups) {
+                for (uint32_t g = 0; g < num_groups; ++g) total += ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
+                tail.init(total, gridDim.x);
+            } else {
+                tail.full = 0xffffffffu;  // whole tiles only; the group walk ends the schedule
+            }
+        }
         load_group();
     }
 
+    // clamp: an out-of-range count must not write past the group's rows
+    __device__ __forceinline__ uint32_t rows_of(uint32_t g) const {
+        return min(static_cast<uint32_t>(max(ptx::ldg_s32(masked_m + g), 0)), max_m);
+    }
     __device__ __forceinline__ void load_group() {
-        // clamp: an out-of-range count must not write past the group's rows
-        group_rows = min(static_cast<uint32_t>(max(ptx::ldg_s32(masked_m + group), 0)), max_m);
-        group_tiles = ceil_div(group_rows, BLOCK_M) * kNumNBlocks;
+        group_end_tile = group_first_tile + ceil_div(rows_of(group), BLOCK_M) * kNumNBlocks;
     }
 
     __device__ __forceinline__ bool next(Tile& t) {
-        const uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
-        while (idx >= group_first_tile + group_tiles) {
+        uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
+        if constexpr (kTailSplit) {
+            if (!tail.map(idx, idx, t)) return false;
+        }
+        while (idx >= group_end_tile) {
             if (++group >= num_groups) return false;
-            group_first_tile += group_tiles;
+            group_first_tile = group_end_tile;
             load_group();
         }
+        const uint32_t group_rows = rows_of(group);
         swizzle_tile<kGroupM>(idx - group_first_tile, ceil_div(group_rows, BLOCK_M), kNumNBlocks, t.m_block,
                               t.n_block);
         t.group = group;
