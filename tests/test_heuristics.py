@@ -53,6 +53,16 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
         assert 128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS, "two math warpgroups: no run-time straddle"
 
 
+def test_tail_split_only_on_256_wide_single_cta_tiles() -> None:
+    """make_config turns the tail split on where it applies and refuses it elsewhere."""
+    assert make_config(128, 256, 132, k=2048).tail_split
+    assert not make_config(128, 256, 132, k=2048, tail_split=False).tail_split
+    assert not make_config(128, 128, 132, k=2048).tail_split
+    for kw in ({"block_n": 128}, {"block_n": 192}, {"block_n": 256, "multicast": 2}, {"block_n": 256, "split_k": 2}):
+        with pytest.raises(ValueError, match="tail halves need 256-wide tiles of single CTAs"):
+            make_config(128, k=2048, num_sms=132, tail_split=True, **kw)
+
+
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 20000), i=st.integers(1, 32).map(lambda v: v * 128), k=st.integers(1, 512).map(lambda v: v * 16),
        layout=st.sampled_from(["normal", "contiguous", "masked"]), groups=st.integers(1, 64), ue8m0=st.booleans())

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
-from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles
+from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles, tail_split_ok
 from .jit import build, make_tma_2d
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
@@ -35,6 +35,12 @@ SCHEDULERS: dict[Layout, str] = {
 }
 
 
+def _tail_split(cfg: GemmConfig, act_quant: int) -> bool:
+    """Whether the variant splits a short last wave into tile halves: as configured, except under the fused
+    SiLU·mul + quant epilogue, which needs both halves of a tile."""
+    return cfg.tail_split and not act_quant
+
+
 def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
     """The tiny generated .cu of one variant (named fields from the config, nothing positional);
     ``act_quant`` 1 / 2 selects the fused SiLU·mul + quant epilogue (FP32 / UE8M0 scales)."""
@@ -44,8 +50,7 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
                          f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
     if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
         raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
-    # the fused epilogue needs both halves of a tile: no tail split there
-    sched_args = f", /*kTailSplit=*/{str(cfg.tail_split and not act_quant).lower()}"
+    sched_args = f", /*kTailSplit=*/{str(_tail_split(cfg, act_quant)).lower()}"
     if cfg.multicast > 1 or cfg.split_k > 1:
         sched_args += f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
     if cfg.split_k > 1:
@@ -69,7 +74,7 @@ def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int
     """Cache-entry name of one variant (readable; the cache key hashes the full source anyway)."""
     mc = f"_mc{cfg.multicast}{'a' if cfg.multicast_on_a else 'b'}" if cfg.multicast > 1 else ""
     sk = f"_sk{cfg.split_k}" if cfg.split_k > 1 else ""
-    ts = "_ts" if cfg.tail_split and not act_quant else ""
+    ts = "_ts" if _tail_split(cfg, act_quant) else ""
     act = ("", "_silu_quant", "_silu_quant_ue8m0")[act_quant]
     return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{act}"
 
@@ -117,7 +122,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # with multicast each CTA of the pair loads half of the shared operand's box; 256-wide tiles of single
     # CTAs load B as two 128-row boxes (one per wave: the gate and up blocks with act_quant)
     half_a = cfg.multicast if cfg.multicast_on_a else 1
-    two_box_b = cfg.block_n == 256 and cfg.multicast == 1 and cfg.split_k == 1
+    two_box_b = tail_split_ok(cfg.block_n, cfg.multicast, cfg.split_k)  # the same tiles: 256 wide, one CTA
     half_b = 2 if two_box_b else 1 if cfg.multicast_on_a else cfg.multicast
     tmaps = (
         make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B"),
@@ -130,7 +135,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
         grid, cluster = tiles * cfg.split_k, cfg.split_k
     else:
         # tail halves: under half a wave of tiles, every tile runs as two halves on two CTAs
-        units = 2 * tiles if cfg.tail_split and not act_quant else tiles
+        units = 2 * tiles if _tail_split(cfg, act_quant) else tiles
         grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, units)), cfg.multicast
     return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 

@@ -303,7 +303,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                         const int32_t wave_rows = kActQuant ? static_cast<int32_t>(SHAPE_N / 2) : 128;
 #pragma unroll
                         for (uint32_t w = 0; w < 2; ++w) {
-                            if (kTailSplit && (w < tile.wave0 || w >= tile.wave0 + tile.num_waves)) continue;
+                            if (kTailSplit && !tile.runs_wave(w)) continue;
                             ptx::tma_load_2d(b_dst + w * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
                                              row0 + static_cast<int32_t>(w) * wave_rows);
                         }
@@ -442,14 +442,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            // the waves this tile runs: all, or one for a split tail half
-            const uint32_t wave0 = kTailSplit ? tile.wave0 : 0;
+            // the last wave this tile runs releases the slot (a split tail half runs one)
             const uint32_t wave_end = kTailSplit ? tile.wave0 + tile.num_waves : kNumWaves;
             for (uint32_t kb = 0; kb < num_kb; ++kb) {
                 acquire(kb, sc);
 #pragma unroll
                 for (uint32_t w = 0; w < kNumWaves; ++w) {
-                    if (kTailSplit && (w < wave0 || w >= wave_end)) continue;
+                    if (kTailSplit && !tile.runs_wave(w)) continue;
                     mma_wave(w, acc);
                     mma::wgmma_wait<0>();
 #pragma unroll

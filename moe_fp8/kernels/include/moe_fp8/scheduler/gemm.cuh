@@ -19,8 +19,10 @@ struct Tile {
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
     uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's share
     uint32_t num_k_blocks;
-    uint32_t wave0;      // 256-wide tiles: the 128-column waves to run, [wave0, wave0 + num_waves)
-    uint32_t num_waves;  //   (both, or one half of a split tail tile; see TailSplit)
+    uint32_t wave0;      // 256-wide tiles with TailSplit: the 128-column waves to run,
+    uint32_t num_waves;  //   [wave0, wave0 + num_waves) (both, or one half of a split tail tile)
+
+    __device__ __forceinline__ bool runs_wave(uint32_t w) const { return w >= wave0 && w < wave0 + num_waves; }
 };
 
 // NOTE: a persistent grid whose last wave holds few tiles idles most SMs for a whole tile (a masked
@@ -117,7 +119,6 @@ struct NormalScheduler {
             t.k_reverse = false;
             t.k_block0 = split * kNumKBlocks / kSplitK;
             t.num_k_blocks = (split + 1) * kNumKBlocks / kSplitK - t.k_block0;
-            t.wave0 = 0, t.num_waves = 2;
             return true;
         }
         uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
