@@ -234,7 +234,7 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
                                                     or ceil_div(k, BLOCK_K) < split_k)):
         raise ValueError(f"unsupported split-K {split_k} for block {block_m}x{block_n}, K={k}, multicast {multicast}")
     if tail_split and not tail_split_ok(block_n, multicast, split_k):
-        raise ValueError(f"tail halves need 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
+        raise ValueError(f"tail halves need 192 / 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
                          f"multicast {multicast}, split-K {split_k}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
@@ -247,8 +247,9 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
 
 
 def tail_split_ok(block_n: int, multicast: int = 1, split_k: int = 1) -> bool:
-    """Whether a last wave can run as tile halves: 256-wide tiles (two 128-column waves) of single CTAs."""
-    return block_n == 256 and multicast == 1 and split_k == 1
+    """Whether a last wave can run as tile halves: two-wave tiles (``WAVE_BLOCK_NS``: 192 / 256 wide,
+    two 96 / 128-column waves) of single CTAs."""
+    return block_n in WAVE_BLOCK_NS and multicast == 1 and split_k == 1
 
 
 def representative_rows(max_rows: int) -> list[int]:
