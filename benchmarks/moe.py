@@ -133,10 +133,12 @@ def _stage_split(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -
 
 
 def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> tuple[float, float]:
-    """Each grouped GEMM of ``path`` alone (bench_us on the layer's own intermediates): the kernel's time,
-    to set beside its stage (the stage adds whatever launch gap the GPU waited on before it)."""
-    from moe_fp8 import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked
+    """Each grouped GEMM of ``path`` alone, as the layer runs it (GEMM1 with SiLU·mul + quant fused where
+    the layer fuses it), timed with bench_us on the layer's own intermediates: the kernels' time, to set
+    beside their stages (a stage adds whatever launch gap the GPU waited on before it)."""
+    from moe_fp8 import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
     from moe_fp8.layers import dispatch_contiguous, dispatch_masked, select_experts
+    from moe_fp8.layers.moe import _fused_gemm1, masked_expected_m
     from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 
     _, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
@@ -144,23 +146,29 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
                             routed_scaling_factor=SCALING)
     x_fp8, x_scale = per_token_group(hidden)
     t = hidden.shape[0]
+    w13, w13_scale = layer.w13_weight, layer.w13_weight_scale_inv
     if path == "contiguous":
         a, a_scale, groups, _ = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
+        grouping = {"m_indices": groups}
 
         def gemm(x, s, w, ws):
             return fp8_grouped_gemm_contiguous(x, s, w, ws, groups)
-        masked_m = None
     else:
-        expected_m = max(1, -(-t * TOP_K // NUM_EXPERTS))
+        expected_m = masked_expected_m(t, TOP_K, NUM_EXPERTS)
         a, a_scale, groups, _ = dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, t, layer.expert_map)
+        grouping = {"masked_m": groups, "expected_m": expected_m}
 
         def gemm(x, s, w, ws):
             return fp8_grouped_gemm_masked(x, s, w, ws, groups, expected_m)
-        masked_m = groups
-    h = gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)
-    y_fp8, y_scale = silu_mul_per_token_group(h, masked_m=masked_m)
-    return (bench_us(lambda: gemm(a, a_scale, layer.w13_weight, layer.w13_weight_scale_inv)),
-            bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
+    if _fused_gemm1(w13):
+        def gemm1():
+            return fp8_grouped_gemm_silu_mul_quant(a, a_scale, w13, w13_scale, **grouping)
+        y_fp8, y_scale = gemm1()
+    else:
+        def gemm1():
+            return gemm(a, a_scale, w13, w13_scale)
+        y_fp8, y_scale = silu_mul_per_token_group(gemm1(), masked_m=grouping.get("masked_m"))
+    return (bench_us(gemm1), bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
 def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> float:

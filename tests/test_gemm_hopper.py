@@ -104,17 +104,19 @@ def tail_split_sms(tiles: int) -> int:
 
 @pytest.mark.parametrize("m,n,k", [(300, 2112, 1152), (1000, 7168, 576), (129, 4096, 2064), (64, 512, 256)])
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_gemm_tail_split(m: int, n: int, k: int, block_m: int) -> None:
-    """256-wide tiles whose last wave runs as tile halves (forced by a small grid; under half a wave of
+@pytest.mark.parametrize("block_n", [192, 256])
+def test_gemm_tail_split(m: int, n: int, k: int, block_m: int, block_n: int) -> None:
+    """Two-wave tiles whose last wave runs as tile halves (forced by a small grid; under half a wave of
     tiles, 64x512, every tile runs as halves): right vs the reference, and bit-identical to the same
-    tiles run whole (a half sums the same products in the same order)."""
-    tiles = -(-m // block_m) * -(-n // 256)
+    tiles run whole (a half sums the same products in the same order). N = 4096 and 7168 leave the
+    last 192-wide tile's second wave wholly past N."""
+    tiles = -(-m // block_m) * -(-n // block_n)
     sms = tail_split_sms(tiles) if tiles >= 4 else get_num_sms()
-    out, inp = _run(m, n, k, seed=m + block_m, config=make_config(block_m, 256, sms, k=k))
+    out, inp = _run(m, n, k, seed=m + block_m, config=make_config(block_m, block_n, sms, k=k))
     _check(out, inp, k)
     whole = torch.full_like(out, float("nan"))
     fp8_gemm_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, whole,
-                    config=make_config(block_m, 256, sms, k=k, tail_split=False))
+                    config=make_config(block_m, block_n, sms, k=k, tail_split=False))
     assert torch.equal(whole, out)
 
 

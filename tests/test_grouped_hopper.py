@@ -56,16 +56,17 @@ def test_contiguous_block_shapes(block_m: int, block_n: int) -> None:
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_contiguous_tail_split(block_m: int) -> None:
-    """256-wide tiles with the last wave as tile halves (small grid forces it; the index space counts the
+@pytest.mark.parametrize("block_n", [192, 256])
+def test_contiguous_tail_split(block_m: int, block_n: int) -> None:
+    """Two-wave tiles with the last wave as tile halves (small grid forces it; the index space counts the
     padding blocks, which are skipped): right, padding unwritten, bit-identical to whole tiles."""
     inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_m, device="cuda", num_empty=1)
-    sms = tail_split_sms(-(-inp.x_fp8.shape[0] // block_m) * -(-2112 // 256))
+    sms = tail_split_sms(-(-inp.x_fp8.shape[0] // block_m) * -(-2112 // block_n))
     outs = []
     for tail_split in (True, False):
         out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
-                                           config=make_config(block_m, 256, sms, k=1024, tail_split=tail_split))
+                                           config=make_config(block_m, block_n, sms, k=1024, tail_split=tail_split))
         outs.append(out)
     torch.cuda.synchronize()
     _check_contiguous(inp, outs[0])
@@ -101,19 +102,20 @@ def test_masked_full_and_empty_groups() -> None:
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_n", [192, 256])
 @pytest.mark.parametrize("masked_m", [[200, 77, 0, 129], [256, 1, 90, 255, 3, 64, 128, 0, 17]])
-def test_masked_tail_split(block_m: int, masked_m: list[int]) -> None:
-    """256-wide tiles with the last wave as tile halves: the scheduler counts the tiles of up to 8 groups
+def test_masked_tail_split(block_m: int, block_n: int, masked_m: list[int]) -> None:
+    """Two-wave tiles with the last wave as tile halves: the scheduler counts the tiles of up to 8 groups
     on the device (9 groups: whole tiles only). Right, rows past masked_m unwritten, bit-identical to whole
-    tiles."""
+    tiles. N = 7168 leaves the last 192-wide tile's second wave wholly past N (the next group's rows)."""
     g, max_m, n, k = len(masked_m), 256, 7168, 576
     inp = make_masked_inputs(g, max_m, 100, n, k, seed=block_m + g, device="cuda", masked_m=masked_m)
-    sms = tail_split_sms(sum(-(-c // block_m) for c in masked_m) * (n // 256))
+    sms = tail_split_sms(sum(-(-c // block_m) for c in masked_m) * -(-n // block_n))
     outs = []
     for tail_split in (True, False):
         out = torch.full((g, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 100, out,
-                                       config=make_config(block_m, 256, sms, k=k, tail_split=tail_split))
+                                       config=make_config(block_m, block_n, sms, k=k, tail_split=tail_split))
         outs.append(out)
     torch.cuda.synchronize()
     _check_masked(inp, outs[0])

@@ -53,13 +53,17 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
         assert 128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS, "two math warpgroups: no run-time straddle"
 
 
-def test_tail_split_only_on_256_wide_single_cta_tiles() -> None:
-    """make_config turns the tail split on where it applies and refuses it elsewhere."""
-    assert make_config(128, 256, 132, k=2048).tail_split
-    assert not make_config(128, 256, 132, k=2048, tail_split=False).tail_split
+def test_tail_split_only_on_two_wave_single_cta_tiles() -> None:
+    """make_config turns the tail split on where it applies (192 / 256-wide tiles of one CTA) and refuses
+    it elsewhere."""
+    for bn in (192, 256):
+        assert make_config(128, bn, 132, k=2048).tail_split
+        assert make_config(64, bn, 132, k=2048).tail_split
+        assert not make_config(128, bn, 132, k=2048, tail_split=False).tail_split
     assert not make_config(128, 128, 132, k=2048).tail_split
-    for kw in ({"block_n": 128}, {"block_n": 192}, {"block_n": 256, "multicast": 2}, {"block_n": 256, "split_k": 2}):
-        with pytest.raises(ValueError, match="tail halves need 256-wide tiles of single CTAs"):
+    for kw in ({"block_n": 128}, {"block_n": 160}, {"block_n": 192, "multicast": 2}, {"block_n": 256, "multicast": 2},
+               {"block_n": 256, "split_k": 2}):
+        with pytest.raises(ValueError, match="tail halves need 192 / 256-wide tiles of single CTAs"):
             make_config(128, k=2048, num_sms=132, tail_split=True, **kw)
 
 
@@ -75,7 +79,7 @@ def test_chosen_and_fused_act_configs_are_valid(m, i, k, layout, groups, ue8m0) 
                     expected_m=max(1, m // 3) if layout == "masked" else None)
     cfg = get_config(desc)
     assert cfg.split_k == 1, "split-K measured no gain: never chosen"
-    assert cfg.tail_split == (cfg.block_n == 256), "256-wide tiles split their last wave, no other tile can"
+    assert cfg.tail_split == (cfg.block_n in WAVE_BLOCK_NS), "two-wave tiles split their last wave, no other can"
     generate_source(layout, desc.n, k, cfg)
     if layout != "normal":
         act = dataclasses.replace(desc, act_quant=2 if ue8m0 else 1)

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from moe_fp8.kernels.gemm import generate_source
-from moe_fp8.kernels.heuristics import GemmDesc, get_config, make_config, smem_bytes
+from moe_fp8.kernels.heuristics import WAVE_BLOCK_NS, GemmDesc, get_config, make_config, smem_bytes
 from moe_fp8.kernels.jit.cache import include_dir
 from moe_fp8.kernels.jit.compiler import JitCompileError, find_compilers, get_compiler
 from moe_fp8.kernels.tools import gen_wgmma
@@ -27,8 +27,10 @@ VARIANTS = [
     ("normal", 2112, 7168, make_config(64, 24, 132, k=7168, multicast=2, multicast_on_a=True)),
     ("normal", 4096, 7168, make_config(64, 128, 132, k=7168, split_k=4)),
     ("normal", 7168, 2048, make_config(128, 256, 132, k=2048, split_k=2)),
-    # 256-wide tiles with the tail split (the default there) on each layout, and one without
+    # two-wave tiles with the tail split (the default there) on each layout, and one without
     ("masked", 7168, 2048, make_config(128, 256, 132, k=2048)),
+    ("masked", 7168, 2048, make_config(128, 192, 132, k=2048)),
+    ("normal", 2112, 7168, make_config(64, 192, 132, k=7168)),
     ("contiguous", 4096, 7168, make_config(64, 256, 132, k=7168)),
     ("normal", 4096, 7168, make_config(128, 256, 132, k=7168, tail_split=False)),
 ]
@@ -51,7 +53,8 @@ def test_variant_compiles_to_qgmma(compiler, layout, n, k, cfg, tmp_path) -> Non
     res = get_compiler(compiler).compile_ex(generate_source(layout, n, k, cfg), "t", [include_dir()], tmp_path)
     sass = dump_sass(res.cubin)
     qgmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3", sass)
-    assert qgmma and {int(v) for v in qgmma} == {128 if cfg.block_n == 256 else cfg.block_n}, set(qgmma)
+    wave_n = cfg.block_n // 2 if cfg.block_n in WAVE_BLOCK_NS else cfg.block_n  # two-wave tiles: per wave
+    assert qgmma and {int(v) for v in qgmma} == {wave_n}, set(qgmma)
     assert len(qgmma) % 4 == 0, "one 128-K block = four K=32 wgmmas (the compiler may duplicate the loop)"
     assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
     for fn in res.ptxas.values():

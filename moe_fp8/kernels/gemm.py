@@ -119,10 +119,10 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     cfg = get_config(desc) if config is None else config
     kernel = get_kernel(layout, n, k, cfg, act_quant)
     kb = ceil_div(k, BLOCK_K)
-    # with multicast each CTA of the pair loads half of the shared operand's box; 256-wide tiles of single
-    # CTAs load B as two 128-row boxes (one per wave: the gate and up blocks with act_quant)
+    # with multicast each CTA of the pair loads half of the shared operand's box; two-wave tiles (192 / 256
+    # wide) of single CTAs load B as two 96 / 128-row boxes (one per wave: the gate and up blocks with act_quant)
     half_a = cfg.multicast if cfg.multicast_on_a else 1
-    two_box_b = tail_split_ok(cfg.block_n, cfg.multicast, cfg.split_k)  # the same tiles: 256 wide, one CTA
+    two_box_b = tail_split_ok(cfg.block_n, cfg.multicast, cfg.split_k)  # the same tiles: two waves, one CTA
     half_b = 2 if two_box_b else 1 if cfg.multicast_on_a else cfg.multicast
     tmaps = (
         make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B"),

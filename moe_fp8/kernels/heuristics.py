@@ -45,8 +45,12 @@ SHARED_A_BYTES_PER_NS = 3900.0
 # A one-warpgroup tile straddling weight-scale blocks pays a column select in its promotion:
 # ~100 ns per block (64x112: 533 vs 64x128: 464 ns), twice that when the split takes > 8 values.
 STRADDLE_NS = 100.0
-# Masked layout: expected_m is typical, not exact; the estimate averages these multiples of its m-blocks.
-MASKED_SPREAD = (0.75, 1.0, 1.25)
+# Masked layout: expected_m is typical, not exact. The estimate averages MASKED_DRAWS draws of every
+# group's m-blocks, each group's an independent multiple in [lo, hi] of expected_m's (a fixed
+# low-discrepancy set, so the choice is deterministic): with several groups the total tile count, which
+# decides the waves, varies less than one group's.
+MASKED_SPREAD = (0.7, 1.3)
+MASKED_DRAWS = 8
 SWIZZLE_GROUP_M = 16
 TWO_WG_STAGES = 4
 BLOCK_MS = (64, 128)
@@ -151,20 +155,35 @@ def num_tiles(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1, on
 def estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
                 on_a: bool = False) -> tuple[float, int]:
     """Model time and tile count of one candidate (see the module docstring)."""
+    tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
     if desc.layout == "masked" and desc.expected_m:
-        # spread in whole m-blocks, so the choice depends on rows only via ceil(rows / block_m)
+        # drawn in whole m-blocks, so the choice depends on rows only via ceil(rows / block_m)
         # (what representative_rows relies on)
         m_blocks = ceil_div(desc.expected_m, block_m)
-        runs = [_estimate_ns(dataclasses.replace(desc, expected_m=block_m * max(1, math.ceil(f * m_blocks))),
-                             block_m, block_n, multicast, on_a) for f in MASKED_SPREAD]
-        return sum(ns for ns, _ in runs) / len(runs), num_tiles(desc, block_m, block_n, multicast, on_a)
-    return _estimate_ns(desc, block_m, block_n, multicast, on_a)
+        n_blocks = ceil_div(desc.n, block_n)  # (masked tiles never multicast: pairs could span two groups)
+        total = 0.0
+        for draw in _masked_draws(desc.num_groups):
+            blocks = [max(1, math.ceil(f * m_blocks)) for f in draw]
+            total += _estimate_ns(desc, block_m, block_n, sum(blocks) * n_blocks, max(blocks), multicast)
+        return total / MASKED_DRAWS, tiles
+    return _estimate_ns(desc, block_m, block_n, tiles, ceil_div(desc.m, block_m), multicast), tiles
 
 
-def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
-                 on_a: bool = False) -> tuple[float, int]:
-    tiles = num_tiles(desc, block_m, block_n, multicast, on_a)
-    m_blocks = ceil_div(_rows_per_group(desc), block_m)
+@functools.lru_cache(maxsize=512)
+def _masked_draws(num_groups: int) -> tuple[tuple[float, ...], ...]:
+    """``MASKED_DRAWS`` draws of per-group row multipliers in ``MASKED_SPREAD``: draw s, group g takes the
+    fractional part of ``(s + 0.5) / MASKED_DRAWS + g·φ`` (φ the golden ratio's conjugate), so one group
+    sweeps the range evenly and several groups decorrelate."""
+    lo, hi = MASKED_SPREAD
+    phi = (math.sqrt(5) - 1) / 2
+    return tuple(tuple(lo + (hi - lo) * (((s + 0.5) / MASKED_DRAWS + g * phi) % 1.0) for g in range(num_groups))
+                 for s in range(MASKED_DRAWS))
+
+
+def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_blocks: int,
+                 multicast: int = 1) -> float:
+    """Model time of ``tiles`` tiles of ``block_m x block_n`` (``m_blocks``: a group's m-blocks, for the
+    DRAM band)."""
     k_blocks = ceil_div(desc.k, BLOCK_K)
 
     def wave_ns(active: int, bn: int) -> float:
@@ -187,7 +206,7 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1,
         tail_ns = wave_ns(2 * last, block_n // 2)
     else:
         tail_ns = wave_ns(last, block_n) if last else 0.0
-    return full * wave_ns(desc.num_sms, block_n) + tail_ns, tiles
+    return full * wave_ns(desc.num_sms, block_n) + tail_ns
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
@@ -234,7 +253,7 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
                                                     or ceil_div(k, BLOCK_K) < split_k)):
         raise ValueError(f"unsupported split-K {split_k} for block {block_m}x{block_n}, K={k}, multicast {multicast}")
     if tail_split and not tail_split_ok(block_n, multicast, split_k):
-        raise ValueError(f"tail halves need 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
+        raise ValueError(f"tail halves need 192 / 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
                          f"multicast {multicast}, split-K {split_k}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
@@ -247,8 +266,9 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
 
 
 def tail_split_ok(block_n: int, multicast: int = 1, split_k: int = 1) -> bool:
-    """Whether a last wave can run as tile halves: 256-wide tiles (two 128-column waves) of single CTAs."""
-    return block_n == 256 and multicast == 1 and split_k == 1
+    """Whether a last wave can run as tile halves: two-wave tiles (``WAVE_BLOCK_NS``: 192 / 256 wide,
+    two 96 / 128-column waves) of single CTAs."""
+    return block_n in WAVE_BLOCK_NS and multicast == 1 and split_k == 1
 
 
 def representative_rows(max_rows: int) -> list[int]:

@@ -266,11 +266,19 @@ def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return max(1, ceil_div(num_tokens * top_k, num_experts))
 
 
+# NOTE: off. On an H100 (session 8, DeepSeek-V3 EP-rank layer) the fused kernel alone took longer than
+# the plain GEMM1 plus the separate SiLU·mul + quant: 814 vs ~560 + ~40 us at 8192 tokens, 356 vs ~308 + ~5
+# us at 64 (its epilogue needs 256-wide tiles; the plain GEMM's heuristic streams small batches on
+# narrower ones). The op stays public and tested; set True to measure it in the layer again.
+FUSE_GEMM1_ACT = False
+
+
 def _fused_gemm1(w13: Tensor) -> bool:
-    """GEMM1 and SiLU·mul + quant in one kernel: where ``fp8_grouped_gemm_silu_mul_quant`` runs on
-    Hopper. Elsewhere that op is the two ops in turn, and the explicit steps keep ``h`` in the decode
-    workspace instead of a per-call buffer."""
-    return w13.shape[1] % 256 == 0 and backends.select("fp8_grouped_gemm_silu_mul_quant", w13.device)[0] == "hopper"
+    """GEMM1 and SiLU·mul + quant in one kernel: where enabled (``FUSE_GEMM1_ACT``) and
+    ``fp8_grouped_gemm_silu_mul_quant`` runs on Hopper. Elsewhere that op is the two ops in turn, and the
+    explicit steps keep ``h`` in the decode workspace instead of a per-call buffer."""
+    return (FUSE_GEMM1_ACT and w13.shape[1] % 256 == 0
+            and backends.select("fp8_grouped_gemm_silu_mul_quant", w13.device)[0] == "hopper")
 
 
 def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,

@@ -2,35 +2,38 @@
 
 Both dispatches place the (token, slot) pairs of each local expert in (token, slot) row-major order,
 as ``moe_fp8.reference`` does, so ``row_map``, ``m_indices`` and the copied rows match it exactly.
-The order is made deterministic without atomics on positions. Routing the pairs ends with ``row_map``
-(the destination row of every pair, or -1), which is all the scatter reads:
+The order is made deterministic without atomics on positions. Both paths end with ``row_map`` (the
+destination row of every pair, or -1), written by the programs that copy the rows:
 
 - Masked layout, few pairs (``<= configs.DISPATCH_FUSED_MAX_PAIRS``: every decode step) —
   ``_dispatch_fused_kernel``, **one launch**, no routing kernel: each scatter program (``BLOCK_T``
   tokens × ``BLOCK_K`` bytes) ranks its own pairs against every earlier pair (a comparison over the
   id list, from L2), writes its rows' slices and (column block 0) ``row_map``; the programs whose
   flat index owns a slice of ``E_BLOCK`` experts also count them for ``masked_m``.
-- Large problems — parallel over chunks of ``CHUNK`` pairs:
+- Large problems — parallel over chunks of ``CHUNK`` pairs, three launches:
   1. ``_count_kernel``: local expert of each pair (``expert_map`` applied; ids outside the map or
      mapped outside ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the
-     same expert (a ``CHUNK × CHUNK`` comparison) and the chunk's histogram (written in full).
-  2. ``_scan_kernel``: per expert, exclusive prefix of the histograms over chunks and the total
-     (masked: ``masked_m = min(count, max_m)``).
-  3. Contiguous only: ``_segments_kernel`` (one program): aligned segment starts, ``M_total`` and
-     the id range (for the reference's error messages).
-  4. ``_row_map_kernel``: ``row_map`` from the above.
+     same expert (a ``CHUNK × CHUNK`` comparison) and the chunk's histogram (written in full;
+     contiguous layout: also added atomically to the zero-filled per-expert totals — integer sums,
+     so the order of the additions does not matter).
+  2. ``_scan_kernel``: per expert slice, exclusive prefix of the histograms over chunks (masked:
+     ``masked_m = min(count, max_m)``); contiguous: the slice's aligned segment starts (from the
+     totals), and program 0 writes ``M_total`` and the id range (for the reference's errors).
+  3. ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes: computes its pairs'
+     destinations (rank + earlier chunks' count + segment start), reads each token row once and
+     stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales into the TMA
+     layout). Column block 0 writes ``row_map`` and (contiguous) 128 rows of ``m_indices``: each row's
+     segment from the segment starts (expert id, or -1 for padding and rows past ``M_total``).
 
-Then ``_m_indices_kernel`` (contiguous; one program per 128 rows, over the upper bound of rows and
-before the host sync: the layout keeps a prefix) finds each row's segment from the segment starts
-(expert id, or -1 for padding and rows past ``M_total``), and ``_scatter_kernel`` — one program per
-``BLOCK_T`` tokens × ``BLOCK_K`` bytes — reads each token row once and stores it to each of its
-``top_k`` destinations (FP8 bytes and scales, scales into the TMA layout).
+Host launches cost more than these kernels at prefill (15–150 µs each, depending on the host), so
+the routing is as few launches as its two global dependencies allow (totals before segment starts,
+every chunk's histogram before any position).
 
 The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
 the host reads it (with the id range, to raise the reference's errors) in one sync and allocates
 exactly; the sync is a copy to pinned memory and an event, so GPU work enqueued after the routing
-(``quant_dispatch_contiguous``: the quantization) keeps the GPU busy while the host waits and
-allocates. ``sync=False``: no host sync — the outputs get the upper bound
+(``quant_dispatch_contiguous``: the quantization) keeps the GPU busy while the host waits,
+allocates and launches the scatter. ``sync=False``: no host sync — the outputs get the upper bound
 ``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
 (``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
 dispatch) instead of an error.
@@ -48,6 +51,7 @@ bug; the reference raises an indexing error there).
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 import triton
@@ -256,9 +260,10 @@ def _quant_dispatch_fused_kernel(
 
 @triton.jit
 def _count_kernel(
-    ids_ptr, map_ptr, local_ptr, rank_ptr, hist_ptr, stats_ptr,
+    ids_ptr, map_ptr, local_ptr, rank_ptr, hist_ptr, stats_ptr, count_ptr,
     num_pairs, num_experts, num_global,
     CHUNK: tl.constexpr, E_P2: tl.constexpr, HIST_E: tl.constexpr, HAS_MAP: tl.constexpr,
+    ADD_COUNT: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     i = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -278,24 +283,33 @@ def _count_kernel(
     rank = tl.sum(same.to(tl.int32), axis=1)
     tl.store(rank_ptr + i, rank, mask=in_range)
 
-    # histogram of the chunk over every expert (zeros included: nothing needs a memset)
+    # histogram of the chunk over every expert (zeros included: nothing needs a memset); the contiguous
+    # layout also adds it to the zero-filled totals, so the scan knows every segment's start at once
     for e0 in tl.static_range(0, E_P2, HIST_E):
         e = e0 + tl.arange(0, HIST_E)
         hist = tl.sum((local[:, None] == e[None, :]).to(tl.int32), axis=0)
         tl.store(hist_ptr + chunk.to(tl.int64) * num_experts + e, hist, mask=e < num_experts)
+        if ADD_COUNT:
+            tl.atomic_add(count_ptr + e, hist.to(tl.int64), mask=(e < num_experts) & (hist > 0), sem="relaxed")
 
 
 # ============================================================================================
-# 2. Prefix over chunks, per expert
+# 2. Prefix over chunks and segment starts; destinations of pairs and m_indices rows
 # ============================================================================================
 
 @triton.jit
 def _scan_kernel(
-    hist_ptr, base_ptr, count_ptr, masked_m_ptr,
-    num_chunks, num_experts, max_m,
-    SCAN_C: tl.constexpr, SCAN_E: tl.constexpr, WRITE_MASKED_M: tl.constexpr,
+    hist_ptr, base_ptr, count_ptr, seg_ptr, stats_ptr, status_ptr, masked_m_ptr,
+    num_chunks, num_experts, max_m, align_m,
+    E_P2: tl.constexpr, SCAN_C: tl.constexpr, SCAN_E: tl.constexpr, STAT_C: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    e = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    """Per slice of ``SCAN_E`` experts: exclusive prefix of the chunk histograms (``base``). Masked:
+    ``masked_m`` of the slice. Contiguous: the slice's aligned segment starts from every expert's total
+    (the count kernel's atomic sums), and program 0 writes ``status = [M_total, min id, max id, max
+    mapped id]`` — so the layout needs no separate segments launch."""
+    pid = tl.program_id(0)
+    e = pid * SCAN_E + tl.arange(0, SCAN_E)
     e_ok = e < num_experts
     carry = tl.zeros([SCAN_E], dtype=tl.int32)
     for c0 in range(0, num_chunks, SCAN_C):
@@ -305,69 +319,55 @@ def _scan_kernel(
         h = tl.load(hist_ptr + offs, mask=m, other=0)
         tl.store(base_ptr + offs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=m)
         carry = carry + tl.sum(h, axis=0)
-    tl.store(count_ptr + e, carry, mask=e_ok)
-    if WRITE_MASKED_M:
+    if MASKED:
         tl.store(masked_m_ptr + e, tl.minimum(carry, max_m), mask=e_ok)
-
-
-# ============================================================================================
-# 3. Contiguous layout: segments; row map (both layouts); m_indices
-# ============================================================================================
-
-@triton.jit
-def _segments_kernel(
-    count_ptr, seg_ptr, stats_ptr, status_ptr, num_experts, num_chunks, align_m,
-    E_P2: tl.constexpr, STAT_C: tl.constexpr,
-):
-    e = tl.arange(0, E_P2)
-    count = tl.load(count_ptr + e, mask=e < num_experts, other=0).to(tl.int64)
-    seg_len = (count + align_m - 1) // align_m * align_m
-    seg_start = tl.cumsum(seg_len, axis=0) - seg_len
-    tl.store(seg_ptr + e, seg_start, mask=e < num_experts)
-    lo = tl.full([STAT_C], 2**62, tl.int64)
-    hi = tl.full([STAT_C], -(2**62), tl.int64)
-    top = tl.full([STAT_C], -1, tl.int64)
-    for c0 in range(0, num_chunks, STAT_C):
-        c = c0 + tl.arange(0, STAT_C)
-        m = c < num_chunks
-        lo = tl.minimum(lo, tl.load(stats_ptr + c * 3, mask=m, other=2**62))
-        hi = tl.maximum(hi, tl.load(stats_ptr + c * 3 + 1, mask=m, other=-(2**62)))
-        top = tl.maximum(top, tl.load(stats_ptr + c * 3 + 2, mask=m, other=-1))
-    tl.store(status_ptr, tl.sum(seg_len))
-    tl.store(status_ptr + 1, tl.min(lo))
-    tl.store(status_ptr + 2, tl.max(hi))
-    tl.store(status_ptr + 3, tl.max(top))
+    else:
+        ea = tl.arange(0, E_P2)
+        count = tl.load(count_ptr + ea, mask=ea < num_experts, other=0)
+        seg_len = (count + align_m - 1) // align_m * align_m
+        seg_start = tl.cumsum(seg_len, axis=0) - seg_len
+        tl.store(seg_ptr + ea, seg_start, mask=(ea < num_experts) & (ea // SCAN_E == pid))
+        if pid == 0:
+            lo = tl.full([STAT_C], 2**62, tl.int64)
+            hi = tl.full([STAT_C], -(2**62), tl.int64)
+            top = tl.full([STAT_C], -1, tl.int64)
+            for s0 in range(0, num_chunks, STAT_C):
+                s = s0 + tl.arange(0, STAT_C)
+                sm = s < num_chunks
+                lo = tl.minimum(lo, tl.load(stats_ptr + s * 3, mask=sm, other=2**62))
+                hi = tl.maximum(hi, tl.load(stats_ptr + s * 3 + 1, mask=sm, other=-(2**62)))
+                top = tl.maximum(top, tl.load(stats_ptr + s * 3 + 2, mask=sm, other=-1))
+            tl.store(status_ptr, tl.sum(seg_len))
+            tl.store(status_ptr + 1, tl.min(lo))
+            tl.store(status_ptr + 2, tl.max(hi))
+            tl.store(status_ptr + 3, tl.max(top))
 
 
 @triton.jit
-def _row_map_kernel(
-    local_ptr, rank_ptr, base_ptr, seg_ptr, row_map_ptr, num_pairs, num_experts, max_m,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
-):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < num_pairs
-    local = tl.load(local_ptr + i, mask=ok, other=-1)
-    is_local = ok & (local >= 0)
+def _pair_dests(local_ptr, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m,
+                CHUNK: tl.constexpr, MASKED: tl.constexpr):
+    """Destination rows of pairs ``p`` (-1: not local, or past ``max_m`` in the masked layout): the
+    pair's rank in its chunk + its expert's count in the earlier chunks (+ the segment start)."""
+    local = tl.load(local_ptr + p, mask=p_ok, other=-1)
+    is_local = p_ok & (local >= 0)
     lc = tl.where(is_local, local, 0)
-    pos = tl.load(rank_ptr + i, mask=is_local, other=0) + tl.load(
-        base_ptr + (i // CHUNK).to(tl.int64) * num_experts + lc, mask=is_local, other=0)
+    pos = tl.load(rank_ptr + p, mask=is_local, other=0) + tl.load(
+        base_ptr + (p // CHUNK).to(tl.int64) * num_experts + lc, mask=is_local, other=0)
     if MASKED:
         keep = is_local & (pos < max_m)
         dest = lc.to(tl.int64) * max_m + pos
     else:
         keep = is_local
         dest = tl.load(seg_ptr + lc, mask=is_local, other=0) + pos
-    tl.store(row_map_ptr + i, tl.where(keep, dest, -1), mask=ok)
+    return tl.where(keep, dest, -1)
 
 
 @triton.jit
-def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, num_experts, m_rows,
-                      BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
-    """``BLOCK`` rows per program: a row's expert is the last ``e`` with ``seg_start[e] <= row``
-    (empty segments share their start with the next one, so the last wins); the row is that expert's
-    if it lies below ``seg_start[e] + count[e]``, else padding (-1) — also every row past ``M_total``.
-    No branch on the program id and no data-dependent loop (rows past ``M_total`` included)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _m_indices_rows(m_idx_ptr, count_ptr, seg_ptr, r, num_experts, m_rows, BLOCK: tl.constexpr,
+                    E_CHUNK: tl.constexpr):
+    """``m_indices`` of rows ``r``: a row's expert is the last ``e`` with ``seg_start[e] <= row`` (empty
+    segments share their start with the next one, so the last wins); the row is that expert's if it
+    lies below ``seg_start[e] + count[e]``, else padding (-1) — also every row past ``M_total``."""
     last = tl.full([BLOCK], -1, tl.int32)
     for e0 in range(0, num_experts, E_CHUNK):
         e = e0 + tl.arange(0, E_CHUNK)
@@ -375,21 +375,21 @@ def _m_indices_kernel(m_idx_ptr, count_ptr, seg_ptr, num_experts, m_rows,
         last += tl.sum((start[None, :] <= r[:, None]).to(tl.int32), axis=1)
     e_row = tl.maximum(last, 0)
     start = tl.load(seg_ptr + e_row)
-    count = tl.load(count_ptr + e_row).to(tl.int64)
+    count = tl.load(count_ptr + e_row)
     inside = (last >= 0) & (r - start < count)
     tl.store(m_idx_ptr + r, tl.where(inside, e_row, -1), mask=r < m_rows)
 
 
 # ============================================================================================
-# 4. Scatter of rows and scales
+# 3. Scatter of rows and scales (+ row_map, m_indices)
 # ============================================================================================
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, xs_ptr, row_map_ptr, out_ptr, out_s_ptr,
-    T, K, KG, max_m, m_pad, xs_stride_t, xs_stride_g,
+    x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, count_ptr, row_map_ptr, m_idx_ptr, out_ptr, out_s_ptr,
+    T, K, KG, num_experts, max_m, m_pad, m_rows, xs_stride_t, xs_stride_g,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    MASKED: tl.constexpr,
+    CHUNK: tl.constexpr, M_BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, MASKED: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -398,11 +398,17 @@ def _scatter_kernel(
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok = cols < K
     t64 = t.to(tl.int64)
-    # every destination in one load, issued with the row's (a load per slot waited between the stores)
+    # every destination of the block's pairs, from the routing state (column block 0 publishes them)
     jk = tl.arange(0, K_P2)
-    dests = tl.load(row_map_ptr + t64[:, None] * TOP_K + jk[None, :], mask=t_ok[:, None] & (jk[None, :] < TOP_K),
-                    other=-1)
+    p = t64[:, None] * TOP_K + jk[None, :]
+    p_ok = t_ok[:, None] & (jk[None, :] < TOP_K)
+    dests = _pair_dests(local_ptr, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
     row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+    if pid_k == 0:
+        tl.store(row_map_ptr + p, dests, mask=p_ok)
+        if not MASKED:  # the contiguous layout's m_indices, M_BLOCK rows per token block
+            r = pid_t.to(tl.int64) * M_BLOCK + tl.arange(0, M_BLOCK)
+            _m_indices_rows(m_idx_ptr, count_ptr, seg_ptr, r, num_experts, m_rows, M_BLOCK, E_CHUNK)
     # scale groups whose first column lies in this column block (GROUP_K = 128 per group)
     SG: tl.constexpr = (BLOCK_K + 127) // 128
     g = pid_k * SG + tl.arange(0, SG)
@@ -414,7 +420,7 @@ def _scatter_kernel(
         keep = dest >= 0
         dest = tl.where(keep, dest, 0)
         if MASKED:  # dest = e·max_m + position; scales in the 3-D TMA layout [E, max_m, KG]
-            s_offs = (dest // max_m) * KG * m_pad + dest % max_m
+            s_offs = (dest // tl.maximum(max_m, 1)) * KG * m_pad + dest % tl.maximum(max_m, 1)
         else:
             s_offs = dest
         tl.store(out_ptr + dest[:, None] * K + cols[None, :], row, mask=keep[:, None] & c_ok[None, :])
@@ -485,12 +491,22 @@ def _combine_kernel(
 # Launch wrappers
 # ============================================================================================
 
+class _Routing(NamedTuple):
+    """The chunked routing's device state: what the scatter needs to place every pair (``local``,
+    ``rank``, ``base``; contiguous also ``seg_start`` and ``count``), and the contiguous layout's
+    ``status = [M_total, min id, max id, max mapped id]`` for the host."""
+    local: torch.Tensor
+    rank: torch.Tensor
+    base: torch.Tensor
+    seg_start: torch.Tensor
+    count: torch.Tensor
+    status: torch.Tensor
+
+
 def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
-           align_m: int, masked_m: torch.Tensor | None, cfg: DispatchConfig
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Route the flat (token, slot) pairs: ``(row_map, count, seg_start, status)``; the last three are
-    the contiguous layout's (``status = [M_total, min id, max id, max mapped id]``), and ``masked_m``
-    is written when given (masked layout)."""
+           align_m: int, masked_m: torch.Tensor | None, cfg: DispatchConfig) -> _Routing:
+    """Route the flat (token, slot) pairs in two launches: ``_count_kernel`` then ``_scan_kernel``
+    (``masked_m`` is written when given: masked layout). The scatter turns the result into ``row_map``."""
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -498,48 +514,52 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     emap = None if expert_map is None else (expert_map if expert_map.is_contiguous() else expert_map.contiguous())
     num_global = emap.shape[0] if emap is not None else num_experts
-    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    count = torch.empty(num_experts, dtype=torch.int32, device=device)
-    seg_start = torch.empty(num_experts, dtype=torch.int64, device=device)
-    status = torch.empty(4, dtype=torch.int64, device=device)
     num_chunks = ceil_div(num_pairs, cfg.chunk)
-    local = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    hist = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
-    base = torch.empty_like(hist)
-    stats = torch.empty((num_chunks, 3), dtype=torch.int64, device=device)
+    # two allocations (host time per launch counts here): int32 [local | rank | hist | base] and int64
+    # [count | seg_start | status | stats], zero-filled for the contiguous layout's atomic counts
+    hist_size = num_chunks * num_experts
+    i32 = torch.empty(2 * num_pairs + 2 * hist_size, dtype=torch.int32, device=device)
+    local, rank, hist, base = i32.split([num_pairs, num_pairs, hist_size, hist_size])
+    i64 = (torch.empty if masked else torch.zeros)(2 * num_experts + 4 + 3 * num_chunks, dtype=torch.int64,
+                                                   device=device)
+    count, seg_start, status, stats = i64.split([num_experts, num_experts, 4, 3 * num_chunks])
     if num_chunks > 0:
         _count_kernel[(num_chunks,)](
-            ids, emap if emap is not None else ids, local, rank, hist, stats, num_pairs, num_experts, num_global,
-            CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
-            num_warps=cfg.route_warps)
+            ids, emap if emap is not None else ids, local, rank, hist, stats, count, num_pairs, num_experts,
+            num_global, CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
+            ADD_COUNT=not masked, num_warps=cfg.route_warps)
     _scan_kernel[(ceil_div(num_experts, cfg.scan_experts),)](
-        hist, base, count, masked_m if masked else count, num_chunks, num_experts, max_m,
+        hist, base, count, seg_start, stats, status, masked_m if masked else count, num_chunks, num_experts,
+        max_m, align_m, E_P2=cfg.e_p2,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
-        SCAN_E=cfg.scan_experts, WRITE_MASKED_M=masked, num_warps=cfg.route_warps)
-    if not masked:
-        _segments_kernel[(1,)](count, seg_start, stats, status, num_experts, num_chunks, align_m,
-                               E_P2=cfg.e_p2, STAT_C=256, num_warps=cfg.route_warps)
-    if num_pairs > 0:
-        _row_map_kernel[(ceil_div(num_pairs, 1024),)](
-            local, rank, base, seg_start, row_map, num_pairs, num_experts, max_m,
-            CHUNK=cfg.chunk, BLOCK=1024, MASKED=masked, num_warps=4)
-    return row_map, count, seg_start, status
+        SCAN_E=cfg.scan_experts, STAT_C=256, MASKED=masked, num_warps=cfg.route_warps)
+    return _Routing(local, rank, base, seg_start, count, status)
 
 
-def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, out: torch.Tensor,
-             out_scale: torch.Tensor, max_m: int, m_pad: int, masked: bool, cfg: DispatchConfig) -> None:
+def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out: torch.Tensor,
+             out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None, max_m: int,
+             m_pad: int, cfg: DispatchConfig) -> None:
+    """Copy every token row (and its scales) to its destinations; column block 0 also writes
+    ``row_map`` and, contiguous layout (``m_indices`` given), ``M_BLOCK`` rows of ``m_indices`` per
+    token block (the grid covers both)."""
     num_tokens, k = x_fp8.shape
-    if num_tokens == 0:
+    masked = m_indices is None
+    m_rows = 0 if masked else m_indices.shape[0]
+    m_block = 128
+    t_blocks = max(ceil_div(num_tokens, cfg.block_t), ceil_div(m_rows, m_block))
+    if t_blocks == 0:
         return
-    col_blocks = ceil_div(k, cfg.block_k)
+    col_blocks = max(ceil_div(k, cfg.block_k), 1)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    _scatter_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
-        x_fp8.view(torch.uint8), x_scale, row_map, out.view(torch.uint8), out_scale,
-        num_tokens, k, x_scale.shape[1], max(max_m, 1), m_pad, x_scale.stride(0), x_scale.stride(1),
-        TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]), BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k, MASKED=masked, num_warps=cfg.num_warps)
+    num_experts = routing.count.shape[0]
+    _scatter_kernel[(t_blocks, col_blocks)](
+        x_fp8.view(torch.uint8), x_scale, routing.local, routing.rank, routing.base, routing.seg_start,
+        routing.count, row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
+        num_tokens, k, x_scale.shape[1], num_experts, max_m, m_pad, m_rows, x_scale.stride(0),
+        x_scale.stride(1), TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]),
+        BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, CHUNK=cfg.chunk, M_BLOCK=m_block,
+        E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), MASKED=masked, num_warps=cfg.num_warps)
 
 
 def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
@@ -605,8 +625,9 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
         _fused(x_fp8, x_scale, topk_ids, expert_map, num_experts, max_m, m_pad, out, out_scale, row_map,
                masked_m, cfg)
         return out, out_scale, masked_m, row_map
-    row_map = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)[0]
-    _scatter(x_fp8, x_scale, row_map, out, out_scale, max_m, m_pad, True, cfg)
+    routing = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)
+    row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, None, max_m, m_pad, cfg)
     return out, out_scale, masked_m, row_map
 
 
@@ -690,19 +711,6 @@ def _status_to_host(status: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Even
     return host, done
 
 
-def _contiguous_m_indices(count: torch.Tensor, seg_start: torch.Tensor, num_experts: int, num_tokens: int,
-                          top_k: int, align_m: int) -> torch.Tensor:
-    """``m_indices`` over ``contiguous_rows_bound`` rows (-1 past ``M_total``), launched before the host
-    sync: the rows the layout keeps are a prefix of it, so no launch is left between the sync and the scatter."""
-    rows = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
-    m_indices = torch.empty(rows, dtype=torch.int32, device=count.device)
-    if rows > 0:
-        _m_indices_kernel[(ceil_div(rows, 128),)](
-            m_indices, count, seg_start, num_experts, rows, BLOCK=128,
-            E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), num_warps=4)
-    return m_indices
-
-
 def _contiguous_rows(status: tuple[torch.Tensor, torch.cuda.Event | None], topk_ids: torch.Tensor,
                      num_experts: int, expert_map: torch.Tensor | None, align_m: int, sync: bool) -> int:
     """Rows of the contiguous outputs: ``M_total`` read from ``status`` (the one host sync; raises the
@@ -724,22 +732,25 @@ def _contiguous_rows(status: tuple[torch.Tensor, torch.cuda.Event | None], topk_
 
 
 def _contiguous_plan(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, align_m: int,
-                     sync: bool, cfg: DispatchConfig) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """Everything of the contiguous dispatch that needs no ``M_total``: ``(row_map, m_indices over the
-    bound, pending status)`` — ``_contiguous_rows(pending, ...)`` then gives the rows."""
-    num_tokens, top_k = topk_ids.shape
-    row_map, count, seg_start, status = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
-    m_indices = _contiguous_m_indices(count, seg_start, num_experts, num_tokens, top_k, align_m)
-    return row_map, m_indices, (_status_to_host(status) if sync else (status, None))
+                     sync: bool, cfg: DispatchConfig) -> tuple[_Routing, tuple]:
+    """Everything of the contiguous dispatch that needs no ``M_total``: ``(routing, pending status)`` —
+    ``_contiguous_rows(pending, ...)`` then gives the rows."""
+    routing = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
+    return routing, (_status_to_host(routing.status) if sync else (routing.status, None))
 
 
-def _contiguous_scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor,
-                        m_rows: int, cfg: DispatchConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocate the ``m_rows``-row contiguous layout and scatter the rows into it."""
-    out = torch.empty((m_rows, x_fp8.shape[1]), dtype=FP8_DTYPE, device=x_fp8.device)
-    out_scale = empty_scale_tma(m_rows, x_scale.shape[1], device=x_fp8.device)
-    _scatter(x_fp8, x_scale, row_map, out, out_scale, 0, get_tma_aligned_m(m_rows), False, cfg)
-    return out, out_scale, m_indices[:m_rows], row_map
+def _contiguous_scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, routing: _Routing,
+                        m_rows: int, cfg: DispatchConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate the ``m_rows``-row contiguous layout and scatter the rows into it (one launch, which also
+    writes ``m_indices`` and ``row_map``)."""
+    device = x_fp8.device
+    out = torch.empty((m_rows, x_fp8.shape[1]), dtype=FP8_DTYPE, device=device)
+    out_scale = empty_scale_tma(m_rows, x_scale.shape[1], device=device)
+    m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
+    row_map = torch.empty(topk_ids.shape, dtype=torch.int64, device=device)
+    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, m_indices, 0, get_tma_aligned_m(m_rows), cfg)
+    return out, out_scale, m_indices, row_map
 
 
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -756,9 +767,9 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     """
     check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
     cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts)
-    row_map, m_indices, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    routing, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
-    return _contiguous_scatter(x_fp8, x_scale, row_map, m_indices, m_rows, cfg)
+    return _contiguous_scatter(x_fp8, x_scale, topk_ids, routing, m_rows, cfg)
 
 
 def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -780,10 +791,10 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     cfg = config or dispatch_config(x.shape[0], topk_ids.shape[1], x.shape[1], num_experts)
-    row_map, m_indices, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    routing, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
     m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
-    return x_fp8, x_scale, *_contiguous_scatter(x_fp8, x_scale, row_map, m_indices, m_rows, cfg)
+    return x_fp8, x_scale, *_contiguous_scatter(x_fp8, x_scale, topk_ids, routing, m_rows, cfg)
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,

@@ -41,4 +41,10 @@ __host__ __device__ constexpr T constexpr_gcd(T a, T b) {
     return b == 0 ? a : constexpr_gcd(b, a % b);
 }
 
+// A compile-time count passed to a generic lambda (C++17 has no templated lambdas).
+template <uint32_t kValue>
+struct Count {
+    static constexpr uint32_t value = kValue;
+};
+
 }  // namespace moe_fp8

@@ -158,9 +158,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr bool kMulticastOnA = Scheduler::kMulticastOnA;
     constexpr uint32_t kSplitK = Scheduler::kSplitK;  // CTAs per cluster splitting one tile's K
     constexpr bool kCluster = kMulticast > 1 || kSplitK > 1;
-    // 256-wide tiles of single CTAs load B as two 128-row boxes, one per wave: the gate and up
-    // blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
-    constexpr bool kTwoBoxB = BLOCK_N == 256 && !kCluster;
+    // two-wave tiles (192 / 256 wide) of single CTAs load B as two 96 / 128-row boxes, one per wave:
+    // the gate and up blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
+    constexpr bool kTwoBoxB = kNumWaves == 2 && !kCluster;
     constexpr bool kTailSplit = Scheduler::kTailSplit;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                   "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
     static_assert(kActQuant == 0 || (BLOCK_N == 256 && SHAPE_N % 256 == 0 && !kCluster),
                   "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
-    static_assert(!kTailSplit || (kTwoBoxB && kActQuant == 0), "tail halves: plain 256-wide tiles");
+    static_assert(!kTailSplit || (kTwoBoxB && kActQuant == 0), "tail halves: plain two-wave tiles");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);
-                } else if (kTailSplit && tile.num_waves == 1) {  // a tail half: its wave's 128 columns
+                } else if (kTailSplit && tile.num_waves == 1) {  // a tail half: its wave's columns
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
                         smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
                 } else {
@@ -297,10 +297,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                         ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
                                                    b_row + rank * BLOCK_N / 2, 0b11);
                     } else if constexpr (kTwoBoxB) {
-                        // wave w's 128 rows: the tile's columns w * 128.., or gate / up block n_block
+                        // wave w's rows: the tile's columns w * kWaveN.., or gate / up block n_block
                         const int32_t row0 = kActQuant ? static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * 128)
                                                        : b_row;
-                        const int32_t wave_rows = kActQuant ? static_cast<int32_t>(SHAPE_N / 2) : 128;
+                        const int32_t wave_rows = kActQuant ? static_cast<int32_t>(SHAPE_N / 2) : kWaveN;
 #pragma unroll
                         for (uint32_t w = 0; w < 2; ++w) {
                             if (kTailSplit && !tile.runs_wave(w)) continue;
@@ -442,21 +442,32 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            // the last wave this tile runs releases the slot (a split tail half runs one)
-            const uint32_t wave_end = kTailSplit ? tile.wave0 + tile.num_waves : kNumWaves;
-            for (uint32_t kb = 0; kb < num_kb; ++kb) {
-                acquire(kb, sc);
+            // waves [kFirst, kFirst + kRun) of every K block; the last releases the slot. Both are
+            // compile-time: a run-time wave would index `total` dynamically (local memory).
+            auto mainloop = [&](auto first, auto run) {
+                constexpr uint32_t kFirst = decltype(first)::value, kRun = decltype(run)::value;
+                for (uint32_t kb = 0; kb < num_kb; ++kb) {
+                    acquire(kb, sc);
 #pragma unroll
-                for (uint32_t w = 0; w < kNumWaves; ++w) {
-                    if (kTailSplit && !tile.runs_wave(w)) continue;
-                    mma_wave(w, acc);
-                    mma::wgmma_wait<0>();
+                    for (uint32_t i = 0; i < kRun; ++i) {
+                        const uint32_t w = kFirst + i;
+                        mma_wave(w, acc);
+                        mma::wgmma_wait<0>();
 #pragma unroll
-                    for (uint32_t i = 0; i < kWaveAccum; ++i) mma::fence_operand(acc[i]);
-                    if (w + 1 == wave_end) release();
-                    promote_wave(w, acc, sc);
+                        for (uint32_t j = 0; j < kWaveAccum; ++j) mma::fence_operand(acc[j]);
+                        if (i + 1 == kRun) release();
+                        promote_wave(w, acc, sc);
+                    }
+                    next_stage();
                 }
-                next_stage();
+            };
+            // NOTE: each split tail half gets its own copy of the loop. Testing the wave inside one shared
+            // loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never split.
+            if (kTailSplit && tile.num_waves == 1) {
+                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{});
+                else mainloop(Count<1>{}, Count<1>{});
+            } else {
+                mainloop(Count<0>{}, Count<kNumWaves>{});
             }
         }
 

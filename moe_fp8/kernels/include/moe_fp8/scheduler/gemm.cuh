@@ -19,16 +19,16 @@ struct Tile {
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
     uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's share
     uint32_t num_k_blocks;
-    uint32_t wave0;      // 256-wide tiles with TailSplit: the 128-column waves to run,
+    uint32_t wave0;      // two-wave tiles with TailSplit: the 96 / 128-column waves to run,
     uint32_t num_waves;  //   [wave0, wave0 + num_waves) (both, or one half of a split tail tile)
 
     __device__ __forceinline__ bool runs_wave(uint32_t w) const { return w >= wave0 && w < wave0 + num_waves; }
 };
 
 // NOTE: a persistent grid whose last wave holds few tiles idles most SMs for a whole tile (a masked
-// 804-row group at 7168x2048: 196 tiles of 128x256 on 132 SMs). 256-wide tiles run as two 128-column
-// waves, so when the last wave holds at most half as many tiles as there are CTAs, its tiles are
-// handed out as halves, one wave each, to twice as many CTAs: that wave takes about half as long.
+// 804-row group at 7168x2048: 196 tiles of 128x256 on 132 SMs). 256 (192)-wide tiles run as two 128
+// (96)-column waves, so when the last wave holds at most half as many tiles as there are CTAs, its tiles
+// are handed out as halves, one wave each, to twice as many CTAs: that wave takes about half as long.
 // Units 0 .. full-1 are whole tiles, unit full + h the half h % 2 of tile full + h / 2.
 template <bool kEnabled>
 struct TailSplit {
@@ -88,8 +88,8 @@ struct NormalScheduler {
     static constexpr bool kMulticastOnA = kMulticastOnA_;
     static constexpr uint32_t kSplitK = kSplitK_;
     static_assert(kSplitK == 1 || kMulticast == 1, "a cluster either splits K or shares an operand");
-    static_assert(!kTailSplit || (BLOCK_N == 256 && kMulticast == 1 && kSplitK == 1),
-                  "tail halves: 256-wide tiles of single CTAs");
+    static_assert(!kTailSplit || ((BLOCK_N == 256 || BLOCK_N == 192) && kMulticast == 1 && kSplitK == 1),
+                  "tail halves: two-wave (192 / 256-wide) tiles of single CTAs");
     static constexpr bool kGroupedScales = false;  // an output scale layout per group (masked)
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
@@ -155,7 +155,7 @@ struct ContiguousScheduler {
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
-    static_assert(!kTailSplit || BLOCK_N == 256, "tail halves: 256-wide tiles");
+    static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
     const int32_t* m_indices;
     uint32_t shape_m, num_m_blocks;
     TailSplit<kTailSplit> tail;  // over every tile, padding included (padding blocks are few and skipped)
@@ -200,7 +200,7 @@ struct MaskedScheduler {
     static constexpr bool kGroupedScales = true;
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
-    static_assert(!kTailSplit || BLOCK_N == 256, "tail halves: 256-wide tiles");
+    static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
     // The tail split needs the tile count: every thread sums the groups' counts once, so only for
     // a few groups (the large-row shapes whose tail matters; decode's 32+ groups run small tiles).
     static constexpr uint32_t kMaxTailSplitGroups = 8;
