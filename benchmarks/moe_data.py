@@ -264,7 +264,7 @@ CASES: dict[str, Callable[[int, Bench], list[Case]]] = {
 
 
 # ============================================================================================
-# Decode step: quant + route + dispatch_masked + SiLU·mul+quant on [E, max_m, 2I] + combine
+# Decode step (as Fp8FusedMoE runs it): route + quant_dispatch_masked + SiLU·mul+quant on [E, max_m, 2I] + combine
 # ============================================================================================
 
 def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]:

@@ -713,7 +713,9 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
     row_map int64 [T, top_k])``; ``M_total`` is data-dependent (this op syncs with the host to size its
     outputs), each expert's segment padded to ``align_m`` rows, padding rows ``m_indices = -1``.
     ``row_map[t, j]`` = row of token t's j-th copy, -1 if not local. Inputs feed
-    ``fp8_grouped_gemm_contiguous``; ``row_map`` feeds ``combine``.
+    ``fp8_grouped_gemm_contiguous``; ``row_map`` feeds ``combine``. On the GPU the copy runs before the
+    host waits for ``M_total``: the three layout outputs are ``M_total``-row views of buffers sized by the
+    upper bound below (their memory is held as long as the views).
 
     ``sync=False``: no host sync. ``M_total`` is replaced by the upper bound
     ``align(T·top_k + E·(align_m − 1), align_m)`` (each segment pads fewer than ``align_m`` rows); the

@@ -12,10 +12,10 @@ compact table and writes JSON. Columns:
 - ``%copy``    bytes the op must move / ``graph_us`` against the measured copy bandwidth.
 - ``check``    ``ok`` or what differs from the reference.
 
-Then the DeepSeek-V3 decode step (routing + quant + masked dispatch + SiLU·mul+quant + combine, 128
+Then the DeepSeek-V3 decode step (routing + quant with masked dispatch + SiLU·mul+quant + combine, 128
 tokens, top-8 of 256) under a CUDA graph with the default configs (target <= 40 us).
 
-    python scripts/datapath_sweep.py [--out FILE.json] [--budget-s 150] [--kinds quant silu ...]
+    python scripts/datapath_sweep.py [--out FILE.json] [--budget-s 150] [--kinds quant silu ...] [--decode-shapes]
     TRITON_INTERPRET=1 python scripts/datapath_sweep.py --smoke   # CPU: tiny shapes, logic only
 
 To adopt a winner, edit the constant / rule in configs.py that produced it (the JSON row holds the
@@ -303,10 +303,9 @@ def decode_step() -> dict[str, Any]:
     shared = randn((t, HIDDEN), seed=4, device=DEV)
     n_group, topk_group = (N_GROUP, TOPK_GROUP) if not SMOKE else (4, 2)
 
-    def step():
-        x_fp8, x_scale = Q.per_token_group_quant(x, 128, False, 1e-10)
+    def step():  # as Fp8FusedMoE's decode path (quantization inside the dispatch op)
         w, ids = R.select_experts(logits, TOP_K, "sigmoid", True, n_group, topk_group, bias, SCALING)
-        _, _, masked_m, row_map = D.dispatch_masked(x_fp8, x_scale, ids, e, max_m, None)
+        _, _, _, _, masked_m, row_map = D.quant_dispatch_masked(x, ids, e, max_m, None)
         Q.silu_mul_per_token_group_quant(h, 128, False, masked_m, 1e-10)
         return D.combine(y, row_map, w, shared)
 
@@ -347,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="stop adding candidates after this many seconds")
     p.add_argument("--kinds", nargs="*", default=[*MAKERS, "decode"])
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, logic only")
+    p.add_argument("--decode-shapes", action="store_true", help="only the shapes of the 128-token decode step")
     args = p.parse_args(argv)
+    if args.decode_shapes:
+        SHAPES = {"quant": [(128, HIDDEN)], "silu": [(895, 256, 128)], "routing": [128], "dispatch_contiguous": [],
+                  "dispatch_masked": [(128, 256, 128)], "combine": [128]}
     t_start = time.perf_counter()
     if args.smoke:
         SMOKE, DEV = True, ("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,6 +10,7 @@ the host time of the layer's ops. Other modes, one per flag:
       --host-profile   cProfile of 200 forwards
       --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local)
       --scatter        the contiguous dispatch's scatter kernel alone, per block shape
+      --routing        select_experts alone, per block shape
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def combine_sweep(y: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
     local = int((row_map >= 0).sum())
     nbytes = 2 * y.shape[1] * (local + t)
     results = []
-    for bt, bh, nw, ga in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8), (False, True)):
+    for bt, bh, nw, ga in itertools.product((1, 2), (2048, 4096, 8192), (4, 8, 16), (False, True)):
         cfg = CombineConfig(bt, bh, nw, ga)
         try:
             us = bench_us(lambda cfg=cfg: triton_combine(y, row_map, weights, None, config=cfg))
@@ -157,7 +158,8 @@ def host_ops(layer, t: int) -> None:
     import triton
     import triton.language as tl
 
-    from moe_fp8.ops import quant_dispatch_masked
+    from moe_fp8 import fp8_grouped_gemm_contiguous
+    from moe_fp8.ops import quant_dispatch_contiguous, quant_dispatch_masked
     from moe_fp8.quant import silu_mul_per_token_group
 
     @triton.jit
@@ -172,6 +174,7 @@ def host_ops(layer, t: int) -> None:
     h = torch.randn(t, 2 * layer.intermediate_size, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
     row_map = torch.arange(t * layer.top_k, device="cuda").view(t, -1) % t
+    _, _, a_fp8, a_scale, m_indices, _ = quant_dispatch_contiguous(hidden, ids, LOCAL_EXPERTS, layer.expert_map)
     ops = {
         "bare triton launch (11 args)": lambda: _noop[(1,)](a, a, a, 7, 8, 9, 10, 11, 12, BLOCK=1024, FLAG=True),
         "torch.empty x4": lambda: [torch.empty(t, 128, device="cuda") for _ in range(4)],
@@ -180,6 +183,9 @@ def host_ops(layer, t: int) -> None:
         "quant_dispatch_masked": lambda: quant_dispatch_masked(hidden, ids, LOCAL_EXPERTS, t, layer.expert_map),
         "silu_mul_per_token_group": lambda: silu_mul_per_token_group(h),
         "combine": lambda: triton_combine(y, row_map, weights, None),
+        "quant_dispatch_contiguous": lambda: quant_dispatch_contiguous(hidden, ids, LOCAL_EXPERTS, layer.expert_map),
+        "fp8_grouped_gemm_contiguous (GEMM1)": lambda: fp8_grouped_gemm_contiguous(
+            a_fp8, a_scale, layer.w13_weight, layer.w13_weight_scale_inv, m_indices),
         "forward masked": lambda: layer(hidden, logits, path="masked"),
     }
     print(f"\n## host us per call, tokens {t} (no sync between calls)")
@@ -200,23 +206,48 @@ def dispatch_timeline(t: int, hidden_size: int = 7168, experts: int = 256, top_k
 
 
 def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: int = 8) -> None:
-    """The contiguous dispatch's scatter kernel alone, per variant (``dispatch._scatter``)."""
+    """The contiguous dispatch's scatter kernel alone, per block shape: every expert local (the moe-data
+    bench) and one expert-parallel rank (the layer bench: 32 of 256 experts, via ``expert_map``)."""
     from moe_fp8.kernels.triton import dispatch as D
     from moe_fp8.kernels.triton.configs import dispatch_config
-    from moe_fp8.utils import get_tma_aligned_m
 
     x = torch.randn(t, hidden_size, device="cuda", dtype=torch.bfloat16)
     x_fp8, x_scale = per_token_group(x)
     ids = torch.rand(t, experts, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-    out, out_scale, _, row_map = dispatch_contiguous(x_fp8, x_scale, ids, experts)
-    m_pad = get_tma_aligned_m(out.shape[0])
-    nbytes = t * hidden_size * (1 + top_k)
-    print(f"\n## scatter {t}x{hidden_size}, {experts} experts, top-{top_k} ({nbytes / 1e6:.0f} MB)")
-    for bt, bk, nw in ((2, 4096, 8), (1, 4096, 4), (1, 8192, 8), (2, 2048, 4), (4, 2048, 8), (4, 4096, 8),
-                       (1, 2048, 4)):
-        cfg = dispatch_config(t, top_k, hidden_size, experts, block_t=bt, block_k=bk, num_warps=nw)
-        us = bench_us(lambda cfg=cfg: D._scatter(x_fp8, x_scale, row_map, out, out_scale, 0, m_pad, False, cfg))
-        print(f"  block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+    ep_map = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
+    ep_map[:LOCAL_EXPERTS] = torch.arange(LOCAL_EXPERTS, dtype=torch.int32, device="cuda")
+    for name, num_local, emap in (("all local", experts, None), ("EP rank", LOCAL_EXPERTS, ep_map)):
+        cfg0 = dispatch_config(t, top_k, hidden_size, num_local)
+        routing, pending = D._contiguous_plan(ids, num_local, emap, 128, True, cfg0)
+        m_rows = D._contiguous_rows(pending, ids, num_local, emap, 128, True)  # exact rows, scatter after the sync
+        local = D._contiguous_scatter(x_fp8, x_scale, ids, routing, m_rows, cfg0)[3] >= 0
+        local_pairs, used = int(local.sum()), int(local.any(1).sum())
+        nbytes = (hidden_size + hidden_size // 32) * (local_pairs + (used if emap is not None else t))
+        print(f"\n## scatter {t}x{hidden_size}, {name}: {local_pairs} local pairs, {m_rows} rows "
+              f"({nbytes / 1e6:.0f} MB moved)")
+        for bt, bk, nw in ((1, 8192, 8), (1, 8192, 4), (1, 8192, 16), (2, 8192, 8), (1, 4096, 4), (1, 2048, 4),
+                           (2, 4096, 8)):
+            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_t=bt, block_k=bk, num_warps=nw)
+            us = bench_us(lambda cfg=cfg, r=routing, m=m_rows: D._contiguous_scatter(x_fp8, x_scale, ids, r, m, cfg))
+            print(f"  block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+
+
+def routing_sweep(layer, t: int) -> None:
+    """``select_experts`` of the layer's routing (DeepSeek-V3 grouped sigmoid top-8 of 256) per config."""
+    from moe_fp8.kernels.triton.configs import routing_config
+    from moe_fp8.kernels.triton.routing import select_experts
+
+    logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32)
+    args = (layer.top_k, layer.scoring_func, layer.renormalize, layer.n_group, layer.topk_group,
+            layer.e_score_correction_bias, layer.routed_scaling_factor)
+    default = routing_config(t, NUM_EXPERTS, layer.top_k, layer.n_group)
+    ref = select_experts(logits, *args)
+    print(f"\n## select_experts {t} x {NUM_EXPERTS}: default {default}")
+    for bt, nw in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+        cfg = routing_config(t, NUM_EXPERTS, layer.top_k, layer.n_group, block_t=bt, num_warps=nw)
+        same = all(torch.equal(a, b) for a, b in zip(select_experts(logits, *args, config=cfg), ref, strict=True))
+        us = bench_us(lambda cfg=cfg: select_experts(logits, *args, config=cfg))
+        print(f"  block_t {bt} warps {nw}: {us:7.1f} us{'' if same else '  (DIFFERENT RESULT)'}")
 
 
 def main() -> None:
@@ -228,11 +259,14 @@ def main() -> None:
     p.add_argument("--host-ops", action="store_true", help="host time per call of each op instead")
     p.add_argument("--dispatch", action="store_true", help="dispatch_contiguous kernel timelines instead")
     p.add_argument("--scatter", action="store_true", help="scatter kernel variants instead")
+    p.add_argument("--routing", action="store_true", help="select_experts configs instead")
     args = p.parse_args()
     layer, _ = build_layer()
     for t in args.tokens:
         if args.scatter:
             scatter_sweep(t)
+        elif args.routing:
+            routing_sweep(layer, t)
         elif args.dispatch:
             dispatch_timeline(t)
         elif args.host_ops:

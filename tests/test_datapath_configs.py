@@ -69,7 +69,7 @@ def test_dispatch_and_combine_configs():
     assert c.block_h == 1024 and c.num_warps == 4 and is_pow2(c.block_t)
     assert c.gather_all  # decode: the top_k rows in one load
     c = C.combine_config(16384, 7168)
-    assert (c.block_h, c.num_warps, c.gather_all) == (2048, 4, False)
+    assert (c.block_h, c.num_warps, c.gather_all) == (4096, 4, False)
 
 
 def test_dispatch_fuses_decode_and_chunks_prefill():
@@ -77,8 +77,8 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     assert d.fused and d.block_t == 1 and d.block_k == 8192 and d.num_warps == 8
     assert not C.dispatch_config(16384, 8, 7168, 256).fused
     assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
-    p = C.dispatch_config(4096, 8, 7168, 32)  # sweep winner of the chunked scatter
-    assert (p.block_t, p.block_k, p.num_warps) == (1, 2048, 4)
+    p = C.dispatch_config(4096, 8, 7168, 32)  # chunked scatter: a token's whole row, destinations once
+    assert (p.block_t, p.block_k, p.num_warps) == (1, 8192, 8)
     assert C.combine_config(16384, 7168).block_t == 1  # sweep winner at every size
 
 

@@ -76,14 +76,17 @@ DISPATCH_RANK_TILE = 4096
 # block_k 8192 / 8 warps 11.7 us vs 14.4 at 2048 / 4 warps.
 DISPATCH_FUSED_BLOCK_K = 8192
 DISPATCH_FUSED_WARPS = 8
-# Chunked path's scatter (every destination of a program's tokens preloaded in one load): session 5
-# sweeps on an H100. Contiguous, 16384 / 4096 tokens × 7168, 256 experts, top-8
-# (scripts/profile_layer.py --scatter): one token × 2048 bytes / 4 warps 477 / 123 us vs 511 / 129 us for
-# the earlier 2 × 4096 / 8 warps without the preload. Masked under a CUDA graph: 4096 tokens, 32 experts,
-# max_m 2048: 136 vs 140 us; 16384 tokens, 256 experts: 557 vs 579 us; 1024 tokens: 50 us for both.
-DISPATCH_BLOCK_K = 2048
+# Chunked path's scatter: each program computes its pairs' destinations from the routing state (4
+# dependent gathers per pair), so it takes a token's whole row (one column block up to 8192 bytes) and
+# does that once per token. Session 9 sweep (H100, scripts/profile_layer.py --scatter, 7168 columns,
+# top-8 of 256): an EP rank (32 local experts) at 8192 tokens 68.9 us for 1 x 8192 / 8 warps against
+# 76.4 for 1 x 4096 / 4 and 118.4 for 1 x 2048 / 4; all experts local 270 us against 251 for 4096 / 4.
+DISPATCH_BLOCK_K = 8192
 DISPATCH_BLOCK_T = 1
-DISPATCH_WARPS = 4
+DISPATCH_WARPS = 8
+# Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
+# ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
+M_INDICES_E_CHUNK = 32
 # Routing kernels of the chunked path (count / scan / row map).
 DISPATCH_ROUTE_WARPS = 4
 
@@ -95,15 +98,16 @@ DISPATCH_ROUTE_WARPS = 4
 # 32 experts, 7 of 8 slots skipped, the layer's combine stage: one-load 221 / 439 us at 8192 / 16384
 # tokens, per-slot 168 / 369; all slots used: 98% / 95% of copy BW at 16384 / 4096, 13.4 us at 128).
 COMBINE_GATHER_MAX_TOKENS = 512
-# Large batches: 2048 columns / 4 warps. Every slot local, 2048 columns are within noise of 1024 (gpu6:
-# 799.2 vs 801.5 us at 16384) and 4 warps of 8 (368.4-369.5 us at 8192 x top-8); an EP rank's combine
-# (7 of 8 slots skipped, 8192 tokens) is 138 us at 4 warps vs 163 at 8 (session 5 sweep,
-# scripts/profile_layer.py --combine-sweep). Fewer tokens keep 1024 / 4 warps (twice the programs).
+# Large batches: 4096 columns / 4 warps (session 9 sweep, scripts/profile_layer.py --combine-sweep, H100):
+# an EP rank's combine (7 of 8 slots skipped) 127.8 / 244.0 us at 8192 / 16384 tokens against 137.3 /
+# 269.3 for 2048 / 4 warps, the best of 36 configs at both sizes; every slot local, all of 2048-8192
+# columns at 4-16 warps are within 1% (368.7-370 us at 8192 tokens, 2.86 TB/s). Fewer tokens keep
+# 1024 / 4 warps (more programs).
 COMBINE_BLOCK_H = 1024
 COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
 COMBINE_LARGE_FROM = 4096
-COMBINE_LARGE_BLOCK_H = 2048
+COMBINE_LARGE_BLOCK_H = 4096
 COMBINE_LARGE_WARPS = 4
 
 

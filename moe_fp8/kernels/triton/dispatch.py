@@ -30,10 +30,10 @@ the routing is as few launches as its two global dependencies allow (totals befo
 every chunk's histogram before any position).
 
 The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
-the host reads it (with the id range, to raise the reference's errors) in one sync and allocates
-exactly; the sync is a copy to pinned memory and an event, so GPU work enqueued after the routing
-(``quant_dispatch_contiguous``: the quantization) keeps the GPU busy while the host waits,
-allocates and launches the scatter. ``sync=False``: no host sync — the outputs get the upper bound
+the host reads it (with the id range, to raise the reference's errors) in one sync; the sync is a copy to pinned memory and an event, and the scatter is launched before it
+into upper-bound buffers, reading ``M_total`` on the device (its outputs are ``M_total``-row views).
+So the GPU copies rows (``quant_dispatch_contiguous``: quantizes, then copies) while the host waits
+and then prepares the next launches. ``sync=False``: no host sync — the outputs get the upper bound
 ``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
 (``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
 dispatch) instead of an error.
@@ -65,13 +65,14 @@ from moe_fp8.kernels.triton.common import (
     to_bf16,
 )
 from moe_fp8.kernels.triton.configs import (
+    M_INDICES_E_CHUNK,
     MAX_GRID_YZ,
     CombineConfig,
     DispatchConfig,
     combine_config,
     dispatch_config,
 )
-from moe_fp8.utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_tma_aligned_m
+from moe_fp8.utils import FP8_DTYPE, SCALE_M_ALIGN, ceil_div, empty_scale_tma, get_tma_aligned_m
 
 __all__ = [
     "combine",
@@ -386,35 +387,48 @@ def _m_indices_rows(m_idx_ptr, count_ptr, seg_ptr, r, num_experts, m_rows, BLOCK
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, count_ptr, row_map_ptr, m_idx_ptr, out_ptr, out_s_ptr,
-    T, K, KG, num_experts, max_m, m_pad, m_rows, xs_stride_t, xs_stride_g,
+    x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, count_ptr, status_ptr, row_map_ptr, m_idx_ptr, out_ptr,
+    out_s_ptr, T, K, KG, num_experts, max_m, m_pad, m_rows, xs_stride_t, xs_stride_g,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, M_BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, MASKED: tl.constexpr,
+    SKIP_IDLE: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, M_ALIGN: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if ROWS_ON_DEVICE:  # contiguous, launched before the host knows M_total: the layout of M_total rows
+        m_rows = tl.load(status_ptr).to(tl.int32)
+        m_pad = (m_rows + M_ALIGN - 1) // M_ALIGN * M_ALIGN  # utils.get_tma_aligned_m
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c_ok = cols < K
     t64 = t.to(tl.int64)
+    # scale groups whose first column lies in this column block (GROUP_K = 128 per group)
+    SG: tl.constexpr = (BLOCK_K + 127) // 128
+    g = pid_k * SG + tl.arange(0, SG)
+    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
+    row_offs = t64[:, None] * K + cols[None, :]
+    sc_offs = t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g
+    if not SKIP_IDLE:  # every token has a destination: its row load overlaps the routing-state gathers
+        row = tl.load(x_ptr + row_offs, mask=t_ok[:, None] & c_ok[None, :])
+        sc = tl.load(xs_ptr + sc_offs, mask=t_ok[:, None] & g_ok[None, :])
     # every destination of the block's pairs, from the routing state (column block 0 publishes them)
     jk = tl.arange(0, K_P2)
     p = t64[:, None] * TOP_K + jk[None, :]
     p_ok = t_ok[:, None] & (jk[None, :] < TOP_K)
     dests = _pair_dests(local_ptr, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
-    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+    if SKIP_IDLE:  # expert parallelism: a third of the tokens have no local expert; their rows stay unread
+        used = t_ok & (tl.max(dests, axis=1) >= 0)
+        row = tl.load(x_ptr + row_offs, mask=used[:, None] & c_ok[None, :])
+        sc = tl.load(xs_ptr + sc_offs, mask=used[:, None] & g_ok[None, :])
     if pid_k == 0:
         tl.store(row_map_ptr + p, dests, mask=p_ok)
-        if not MASKED:  # the contiguous layout's m_indices, M_BLOCK rows per token block
-            r = pid_t.to(tl.int64) * M_BLOCK + tl.arange(0, M_BLOCK)
-            _m_indices_rows(m_idx_ptr, count_ptr, seg_ptr, r, num_experts, m_rows, M_BLOCK, E_CHUNK)
-    # scale groups whose first column lies in this column block (GROUP_K = 128 per group)
-    SG: tl.constexpr = (BLOCK_K + 127) // 128
-    g = pid_k * SG + tl.arange(0, SG)
-    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
-    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
-                 mask=t_ok[:, None] & g_ok[None, :])
+        # the contiguous layout's m_indices, M_BLOCK rows per token block (blocks past M_total skip it;
+        # the compile-time test stays apart from the run-time one)
+        if not MASKED:  # noqa: SIM102
+            if pid_t * M_BLOCK < m_rows:
+                r = pid_t.to(tl.int64) * M_BLOCK + tl.arange(0, M_BLOCK)
+                _m_indices_rows(m_idx_ptr, count_ptr, seg_ptr, r, num_experts, m_rows, M_BLOCK, E_CHUNK)
     for j in tl.static_range(TOP_K):
         dest = tl.sum(tl.where(jk[None, :] == j, dests, 0), axis=1)  # column j (register work)
         keep = dest >= 0
@@ -494,13 +508,15 @@ def _combine_kernel(
 class _Routing(NamedTuple):
     """The chunked routing's device state: what the scatter needs to place every pair (``local``,
     ``rank``, ``base``; contiguous also ``seg_start`` and ``count``), and the contiguous layout's
-    ``status = [M_total, min id, max id, max mapped id]`` for the host."""
+    ``status = [M_total, min id, max id, max mapped id]`` for the host. ``has_map``: an ``expert_map``
+    was given (tokens without a local expert exist)."""
     local: torch.Tensor
     rank: torch.Tensor
     base: torch.Tensor
     seg_start: torch.Tensor
     count: torch.Tensor
     status: torch.Tensor
+    has_map: bool
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
@@ -533,15 +549,17 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
         max_m, align_m, E_P2=cfg.e_p2,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
         SCAN_E=cfg.scan_experts, STAT_C=256, MASKED=masked, num_warps=cfg.route_warps)
-    return _Routing(local, rank, base, seg_start, count, status)
+    return _Routing(local, rank, base, seg_start, count, status, emap is not None)
 
 
 def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out: torch.Tensor,
              out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None, max_m: int,
-             m_pad: int, cfg: DispatchConfig) -> None:
+             m_pad: int, cfg: DispatchConfig, rows_on_device: bool = False) -> None:
     """Copy every token row (and its scales) to its destinations; column block 0 also writes
     ``row_map`` and, contiguous layout (``m_indices`` given), ``M_BLOCK`` rows of ``m_indices`` per
-    token block (the grid covers both)."""
+    token block (the grid covers both). ``rows_on_device``: the contiguous layout has ``M_total`` rows
+    (read from ``routing.status``) and its scales the TMA layout of ``M_total`` rows; ``out``,
+    ``out_scale`` (flat) and ``m_indices`` are upper-bound buffers."""
     num_tokens, k = x_fp8.shape
     masked = m_indices is None
     m_rows = 0 if masked else m_indices.shape[0]
@@ -555,11 +573,12 @@ def _scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out:
     num_experts = routing.count.shape[0]
     _scatter_kernel[(t_blocks, col_blocks)](
         x_fp8.view(torch.uint8), x_scale, routing.local, routing.rank, routing.base, routing.seg_start,
-        routing.count, row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
+        routing.count, routing.status, row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
         num_tokens, k, x_scale.shape[1], num_experts, max_m, m_pad, m_rows, x_scale.stride(0),
         x_scale.stride(1), TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]),
         BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, CHUNK=cfg.chunk, M_BLOCK=m_block,
-        E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), 256), MASKED=masked, num_warps=cfg.num_warps)
+        E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), M_INDICES_E_CHUNK), MASKED=masked,
+        SKIP_IDLE=routing.has_map, ROWS_ON_DEVICE=rows_on_device, M_ALIGN=SCALE_M_ALIGN, num_warps=cfg.num_warps)
 
 
 def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
@@ -740,17 +759,49 @@ def _contiguous_plan(topk_ids: torch.Tensor, num_experts: int, expert_map: torch
 
 
 def _contiguous_scatter(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, routing: _Routing,
-                        m_rows: int, cfg: DispatchConfig
+                        m_rows: int, cfg: DispatchConfig, rows_on_device: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Allocate the ``m_rows``-row contiguous layout and scatter the rows into it (one launch, which also
-    writes ``m_indices`` and ``row_map``)."""
+    """Allocate an ``m_rows``-row contiguous layout and scatter the rows into it (one launch, which also
+    writes ``m_indices`` and ``row_map``). ``rows_on_device``: ``m_rows`` is the upper bound and the kernel
+    lays out the ``M_total`` rows of ``routing.status`` (the scales come back flat: ``_contiguous_views``)."""
     device = x_fp8.device
+    kg = x_scale.shape[1]
     out = torch.empty((m_rows, x_fp8.shape[1]), dtype=FP8_DTYPE, device=device)
-    out_scale = empty_scale_tma(m_rows, x_scale.shape[1], device=device)
+    if rows_on_device:
+        out_scale = torch.empty(kg * get_tma_aligned_m(m_rows), dtype=torch.float32, device=device)
+    else:
+        out_scale = empty_scale_tma(m_rows, kg, device=device)
     m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
     row_map = torch.empty(topk_ids.shape, dtype=torch.int64, device=device)
-    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, m_indices, 0, get_tma_aligned_m(m_rows), cfg)
+    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, m_indices, 0, get_tma_aligned_m(m_rows), cfg,
+             rows_on_device)
     return out, out_scale, m_indices, row_map
+
+
+def _contiguous_views(bufs: tuple[torch.Tensor, ...], m_total: int, kg: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``m_total`` rows of ``_contiguous_scatter(rows_on_device=True)``'s buffers, the scales
+    in the TMA layout of ``m_total`` rows (as the kernel wrote them)."""
+    out, out_scale_flat, m_indices, row_map = bufs
+    m_pad = get_tma_aligned_m(m_total)
+    out_scale = out_scale_flat[:kg * m_pad].view(kg, m_pad)[:, :m_total].t()
+    return out[:m_total], out_scale, m_indices[:m_total], row_map
+
+
+def _dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                         expert_map: torch.Tensor | None, align_m: int, sync: bool, cfg: DispatchConfig,
+                         plan: tuple[_Routing, tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scatter of a planned contiguous dispatch. ``sync=True``: launched before the host sync into
+    upper-bound buffers (the kernel reads ``M_total`` on the device), so the GPU copies rows while the
+    host waits for ``M_total`` and prepares GEMM1; the results are views of those buffers."""
+    routing, pending = plan
+    num_tokens, top_k = topk_ids.shape
+    bound = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
+    if not sync:
+        return _contiguous_scatter(x_fp8, x_scale, topk_ids, routing, bound, cfg)
+    bufs = _contiguous_scatter(x_fp8, x_scale, topk_ids, routing, bound, cfg, rows_on_device=True)
+    m_total = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
+    return _contiguous_views(bufs, m_total, x_scale.shape[1])
 
 
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -760,16 +811,17 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``).
 
     ``sync=True``: one host sync (``M_total``); raises ``ValueError`` exactly where the reference does
-    (ids outside ``[0, num_ids)``, a map to a local id ``>= num_experts``), from the same sync.
+    (ids outside ``[0, num_ids)``, a map to a local id ``>= num_experts``), from the same sync. The
+    outputs are ``M_total``-row views of buffers sized ``contiguous_rows_bound(...)`` (the scatter runs
+    before the sync; the buffers live as long as the views).
     ``sync=False``: no sync; outputs have ``contiguous_rows_bound(...)`` rows, the rows past
     ``M_total`` are padding (``m_indices = -1``), invalid ids are not local. Padding rows' FP8 bytes
     and scales are not written. ``config``: a ``DispatchConfig`` (tuning).
     """
     check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
     cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts)
-    routing, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
-    m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
-    return _contiguous_scatter(x_fp8, x_scale, topk_ids, routing, m_rows, cfg)
+    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    return _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
 
 
 def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -778,8 +830,8 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
                               ) -> tuple[torch.Tensor, ...]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous``, ordered so the host
     sync costs no GPU idle time: the routing kernels run first and ``M_total`` goes to pinned host
-    memory; the quantization is enqueued behind them, and the host waits only for the copy, then
-    allocates and launches the scatter while the GPU is still quantizing.
+    memory; the quantization and the scatter are enqueued behind them, and the host waits only for the
+    copy, then returns while the GPU is still quantizing and copying rows.
 
     Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
     bit-identical to the two calls. ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
@@ -791,10 +843,10 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     cfg = config or dispatch_config(x.shape[0], topk_ids.shape[1], x.shape[1], num_experts)
-    routing, pending = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
-    m_rows = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
-    return x_fp8, x_scale, *_contiguous_scatter(x_fp8, x_scale, topk_ids, routing, m_rows, cfg)
+    return x_fp8, x_scale, *_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync,
+                                                 cfg, plan)
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
