@@ -87,7 +87,7 @@ DISPATCH_WARPS = 8
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
 # ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
 M_INDICES_E_CHUNK = 32
-# Routing kernels of the chunked path (count / scan / row map).
+# Routing kernels of the chunked path (count / scan).
 DISPATCH_ROUTE_WARPS = 4
 
 # ---- combine ----

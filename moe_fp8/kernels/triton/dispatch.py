@@ -30,10 +30,11 @@ the routing is as few launches as its two global dependencies allow (totals befo
 every chunk's histogram before any position).
 
 The contiguous layout's ``M_total`` is data-dependent. ``sync=True`` (default, the reference's API):
-the host reads it (with the id range, to raise the reference's errors) in one sync; the sync is a copy to pinned memory and an event, and the scatter is launched before it
-into upper-bound buffers, reading ``M_total`` on the device (its outputs are ``M_total``-row views).
-So the GPU copies rows (``quant_dispatch_contiguous``: quantizes, then copies) while the host waits
-and then prepares the next launches. ``sync=False``: no host sync — the outputs get the upper bound
+the host reads it (with the id range, to raise the reference's errors) in one sync, a copy to pinned
+memory and an event. The scatter is launched before that sync, into upper-bound buffers, and reads
+``M_total`` on the device (the outputs are ``M_total``-row views of those buffers), so the GPU copies
+rows (``quant_dispatch_contiguous``: quantizes, then copies) while the host waits and then prepares
+the next launches. ``sync=False``: no host sync — the outputs get the upper bound
 ``M_bound = align(T·top_k + E·(align_m − 1), align_m)`` rows, the rows past ``M_total`` are padding
 (``m_indices = -1``, bytes and scales unwritten), and invalid ids are not local (as in the masked
 dispatch) instead of an error.
