@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moe_fp8 import reference
-from moe_fp8.kernels.triton.common import check_launch_device, sort_key
+from moe_fp8.kernels.triton.common import check_launch_device, pdl_args, pdl_start, sort_key
 from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, RoutingConfig, routing_config
 from moe_fp8.utils import get_num_sms
 
@@ -46,7 +46,9 @@ def _select_experts_kernel(
     T, stride_t, stride_e, stride_bias, per_group, n_group, topk_group, top_k, routed_scaling_factor,
     BLOCK_T: tl.constexpr, NG_P2: tl.constexpr, PG_P2: tl.constexpr, K_P2: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     gi = tl.arange(0, NG_P2)
     pj = tl.arange(0, PG_P2)
@@ -163,6 +165,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, r
         e // ng, ng, topk_group if grouped else 1, top_k, float(routed_scaling_factor),
         BLOCK_T=cfg.block_t, NG_P2=cfg.ng_p2, PG_P2=cfg.pg_p2, K_P2=cfg.k_p2,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
-        RENORMALIZE=bool(renormalize), num_warps=cfg.num_warps,
+        RENORMALIZE=bool(renormalize), num_warps=cfg.num_warps, **pdl_args(device),
     )
     return weights, ids
