@@ -688,7 +688,7 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
     m_pad = get_tma_aligned_m(max_m)
     out, out_scale = _masked_destinations(out, out_scale, num_experts, max_m, k, kg, device)
     masked_m = torch.empty(num_experts, dtype=torch.int32, device=device)
-    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts, has_map=expert_map is not None)
     if cfg.fused:
         row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
         _fused(x_fp8, x_scale, topk_ids, expert_map, num_experts, max_m, m_pad, out, out_scale, row_map,
@@ -722,7 +722,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     num_tokens, k = x.shape
     top_k = topk_ids.shape[1]
-    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts)
+    cfg = config or dispatch_config(num_tokens, top_k, k, num_experts, has_map=expert_map is not None)
     if not cfg.fused or num_tokens == 0:
         x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
         return (x_fp8, x_scale, *dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
@@ -872,7 +872,8 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     and scales are not written. ``config``: a ``DispatchConfig`` (tuning).
     """
     check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
-    cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts)
+    cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts,
+                                    has_map=expert_map is not None)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     return _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
 
@@ -904,7 +905,7 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     num_tokens, k = x.shape
     fuse = expert_map is None
-    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, quant=fuse)
+    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=not fuse, quant=fuse)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     if not fuse:
         x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
