@@ -60,6 +60,11 @@ MAX_ROUTING_EXPERTS = 1024
 ROUTING_SLOTS_PER_WARP = 256
 ROUTING_MAX_WARPS = 4
 ROUTING_MAX_BLOCK_T = 4
+# ... except with one token per program (decode: a program per SM, no other work to hide latency
+# behind), where 4 warps share the token's 256+ slots. Session 10, H100, DeepSeek-V3 decode step under
+# a CUDA graph (routing, quant + dispatch, SiLU·mul+quant, combine; one process, 4 alternating repeats):
+# 39.6-40.2 us against 40.3-40.7 with one warp (datapath_sweep: routing alone 8.7 vs 9.1 us replayed).
+ROUTING_DECODE_WARPS = 4
 
 # ---- dispatch ----
 # Masked dispatch up to this many (token, slot) pairs: ONE fused launch in which every scatter
@@ -203,9 +208,9 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
                    num_warps: int | None = None) -> RoutingConfig:
     """Routing holds ``block_t × ng_p2 × pg_p2`` float64 scores and int64 keys per program.
 
-    Few tokens (decode): one token per program, so 128 tokens spread over 128 SMs; many tokens: up to
-    ``ROUTING_MAX_BLOCK_T`` per program. Warps: one per ``ROUTING_SLOTS_PER_WARP`` score slots (one
-    warp for DeepSeek-V3's 256 experts and a token), so the serial top-k reductions stay in a warp.
+    Few tokens (decode): one token per program, so 128 tokens spread over 128 SMs, with
+    ``ROUTING_DECODE_WARPS`` warps; many tokens: up to ``ROUTING_MAX_BLOCK_T`` per program and one warp
+    per ``ROUTING_SLOTS_PER_WARP`` score slots, so the serial top-k reductions stay in a warp.
     """
     ng = n_group or 1
     ng_p2, pg_p2 = _pow2_ceil(ng), _pow2_ceil(num_experts // ng)
@@ -217,6 +222,8 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
         block_t = max(1, min(by_regs, by_spread, ROUTING_MAX_BLOCK_T))
     if num_warps is None:
         num_warps = min(ROUTING_MAX_WARPS, _pow2_ceil(-(-block_t * width // ROUTING_SLOTS_PER_WARP)))
+        if block_t == 1 and width >= ROUTING_SLOTS_PER_WARP:
+            num_warps = max(num_warps, ROUTING_DECODE_WARPS)
     return RoutingConfig(block_t, ng_p2, pg_p2, _pow2_ceil(top_k), num_warps)
 
 

@@ -17,8 +17,9 @@ Exactness against ``moe_fp8.reference.select_experts``:
   ``renormalize`` they are divided (correctly rounded) by their float32 sum (a tree reduction). The
   reference's sum is a torch reduction whose order is unspecified too, so renormalized weights can
   differ from it by an ulp or two.
-- Warps: one per 256 score slots (``configs.routing_config``), so for DeepSeek-V3 (256 experts) a
-  token's whole selection runs inside one warp (shuffle reductions, no shared-memory barriers).
+- Warps (``configs.routing_config``): with several tokens per program one per 256 score slots, so a
+  DeepSeek-V3 token's selection (256 experts) runs inside one warp (shuffle reductions, no
+  shared-memory barriers); with one token per program (decode) 4 warps, measured faster there.
 """
 
 from __future__ import annotations
