@@ -11,8 +11,9 @@ Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepS
 - masked forms (SiLU·mul+quant and dispatch_masked): a decode batch (T ≤ 256) over all 256 experts
   with ``max_m = T``; a small prefill (T ≤ 4096) on one expert-parallel rank of 8 (32 local experts, all
   T × 8 copies local, ``max_m = T / 2``); none above (the layer uses the contiguous path there);
-- the decode step (T ≤ 256): quant → route → dispatch_masked → SiLU·mul+quant on ``[E, max_m, 2I]`` →
-  combine, under a CUDA graph (``moe_fp8``) and eagerly (``moe_fp8_eager``).
+- the decode step (T ≤ 256), as ``Fp8FusedMoE`` runs it: route → quant_dispatch_masked (quantization
+  inside the dispatch) → SiLU·mul+quant on ``[E, max_m, 2I]`` → combine, under a CUDA graph (``moe_fp8``)
+  and eagerly (``moe_fp8_eager``).
 
 Each op's ``moe_fp8`` row is an eager call (launches and host work included); the ops with no host sync
 (``GRAPH_KINDS``) also get a ``moe_fp8_graph`` row, the same call replayed from a CUDA graph.
@@ -281,10 +282,9 @@ def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]
     shared = randn((t, hidden), seed=4, device=dev)
     kw = dict(_routing_kwargs(sz), e_score_correction_bias=bias)
 
-    def ours():
-        x_fp8, x_scale = moe_fp8.quant.per_token_group(x)
+    def ours():  # the quantization inside the dispatch op, as the layer runs it
         w, ids = moe_fp8.layers.select_experts(logits, top_k, **kw)
-        _, _, masked_m, row_map = moe_fp8.layers.dispatch_masked(x_fp8, x_scale, ids, e, max_m)
+        _, _, _, _, masked_m, row_map = moe_fp8.layers.quant_dispatch_masked(x, ids, e, max_m)
         moe_fp8.quant.silu_mul_per_token_group(h, masked_m=masked_m)
         return w, ids, masked_m, row_map, moe_fp8.layers.combine(y, row_map, w, shared)
 

@@ -37,10 +37,11 @@ Three layers per op:
                                         out=None, out_scale=None)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
    quant_dispatch_contiguous         fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, *,
-                                        sync=True)
+                                        sync=True, return_x=True)
                                         -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA], m_indices,
                                             row_map): per_token_group_quant (group 128) then
-                                            dispatch_contiguous
+                                            dispatch_contiguous; x_fp8 / x_scale None when not
+                                            return_x
    quant_dispatch_masked             fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, *,
                                         out=None, out_scale=None)
                                         -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA 3-D], masked_m,
@@ -203,11 +204,11 @@ def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, n
 
 
 def _ref_quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
-                                   align_m: int, ue8m0: bool, eps: float, *, sync: bool = True
-                                   ) -> tuple[Tensor, ...]:
+                                   align_m: int, ue8m0: bool, eps: float, *, sync: bool = True,
+                                   return_x: bool = True) -> tuple[Tensor | None, ...]:
     x_fp8, x_scale = reference.per_token_group_quant(x, GROUP_K, ue8m0, eps)
-    return (x_fp8, x_scale, *_ref_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
-                                                      sync=sync))
+    routed = _ref_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=sync)
+    return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
 
 
 def _composed_grouped_silu_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
@@ -734,16 +735,16 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
 
 
 def _quant_dispatch_contiguous_eager_only(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
-                                          align_m: int, ue8m0: bool, eps: float, sync: bool = True
-                                          ) -> tuple[Tensor, ...]:
+                                          align_m: int, ue8m0: bool, eps: float, sync: bool = True,
+                                          return_x: bool = True) -> tuple[Tensor | None, ...]:
     if x.shape[0] == 0:  # no rows: the two ops' own empty-problem paths (no backend sees an empty x)
         x_fp8, x_scale = _per_token_group_quant_impl(x, GROUP_K, ue8m0, eps)
-        return (x_fp8, x_scale, *_dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map,
-                                                                 align_m, sync))
+        routed = _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
+        return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
     fn = backends.select("quant_dispatch_contiguous", x.device)[1]
-    if sync:
-        return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps)
-    return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync=False)
+    # keywords only where they differ from the defaults
+    kwargs = {k: v for k, v in (("sync", sync), ("return_x", return_x)) if not v}
+    return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, **kwargs)
 
 
 _quant_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(
@@ -752,31 +753,37 @@ _quant_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: f
 
 def quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None = None,
                               align_m: int | None = None, *, ue8m0: bool = False, eps: float = _DEFAULT_EPS,
-                              sync: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                              sync: bool = True, return_x: bool = True
+                              ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, Tensor, Tensor]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous`` in one op (prefill).
 
     Bit-identical to the two ops. On the Triton backends the routing runs first and its ``M_total``
-    travels to the host while the GPU quantizes, so the host sync leaves no GPU idle gap behind it
-    (the host allocates and enqueues the scatter during the quantization). Eager only, like
-    ``dispatch_contiguous``.
+    travels to the host while the GPU quantizes and copies the rows (without an ``expert_map`` in one
+    scatter kernel that never reads the FP8 input back), so the host sync leaves no GPU idle gap behind
+    it. Eager only, like ``dispatch_contiguous``.
 
     Args:
         x: ``[T, K]`` bf16/fp16/fp32, contiguous; ``K`` a positive multiple of 16; ``T`` may be 0.
         topk_ids, num_experts, expert_map, align_m, sync: as ``dispatch_contiguous`` (on x's device).
         ue8m0, eps: as ``per_token_group_quant``.
+        return_x: also return the quantized input; False when nothing else reads it (no shared
+            experts): without an ``expert_map`` it is then never written.
 
     Returns ``(x_fp8 [T, K], x_scale [T, ceil(K/128)] (TMA layout), out_fp8 [M_total, K], out_scale
     (TMA layout), m_indices int32 [M_total], row_map int64 [T, top_k])``: the quantized input (for the
-    shared experts) and what ``dispatch_contiguous`` returns.
+    shared experts; None, None without ``return_x``) and what ``dispatch_contiguous`` returns.
     """
     V.check_quant_dispatch(x, topk_ids, num_experts, expert_map, None, ue8m0, eps)
     if align_m is None:
         align_m = get_align_m()
     V.check_int("align_m", align_m, min_value=1)
     V.check_bool("sync", sync)
+    V.check_bool("return_x", return_x)
     if _compiling():
-        return _quant_dispatch_contiguous_impl(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync)
-    return _quant_dispatch_contiguous_eager_only(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync)
+        return _quant_dispatch_contiguous_impl(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync,
+                                               return_x)
+    return _quant_dispatch_contiguous_eager_only(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync,
+                                                 return_x)
 
 
 def _alloc_masked_maps(t: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:

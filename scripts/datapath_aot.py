@@ -7,8 +7,8 @@ wrappers of ``moe_fp8.kernels.triton`` on CPU tensors over a set of shapes, dtyp
 that reaches every constexpr branch, captures each launch instead of running it (``kernel[grid](...)``),
 binds the arguments exactly as Triton's launcher does (signature, specialization, constexprs,
 options) and compiles each distinct specialization for ``GPUTarget("cuda", 90, 32)`` down to a cubin
-(Triton ships ptxas). Hardware paths the interpreter never takes (``NATIVE_FP8`` / ``NATIVE_CVT``)
-are compiled too.
+(Triton ships ptxas). Hardware paths the interpreter never takes (``NATIVE_FP8`` / ``NATIVE_CVT``,
+and ``PDL`` with ``launch_pdl``) are compiled too.
 
     python scripts/datapath_aot.py [--json FILE] [--arch 90]
 
@@ -143,6 +143,10 @@ def _drive() -> None:
         for m, ue8m0 in ((None, False), (emap[: max(e, 12) * 2], True)):
             D.quant_dispatch_masked(xb, ids, e, 128, m, ue8m0)
         D.quant_dispatch_masked(torch.zeros(t, 200, dtype=torch.float32), ids, e, 16, None)
+        for m, ue8m0, sync, return_x in ((None, False, True, True), (emap[: max(e, 12) * 2], False, True, False),
+                                         (emap[: max(e, 12) * 2], True, False, True), (None, True, True, False)):
+            D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x)
+        D.quant_dispatch_contiguous(torch.zeros(t, 200, dtype=torch.float32), ids, e, None, 16)
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)
         w = torch.zeros(t, top_k)
@@ -173,6 +177,8 @@ def capture(arch: int = 90) -> list[Launch]:
             for probe in ("native_fp8", "native_cvt"):  # compile the GPU's hardware-conversion paths
                 if hasattr(mod, probe):
                     patch(mod, probe, lambda device: True)
+            if hasattr(mod, "pdl_args"):  # and the programmatic-dependent-launch prologue
+                patch(mod, "pdl_args", lambda device: {"PDL": True, "launch_pdl": True})
         # dispatch_contiguous(sync=True) reads its status tensor on the host: zeros (M_total = 0)
         patch(torch, "empty", torch.zeros)
         _drive()

@@ -9,7 +9,8 @@ the host time of the layer's ops. Other modes, one per flag:
       --host-ops       host microseconds per call of each op (and of a bare Triton launch)
       --host-profile   cProfile of 200 forwards
       --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local)
-      --scatter        the contiguous dispatch's scatter kernel alone, per block shape
+      --scatter        the contiguous dispatch's scatter kernel alone, per block shape (FP8 rows, and
+                       quantizing bf16 rows on the way as quant_dispatch_contiguous does without a map)
       --routing        select_experts alone, per block shape
 """
 
@@ -210,6 +211,7 @@ def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: in
     bench) and one expert-parallel rank (the layer bench: 32 of 256 experts, via ``expert_map``)."""
     from moe_fp8.kernels.triton import dispatch as D
     from moe_fp8.kernels.triton.configs import dispatch_config
+    from moe_fp8.utils import empty_scale_tma
 
     x = torch.randn(t, hidden_size, device="cuda", dtype=torch.bfloat16)
     x_fp8, x_scale = per_token_group(x)
@@ -230,6 +232,16 @@ def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: in
             cfg = dispatch_config(t, top_k, hidden_size, num_local, block_t=bt, block_k=bk, num_warps=nw)
             us = bench_us(lambda cfg=cfg, r=routing, m=m_rows: D._contiguous_scatter(x_fp8, x_scale, ids, r, m, cfg))
             print(f"  block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+        # the same scatter quantizing the bf16 rows on the way (quant_dispatch_contiguous), with / without x_fp8,
+        # against the quant kernel it replaces
+        print(f"  quant kernel alone: {bench_us(lambda: per_token_group(x)):7.1f} us")
+        x_out = (torch.empty_like(x_fp8), empty_scale_tma(t, x_scale.shape[1], device="cuda"))
+        for (bk, nw), write_x in itertools.product(((8192, 8), (4096, 4), (2048, 4)), (True, False)):
+            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_k=bk, num_warps=nw, quant=True)
+            quant = D._Quant(False, 1e-10, *(x_out if write_x else (None, None)))
+            us = bench_us(lambda cfg=cfg, r=routing, m=m_rows, q=quant: D._contiguous_scatter(x, None, ids, r, m, cfg,
+                                                                                             quant=q))
+            print(f"  quantizing, block_k {bk} warps {nw}, {'with' if write_x else 'without'} x_fp8: {us:7.1f} us")
 
 
 def routing_sweep(layer, t: int) -> None:

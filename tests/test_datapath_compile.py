@@ -46,3 +46,29 @@ def test_every_datapath_kernel_compiles_for_sm90(tmp_path):
     assert all(c["NATIVE_FP8"] == "True" for c in quant)
     routing = [r for r in summary["results"] if r["kernel"] == "_select_experts_kernel"]
     assert any(r["constexprs"]["BLOCK_T"] == "2" and r["num_warps"] == 2 for r in routing)
+    # every kernel is compiled with the programmatic-dependent-launch prologue (as a Hopper GPU runs it),
+    # and the contiguous scatter's in-kernel quantization with and without writing x_fp8
+    assert all(r["constexprs"]["PDL"] == "True" for r in summary["results"])
+    scatter = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scatter_kernel"]
+    assert {(c["QUANT"], c["WRITE_X"]) for c in scatter} >= {("True", "True"), ("True", "False"), ("False", "False")}
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch only for compiled kernels on a GPU (never on CPU tensors or in the
+    interpreter); ``MOE_FP8_PDL=0`` turns it off."""
+    import torch
+
+    from moe_fp8.kernels.triton import common
+
+    assert common.pdl_args(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    assert not common.use_pdl(torch.device("cpu"))
+    monkeypatch.setattr(common, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(common, "_pdl_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    assert common.pdl_args(cuda) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("MOE_FP8_PDL", "0")
+    assert common.pdl_args(cuda) == {"PDL": False}
+    monkeypatch.setenv("MOE_FP8_PDL", "1")
+    monkeypatch.setattr(common, "_capability", lambda index: (8, 0))  # Ampere: no griddepcontrol
+    assert not common.use_pdl(cuda)

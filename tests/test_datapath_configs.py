@@ -77,12 +77,20 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     assert d.fused and d.block_t == 1 and d.block_k == 8192 and d.num_warps == 8
     assert not C.dispatch_config(16384, 8, 7168, 256).fused
     assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
-    p = C.dispatch_config(4096, 8, 7168, 32)  # chunked scatter: a token's whole row, destinations once
-    assert (p.block_t, p.block_k, p.num_warps) == (1, 8192, 8)
+    # chunked scatter (session 10 sweep): all local 2048 columns / 4 warps; under an expert_map a token's
+    # whole row / 4 warps; quantizing bf16 rows 4096 / 4
+    p = C.dispatch_config(4096, 8, 7168, 32)
+    assert (p.block_t, p.block_k, p.num_warps) == (1, 2048, 4)
+    p = C.dispatch_config(4096, 8, 7168, 32, has_map=True)
+    assert (p.block_t, p.block_k, p.num_warps) == (1, 8192, 4)
+    p = C.dispatch_config(4096, 8, 7168, 256, quant=True)
+    assert (p.block_t, p.block_k, p.num_warps) == (1, 4096, 4)
     assert C.combine_config(16384, 7168).block_t == 1  # sweep winner at every size
 
 
-def test_routing_config_keeps_a_decode_token_in_one_warp():
-    cfg = C.routing_config(128, 256, 8, 8, num_sms=132)
-    assert cfg.block_t == 1 and cfg.num_warps == 1
+def test_routing_config_spreads_decode_tokens():
+    cfg = C.routing_config(128, 256, 8, 8, num_sms=132)  # a token per program, 4 warps (session 10 A/B)
+    assert cfg.block_t == 1 and cfg.num_warps == C.ROUTING_DECODE_WARPS == 4
+    assert C.routing_config(128, 16, 2, None, num_sms=132).num_warps == 1  # 16 experts: one warp is plenty
+    assert C.routing_config(16384, 256, 8, 8, num_sms=132).num_warps == 4  # 4 tokens x 256 slots
     assert C.routing_config(128, 256, 8, 8, num_sms=132, block_t=4, num_warps=4) == C.RoutingConfig(4, 8, 32, 8, 4)

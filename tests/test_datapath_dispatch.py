@@ -163,18 +163,22 @@ def test_quant_dispatch_masked_ue8m0_non_finite_and_persistent_buffers():
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
 def test_quant_dispatch_contiguous_matches_quant_then_dispatch(t, h, e_global, e_local, k, max_m, skew):
     """``quant_dispatch_contiguous`` equals the reference's ``per_token_group_quant`` then
-    ``dispatch_contiguous`` bit for bit, with the sync (exact rows) and without it (the bound)."""
+    ``dispatch_contiguous`` bit for bit, with the sync (exact rows) and without it (the bound), with
+    and without the quantized input (``return_x=False``: with a map, idle tokens' rows are not read)."""
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
     r_fp8, r_scale = ref.per_token_group_quant(d.x)
-    for align_m, sync in ((128, True), (16, True), (128, False)):
+    for align_m, sync, return_x in ((128, True, True), (16, True, False), (128, False, True), (128, False, False)):
         cfg = dispatch_config(t, k, h, e, block_t=2, block_k=128)
         x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(d.x, d.topk_ids, e, emap, align_m, sync=sync,
-                                                                  config=cfg)
-        assert x_scale.stride() == r_scale.stride()
-        assert_same_bits(x_fp8, r_fp8, "x_fp8")
-        assert_same_bits(x_scale, r_scale, "x_scale")
+                                                                  return_x=return_x, config=cfg)
+        if not return_x:
+            assert x_fp8 is None and x_scale is None
+        else:
+            assert x_scale.stride() == r_scale.stride()
+            assert_same_bits(x_fp8, r_fp8, "x_fp8")
+            assert_same_bits(x_scale, r_scale, "x_scale")
         want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e, emap, align_m)
         if sync:
             check_contiguous(tuple(got), want)
@@ -228,18 +232,21 @@ def test_public_quant_dispatch_contiguous_through_the_triton_kernel(monkeypatch,
     h, e_global, e_local, k = 272, 16, 6, 4
     d = make_dispatch_inputs(t, h, e_global, k, seed=13, device=DEVICE, skew=2.0)
     emap = make_expert_map(e_global, e_local, seed=4)
-    for ue8m0, sync in ((False, True), (True, False)):
+    for ue8m0, sync, return_x in ((False, True, True), (True, False, True), (False, True, False)):
         r_fp8, r_scale = ref.per_token_group_quant(d.x, ue8m0=ue8m0)
         want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e_local, emap, 128)
         x_fp8, x_scale, *got = moe_fp8.ops.quant_dispatch_contiguous(d.x, d.topk_ids, e_local, emap, ue8m0=ue8m0,
-                                                                      sync=sync)
-        assert_same_bits(x_fp8, r_fp8, "x_fp8")
-        assert_same_bits(x_scale, r_scale, "x_scale")
+                                                                      sync=sync, return_x=return_x)
+        if return_x:
+            assert_same_bits(x_fp8, r_fp8, "x_fp8")
+            assert_same_bits(x_scale, r_scale, "x_scale")
+        else:
+            assert x_fp8 is None and x_scale is None
         if sync:
             check_contiguous(tuple(got), want)
         else:
             check_contiguous_bound(tuple(got), want, 128)
-    assert calls == (["quant_dispatch_contiguous"] * 2 if t else [])  # no tokens: the two ops' own paths
+    assert calls == (["quant_dispatch_contiguous"] * 3 if t else [])  # no tokens: the two ops' own paths
 
 
 @pytest.mark.parametrize("t", [11, 0])
@@ -391,6 +398,15 @@ def test_dispatch_model_sizes(t, e_global, e_local, k, max_m):
     got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
     want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
     check_contiguous(got, want)
+    # quantization + dispatch (without a map: in one scatter kernel, hardware FP8 conversion)
+    for return_x in (True, False):
+        x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(d.x, d.topk_ids, e, emap, 128, return_x=return_x)
+        check_contiguous(tuple(got), want)
+        if return_x:
+            assert_same_bits(x_fp8, d.x_fp8, "x_fp8")
+            assert_same_bits(x_scale, d.x_scale, "x_scale")
+        else:
+            assert x_fp8 is None and x_scale is None
     y = randn((want[2].shape[0], 7168), seed=5, device="cuda")
     sh = randn((t, 7168), seed=6, device="cuda")
     assert_same_bits(dispatch.combine(y, got[3], d.topk_weights, sh), ref.combine(y, want[3], d.topk_weights, sh),

@@ -3,7 +3,7 @@
 - ``dispatch_contiguous`` → contiguous grouped layout (prefill; data-dependent size, a plain function);
 - ``dispatch_masked`` → masked grouped layout (decode; fixed size, CUDA-graph safe custom op);
 - ``quant_dispatch_contiguous`` → ``per_token_group`` then ``dispatch_contiguous`` as one op (the GPU
-  quantizes while the host waits for the layout's size);
+  quantizes and copies the rows while the host waits for the layout's size);
 - ``quant_dispatch_masked`` → ``per_token_group`` then ``dispatch_masked`` as one op (one launch at decode);
 - ``combine`` → weighted sum of each token's expert outputs (custom op).
 

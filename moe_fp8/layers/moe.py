@@ -544,7 +544,7 @@ class Fp8FusedMoE(nn.Module):
             e_score_correction_bias=self.e_score_correction_bias,
             routed_scaling_factor=self.routed_scaling_factor)
 
-    def _run_shared(self, x_fp8: Tensor, x_scale: Tensor, mark: Callable[[str], None] | None) -> Tensor | None:
+    def _run_shared(self, x_fp8: Tensor | None, x_scale: Tensor | None, mark: Callable[[str], None] | None) -> Tensor | None:
         # NOTE: enqueued after the dispatch, not before it: the contiguous dispatch waits for the host
         # (M_total), and this way that sync does not wait for the shared experts' GEMMs, which then run
         # while the host prepares the routed GEMMs' launches instead of leaving the GPU idle.
@@ -557,9 +557,11 @@ class Fp8FusedMoE(nn.Module):
 
     def _experts_contiguous(self, hidden: Tensor, topk_ids: Tensor,
                             mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        # quantization + dispatch in one op: the GPU quantizes while the host waits for M_total
+        # quantization + dispatch in one op: the GPU quantizes and copies rows while the host waits for M_total;
+        # the quantized input itself only for the shared experts
         x_fp8, x_scale, a, a_scale, m_indices, row_map = quant_dispatch_contiguous(
-            hidden, topk_ids, self.num_local_experts, self.expert_map, ue8m0=self.ue8m0)
+            hidden, topk_ids, self.num_local_experts, self.expert_map, ue8m0=self.ue8m0,
+            return_x=self.shared_experts is not None)
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)

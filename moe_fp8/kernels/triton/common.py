@@ -54,6 +54,32 @@ def native_cvt(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting()
 
 
+@functools.cache
+def _pdl_available() -> bool:
+    """This Triton can launch with programmatic dependent launch and emit ``griddepcontrol``."""
+    try:
+        import triton.language.extra.cuda as tl_cuda
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl_cuda, "gdc_wait")
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Launch the data-path kernels with programmatic dependent launch (sm_90+, compiled kernels; see
+    ``pdl_start``). ``MOE_FP8_PDL=0`` turns it off (A/B measurements)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("MOE_FP8_PDL", "1").strip().lower() not in _TRUE:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (9, 0) and _pdl_available()
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments of a data-path kernel launch on ``device``: its ``PDL`` constexpr (``pdl_start``)
+    and, when on, Triton's ``launch_pdl`` option (omitted when off: older Tritons lack the option)."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {"PDL": False}
+
+
 def check_launch_device(*tensors: torch.Tensor | None) -> torch.device:
     """The device the kernels run on; refuses CPU tensors unless the interpreter is on.
 
@@ -72,6 +98,19 @@ def check_launch_device(*tensors: torch.Tensor | None) -> torch.device:
 # ============================================================================================
 # Device side
 # ============================================================================================
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First statement of every data-path kernel. With ``PDL`` (launched with ``launch_pdl``) the kernel's
+    programs become resident while the previous kernel on the stream still runs: they wait here for it to
+    complete and its writes to be visible — before any memory access, since it may still be reading what
+    this kernel writes (the decode workspace is reused in turn) — and then let the next kernel launch.
+    Every PDL kernel waits, so a kernel's completion still implies that of all earlier ones. Between
+    kernels of a few microseconds (a decode step) this hides the launch latency."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 
 @triton.jit
 def fp8_e4m3_code(q, NATIVE: tl.constexpr):
@@ -148,13 +187,13 @@ def quantize_exact(y, scale, NATIVE: tl.constexpr):
 
 @triton.jit
 def quantize_groups(x, eps, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
-    """``(codes uint8, scales)`` of float32 ``x [segments, group]``, one scale per row (segment), exactly
-    as the reference's per-token-group quantization. Masked-off lanes must hold 0: they never raise
-    amax nor flag NaN."""
-    amax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    """``(codes uint8, scales)`` of float32 ``x [..., group]`` (a group along the last axis), one scale
+    per group, exactly as the reference's per-token-group quantization. Masked-off lanes must hold 0:
+    they never raise amax nor flag NaN."""
+    amax = tl.max(tl.abs(x), axis=-1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=-1) > 0
     scale = scale_from_amax(amax, has_nan, eps, UE8M0)
-    return quantize_exact(x, scale[:, None], NATIVE), scale
+    return quantize_exact(x, tl.expand_dims(scale, -1), NATIVE), scale
 
 
 @triton.jit

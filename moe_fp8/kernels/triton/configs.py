@@ -60,6 +60,11 @@ MAX_ROUTING_EXPERTS = 1024
 ROUTING_SLOTS_PER_WARP = 256
 ROUTING_MAX_WARPS = 4
 ROUTING_MAX_BLOCK_T = 4
+# ... except with one token per program (decode: a program per SM, no other work to hide latency
+# behind), where 4 warps share the token's 256+ slots. Session 10, H100, DeepSeek-V3 decode step under
+# a CUDA graph (routing, quant + dispatch, SiLU·mul+quant, combine; one process, 4 alternating repeats):
+# 39.6-40.2 us against 40.3-40.7 with one warp (datapath_sweep: routing alone 8.7 vs 9.1 us replayed).
+ROUTING_DECODE_WARPS = 4
 
 # ---- dispatch ----
 # Masked dispatch up to this many (token, slot) pairs: ONE fused launch in which every scatter
@@ -77,13 +82,24 @@ DISPATCH_RANK_TILE = 4096
 DISPATCH_FUSED_BLOCK_K = 8192
 DISPATCH_FUSED_WARPS = 8
 # Chunked path's scatter: each program computes its pairs' destinations from the routing state (4
-# dependent gathers per pair), so it takes a token's whole row (one column block up to 8192 bytes) and
-# does that once per token. Session 9 sweep (H100, scripts/profile_layer.py --scatter, 7168 columns,
-# top-8 of 256): an EP rank (32 local experts) at 8192 tokens 68.9 us for 1 x 8192 / 8 warps against
-# 76.4 for 1 x 4096 / 4 and 118.4 for 1 x 2048 / 4; all experts local 270 us against 251 for 4096 / 4.
-DISPATCH_BLOCK_K = 8192
+# dependent gathers per pair). Session 10 sweep (H100, scripts/profile_layer.py --scatter, 7168 columns,
+# top-8 of 256, after the local ids moved ahead of the row load), one token per program:
+# - under an expert_map (EP rank, 32 local experts: ~1 copy per token, a third of the rows unread), a
+#   whole row with 4 warps: 51.4 us at 8192 tokens (95.4 at 16384) against 75.9 (144.0) at 8192 / 8
+#   warps, 75.7 (142.7) at 4096 / 4 and 126.4 (247.6) at 2048 / 4;
+# - every expert local (top_k copies per token), 2048 / 4 warps: 242.9 us at 8192 tokens (484.5 at
+#   16384) against 249.7 (504.3) at 4096 / 4 and 269.4 (539.1) at 8192 / 8.
 DISPATCH_BLOCK_T = 1
-DISPATCH_WARPS = 8
+DISPATCH_BLOCK_K = 2048
+DISPATCH_WARPS = 4
+DISPATCH_MAP_BLOCK_K = 8192
+DISPATCH_MAP_WARPS = 4
+# The same scatter quantizing bf16 rows on the way (quant_dispatch_contiguous without an expert_map):
+# half rows, 4 warps. Session 10 (H100, 16384 tokens x 7168, top-8 of 256 all local, scatter kernel
+# alone): 531.7 us at 4096 / 4 without x_fp8 (586.1 with it) against 572.4 (627.9) at 8192 / 8, and
+# 677 us for the quant kernel plus the FP8 scatter.
+DISPATCH_QUANT_BLOCK_K = 4096
+DISPATCH_QUANT_WARPS = 4
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
 # ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
 M_INDICES_E_CHUNK = 32
@@ -192,9 +208,9 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
                    num_warps: int | None = None) -> RoutingConfig:
     """Routing holds ``block_t × ng_p2 × pg_p2`` float64 scores and int64 keys per program.
 
-    Few tokens (decode): one token per program, so 128 tokens spread over 128 SMs; many tokens: up to
-    ``ROUTING_MAX_BLOCK_T`` per program. Warps: one per ``ROUTING_SLOTS_PER_WARP`` score slots (one
-    warp for DeepSeek-V3's 256 experts and a token), so the serial top-k reductions stay in a warp.
+    Few tokens (decode): one token per program, so 128 tokens spread over 128 SMs, with
+    ``ROUTING_DECODE_WARPS`` warps; many tokens: up to ``ROUTING_MAX_BLOCK_T`` per program and one warp
+    per ``ROUTING_SLOTS_PER_WARP`` score slots, so the serial top-k reductions stay in a warp.
     """
     ng = n_group or 1
     ng_p2, pg_p2 = _pow2_ceil(ng), _pow2_ceil(num_experts // ng)
@@ -206,6 +222,8 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
         block_t = max(1, min(by_regs, by_spread, ROUTING_MAX_BLOCK_T))
     if num_warps is None:
         num_warps = min(ROUTING_MAX_WARPS, _pow2_ceil(-(-block_t * width // ROUTING_SLOTS_PER_WARP)))
+        if block_t == 1 and width >= ROUTING_SLOTS_PER_WARP:
+            num_warps = max(num_warps, ROUTING_DECODE_WARPS)
     return RoutingConfig(block_t, ng_p2, pg_p2, _pow2_ceil(top_k), num_warps)
 
 
@@ -233,9 +251,12 @@ class DispatchConfig:
 @functools.lru_cache(maxsize=1024)
 def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
                     fused: bool | None = None, block_t: int | None = None,
-                    block_k: int | None = None, num_warps: int | None = None) -> DispatchConfig:
+                    block_k: int | None = None, num_warps: int | None = None, has_map: bool = False,
+                    quant: bool = False) -> DispatchConfig:
     """``fused`` applies to ``dispatch_masked`` only (the contiguous layout needs every expert's count
-    before any position: it always takes the chunked path)."""
+    before any position: it always takes the chunked path). ``has_map``: an ``expert_map`` selects the
+    local experts (the chunked scatter's own defaults). ``quant``: the chunked scatter quantizes the
+    rows it copies (``quant_dispatch_contiguous``)."""
     e_p2 = _pow2_ceil(num_experts)
     pairs = num_tokens * top_k
     if fused is None:
@@ -250,8 +271,11 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
         num_warps = num_warps or DISPATCH_FUSED_WARPS
     else:
         block_t = block_t or max(1, min(DISPATCH_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
-        block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_BLOCK_K)
-        num_warps = num_warps or DISPATCH_WARPS
+        default_k, default_warps = ((DISPATCH_QUANT_BLOCK_K, DISPATCH_QUANT_WARPS) if quant else
+                                    (DISPATCH_MAP_BLOCK_K, DISPATCH_MAP_WARPS) if has_map else
+                                    (DISPATCH_BLOCK_K, DISPATCH_WARPS))
+        block_k = block_k or min(_pow2_ceil(hidden), default_k)
+        num_warps = num_warps or default_warps
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
     # masked_m: spread the experts over the fused grid's programs (at least 16 per counting program)
     programs = -(-max(num_tokens, 1) // block_t) * -(-hidden // block_k)

@@ -39,6 +39,8 @@ import triton.language as tl
 from moe_fp8.kernels.triton.common import (
     check_launch_device,
     native_fp8,
+    pdl_args,
+    pdl_start,
     quantize_groups,
 )
 from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, QUANT_FLAT_MAX_GROUPS, QuantConfig, quant_config
@@ -73,8 +75,9 @@ def _act_quant_kernel(
     M, N, in_row_stride, KG, m_pad, s_group_stride, row_programs, num_groups, eps,
     GROUP_SIZE: tl.constexpr, GS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     SILU: tl.constexpr, HAS_MASK: tl.constexpr, FLAT: tl.constexpr, G_P2: tl.constexpr,
-    PRECISE: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    PRECISE: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     # N: output columns (K for quant, I for SiLU); the input row is N (quant) or 2N (SiLU) wide.
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -199,7 +202,8 @@ def _launch(inp: torch.Tensor, n_out: int, group_size: int, ue8m0: bool, eps: fl
         rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, row_programs, groups, float(eps),
         GROUP_SIZE=group_size, GS_P2=cfg.gs_p2, BLOCK_R=cfg.block_r, BLOCK_G=cfg.block_g,
         SILU=silu, HAS_MASK=masked, FLAT=flat, G_P2=triton.next_power_of_2(groups) if flat else 1,
-        PRECISE=bool(precise), UE8M0=bool(ue8m0), NATIVE_FP8=native_fp8(device), num_warps=cfg.num_warps,
+        PRECISE=bool(precise), UE8M0=bool(ue8m0), NATIVE_FP8=native_fp8(device),
+        num_warps=cfg.num_warps, **pdl_args(device),
     )
     return out, out_scale
 

@@ -17,8 +17,9 @@ Exactness against ``moe_fp8.reference.select_experts``:
   ``renormalize`` they are divided (correctly rounded) by their float32 sum (a tree reduction). The
   reference's sum is a torch reduction whose order is unspecified too, so renormalized weights can
   differ from it by an ulp or two.
-- Warps: one per 256 score slots (``configs.routing_config``), so for DeepSeek-V3 (256 experts) a
-  token's whole selection runs inside one warp (shuffle reductions, no shared-memory barriers).
+- Warps (``configs.routing_config``): with several tokens per program one per 256 score slots, so a
+  DeepSeek-V3 token's selection (256 experts) runs inside one warp (shuffle reductions, no
+  shared-memory barriers); with one token per program (decode) 4 warps, measured faster there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moe_fp8 import reference
-from moe_fp8.kernels.triton.common import check_launch_device, sort_key
+from moe_fp8.kernels.triton.common import check_launch_device, pdl_args, pdl_start, sort_key
 from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, RoutingConfig, routing_config
 from moe_fp8.utils import get_num_sms
 
@@ -46,7 +47,9 @@ def _select_experts_kernel(
     T, stride_t, stride_e, stride_bias, per_group, n_group, topk_group, top_k, routed_scaling_factor,
     BLOCK_T: tl.constexpr, NG_P2: tl.constexpr, PG_P2: tl.constexpr, K_P2: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     gi = tl.arange(0, NG_P2)
     pj = tl.arange(0, PG_P2)
@@ -163,6 +166,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, r
         e // ng, ng, topk_group if grouped else 1, top_k, float(routed_scaling_factor),
         BLOCK_T=cfg.block_t, NG_P2=cfg.ng_p2, PG_P2=cfg.pg_p2, K_P2=cfg.k_p2,
         SIGMOID=scoring_func == "sigmoid", HAS_BIAS=bias is not None, GROUPED=grouped,
-        RENORMALIZE=bool(renormalize), num_warps=cfg.num_warps,
+        RENORMALIZE=bool(renormalize), num_warps=cfg.num_warps, **pdl_args(device),
     )
     return weights, ids
