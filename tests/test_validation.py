@@ -419,6 +419,7 @@ def test_quant_dispatch_masked_rejects(name, kwargs, exc, pattern):
     *QUANT_DISPATCH_REJECTS,
     ("align_m zero", dict(align_m=0), ValueError, r"align_m must be >= 1, got 0"),
     ("sync int", dict(sync=1), TypeError, r"sync must be a bool"),
+    ("return_x None", dict(return_x=None), TypeError, r"return_x must be a bool"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_quant_dispatch_contiguous_rejects(name, kwargs, exc, pattern):
     args = quant_dispatch_args()

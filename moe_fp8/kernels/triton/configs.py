@@ -95,9 +95,9 @@ DISPATCH_WARPS = 4
 DISPATCH_MAP_BLOCK_K = 8192
 DISPATCH_MAP_WARPS = 4
 # The same scatter quantizing bf16 rows on the way (quant_dispatch_contiguous without an expert_map):
-# half rows, 4 warps. Session 10 (H100, 16384 tokens x 7168, top-8 of 256 all local, scatter kernel
-# alone): 531.7 us at 4096 / 4 without x_fp8 (586.1 with it) against 572.4 (627.9) at 8192 / 8, and
-# 677 us for the quant kernel plus the FP8 scatter.
+# half rows, 4 warps. Session 10 (H100, 16384 tokens x 7168, top-8 of 256 all local, kernel alone):
+# 538.5 us at 4096 / 4 without x_fp8 (591.7 with it) against 578.2 (633.0) at 8192 / 8 and 560.3 (603.5)
+# at 2048 / 4, and 628 us for the quant kernel plus the FP8 scatter (2048 / 4).
 DISPATCH_QUANT_BLOCK_K = 4096
 DISPATCH_QUANT_WARPS = 4
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time

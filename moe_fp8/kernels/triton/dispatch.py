@@ -361,11 +361,11 @@ def _scan_kernel(
 
 
 @triton.jit
-def _pair_dests(local_ptr, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m,
+def _pair_dests(local, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m,
                 CHUNK: tl.constexpr, MASKED: tl.constexpr):
-    """Destination rows of pairs ``p`` (-1: not local, or past ``max_m`` in the masked layout): the
-    pair's rank in its chunk + its expert's count in the earlier chunks (+ the segment start)."""
-    local = tl.load(local_ptr + p, mask=p_ok, other=-1)
+    """Destination rows of pairs ``p`` with local ids ``local`` (-1: not local, or past ``max_m`` in the
+    masked layout): the pair's rank in its chunk + its expert's count in the earlier chunks (+ the
+    segment start)."""
     is_local = p_ok & (local >= 0)
     lc = tl.where(is_local, local, 0)
     pos = tl.load(rank_ptr + p, mask=is_local, other=0) + tl.load(
@@ -428,9 +428,10 @@ def _scatter_kernel(
     jk = tl.arange(0, K_P2)
     p = t64[:, None] * TOP_K + jk[None, :]
     p_ok = t_ok[:, None] & (jk[None, :] < TOP_K)
+    local = tl.load(local_ptr + p, mask=p_ok, other=-1)
     use = t_ok
     if SKIP_IDLE:  # expert parallelism: a third of the tokens have no local expert; their rows stay unread
-        use = t_ok & (tl.max(tl.load(local_ptr + p, mask=p_ok, other=-1), axis=1) >= 0)
+        use = t_ok & (tl.max(local, axis=1) >= 0)
     # the rows first: their loads overlap the routing-state gathers
     offs = t64[:, None, None] * K + col
     mask = use[:, None, None] & col_ok
@@ -441,7 +442,7 @@ def _scatter_kernel(
         row = tl.load(x_ptr + offs, mask=mask)
         sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=s_mask)
     # every destination of the block's pairs, from the routing state (column block 0 publishes them)
-    dests = _pair_dests(local_ptr, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
+    dests = _pair_dests(local, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
     if QUANT:  # exactly as the quant kernel; WRITE_X: also the quantized input (TMA-layout scales, t_pad rows)
         row, sc = quantize_groups(xv, eps, UE8M0, NATIVE_FP8)
         if WRITE_X:
@@ -612,15 +613,14 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
     num_experts = routing.count.shape[0]
     write_x = quant is not None and quant.x_fp8 is not None
-    if quant is None:
-        src, src_scale, xs_strides, dst_x, dst_x_scale = x.view(torch.uint8), x_scale, x_scale.stride(), None, None
-    else:
-        src, src_scale, xs_strides, dst_x, dst_x_scale = x, out_scale, (0, 0), quant.x_fp8, quant.x_scale
+    # pointers a variant never dereferences get a stand-in: x_scale when quantizing, x_fp8 / x_scale unwritten
+    src, src_scale, xs_strides = (x.view(torch.uint8), x_scale, x_scale.stride()) if quant is None else \
+        (x, out_scale, (0, 0))
+    x_dst, x_dst_scale = (quant.x_fp8, quant.x_scale) if write_x else (out, out_scale)
     _scatter_kernel[(t_blocks, col_blocks)](
         src, src_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count, routing.status,
-        row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
-        (dst_x if write_x else out).view(torch.uint8), dst_x_scale if write_x else out_scale,
-        num_tokens, k, ceil_div(k, 128), num_experts, max_m, m_pad, m_rows, *xs_strides,
+        row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale, x_dst.view(torch.uint8),
+        x_dst_scale, num_tokens, k, ceil_div(k, 128), num_experts, max_m, m_pad, m_rows, *xs_strides,
         get_tma_aligned_m(num_tokens), float(quant.eps) if quant is not None else 0.0,
         TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]),
         BLOCK_T=cfg.block_t, BLOCK_K=block_k, CHUNK=cfg.chunk, M_BLOCK=m_block,
