@@ -348,15 +348,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
         ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
         scale_buf ^= 1;
-        // the tile's K blocks (a split's or a K piece's share); the i-th issue's block, as the producer
-        // walks them
-        const uint32_t kb0 = kSplitK > 1 || kTailSplit ? tile.k_block0 : 0;
-        const uint32_t num_kb = kSplitK > 1 || kTailSplit ? tile.num_k_blocks : kNumKBlocks;
-        auto k_block = [&](uint32_t i) { return kb0 + (tile.k_reverse ? num_kb - 1 - i : i); };
+        // the tile's K blocks (a split's share with split-K; a K piece's has its own mainloop below);
+        // the i-th issue's block, as the producer walks them
+        const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;
+        const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
+        auto k_block = [&](uint32_t i, uint32_t first, uint32_t count) {
+            return first + (tile.k_reverse ? count - 1 - i : i);
+        };
 
-        // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
-        auto acquire = [&](uint32_t i, BlockScales& sc) {
-            const uint32_t kb = k_block(i);
+        // Wait for the next slot, holding K block kb, and read its scales; the slot stays ours until released.
+        auto acquire = [&](uint32_t kb, BlockScales& sc) {
             sc.b_lo = ptx::ld_shared_f32(tile_w_scale + kb);
             sc.b_hi = ptx::ld_shared_f32(tile_w_scale + Smem::kSBPitch + kb);
             ptx::mbar_wait(&full_bar[stage], phase);
@@ -420,7 +421,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             float acc0[kWaveAccum], acc1[kWaveAccum];
             BlockScales sc0, sc1;
             auto issue = [&](uint32_t i, float* acc, BlockScales& sc) {
-                acquire(i, sc);
+                acquire(k_block(i, kb0, num_kb), sc);
                 mma_wave(0, acc);
                 next_stage();
             };
@@ -452,32 +453,35 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            // waves [kFirst, kFirst + kRun) of every K block; the last releases the slot. Both are
-            // compile-time: a run-time wave would index `total` dynamically (local memory).
-            auto mainloop = [&](auto first, auto run) {
+            // waves [kFirst, kFirst + kRun) of K blocks [k0, k0 + nk); the last wave releases the slot. The
+            // waves are compile-time: a run-time wave would index `total` dynamically (local memory).
+            auto mainloop = [&](auto first, auto run, uint32_t k0, uint32_t nk) {
                 constexpr uint32_t kFirst = decltype(first)::value, kRun = decltype(run)::value;
-                for (uint32_t kb = 0; kb < num_kb; ++kb) {
-                    acquire(kb, sc);
+                for (uint32_t i = 0; i < nk; ++i) {
+                    acquire(k_block(i, k0, nk), sc);
 #pragma unroll
-                    for (uint32_t i = 0; i < kRun; ++i) {
-                        const uint32_t w = kFirst + i;
+                    for (uint32_t r = 0; r < kRun; ++r) {
+                        const uint32_t w = kFirst + r;
                         mma_wave(w, acc);
                         mma::wgmma_wait<0>();
 #pragma unroll
                         for (uint32_t j = 0; j < kWaveAccum; ++j) mma::fence_operand(acc[j]);
-                        if (i + 1 == kRun) release();
+                        if (r + 1 == kRun) release();
                         promote_wave(w, acc, sc);
                     }
                     next_stage();
                 }
             };
-            // NOTE: each split tail half gets its own copy of the loop. Testing the wave inside one shared
-            // loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never split.
+            // NOTE: each split tail half, and a K piece, gets its own copy of the loop. Testing the wave inside
+            // one shared loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never
+            // split; a run-time K range in the whole tiles' loop cost 4-13% at long K (session 11 record).
             if (kTailSplit && tile.num_waves == 1) {
-                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{});
-                else mainloop(Count<1>{}, Count<1>{});
+                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, kb0, num_kb);
+                else mainloop(Count<1>{}, Count<1>{}, kb0, num_kb);
+            } else if (kTailSplit && tile.num_k_blocks != kNumKBlocks) {
+                mainloop(Count<0>{}, Count<kNumWaves>{}, tile.k_block0, tile.num_k_blocks);
             } else {
-                mainloop(Count<0>{}, Count<kNumWaves>{});
+                mainloop(Count<0>{}, Count<kNumWaves>{}, kb0, num_kb);
             }
         }
 
