@@ -7,7 +7,11 @@ import torch
 from test_gemm_hopper import tail_split_sms
 
 from moe_fp8 import reference as ref
-from moe_fp8.kernels.gemm import fp8_grouped_gemm_contiguous_hopper, fp8_grouped_gemm_masked_hopper
+from moe_fp8.kernels.gemm import (
+    _K_SPLIT_WORKSPACES,
+    fp8_grouped_gemm_contiguous_hopper,
+    fp8_grouped_gemm_masked_hopper,
+)
 from moe_fp8.kernels.heuristics import make_config
 from moe_fp8.testing import make_contiguous_inputs, make_masked_inputs
 from moe_fp8.utils import calc_diff, get_num_sms, rel_error
@@ -120,6 +124,68 @@ def test_masked_tail_split(block_m: int, block_n: int, masked_m: list[int]) -> N
     torch.cuda.synchronize()
     _check_masked(inp, outs[0])
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)  # unwritten rows: NaN in both
+
+
+@pytest.mark.parametrize("block_n", [192, 256])
+@pytest.mark.parametrize("masked_m", [[1206], [430, 379], [200, 77, 0, 129], [0, 0], [5, 0, 600, 1, 1, 300, 2, 90],
+                                      [256, 1, 90, 255, 3, 64, 128, 0, 17]])
+def test_masked_k_split(block_n: int, masked_m: list[int]) -> None:
+    """A K-split last wave (the heuristic's default for masked two-wave tiles at long K): right, rows past
+    masked_m unwritten, deterministic. 9 groups: the scheduler does not count their tiles and runs them
+    whole."""
+    g, max_m, n, k = len(masked_m), 1280, 4096, 3072
+    inp = make_masked_inputs(g, max_m, 100, n, k, seed=block_n + g, device="cuda", masked_m=masked_m)
+    cfg = make_config(128, block_n, get_num_sms(), k=k, k_split=True)
+    outs = []
+    for _ in range(2):
+        out = torch.full((g, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 100, out,
+                                       config=cfg)
+        outs.append(out)
+    torch.cuda.synchronize()
+    _check_masked(inp, outs[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_contiguous_k_split() -> None:
+    """K pieces on the contiguous layout: all-padding blocks are skipped alike on every CTA."""
+    inp = make_contiguous_inputs(6, 150, 2112, 3072, seed=7, device="cuda", num_empty=1)
+    out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
+                                       config=make_config(128, 256, 11, k=3072, k_split=True))
+    torch.cuda.synchronize()
+    _check_contiguous(inp, out)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_masked_k_split_cuda_graph(warm: bool) -> None:
+    """Under a CUDA graph the K-split tail uses the workspace of an earlier launch on the capturing stream;
+    without one it runs halves. Both replay right with other counts."""
+    g, max_m, n, k = 2, 1024, 4096, 3072
+    first = make_masked_inputs(g, max_m, 512, n, k, seed=5, device="cuda")
+    x_fp8, x_scale, masked_m = first.x_fp8.clone(), first.x_scale.clone(), first.masked_m.clone()
+    out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
+    # compiled, and a workspace made, on the current stream: not the one the graph captures
+    fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if warm:
+            fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert ((stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES) == warm
+    for seed, counts in [(6, [1024, 1023]), (7, [0, 700]), (8, [129, 3])]:
+        new = make_masked_inputs(g, max_m, 512, n, k, seed=seed, device="cuda", masked_m=counts)
+        x_fp8.copy_(new.x_fp8)
+        x_scale.copy_(new.x_scale)
+        masked_m.copy_(new.masked_m)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_masked(new._replace(w_fp8=first.w_fp8, w_scale=first.w_scale), out)
 
 
 @pytest.mark.parametrize("expected_m", [1, 64, 256])

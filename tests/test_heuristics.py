@@ -14,6 +14,7 @@ from moe_fp8.kernels.heuristics import (
     MAX_SMEM_BYTES,
     TWO_WG_STAGES,
     WAVE_BLOCK_NS,
+    GemmConfig,
     GemmDesc,
     estimate_ns,
     get_config,
@@ -33,6 +34,28 @@ def _valid(cfg, k: int) -> None:
     assert 2 <= cfg.num_stages == (min(TWO_WG_STAGES, full) if cfg.block_m == 128 else full)
     assert cfg.smem_bytes == smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k) <= MAX_SMEM_BYTES
     assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
+
+
+def test_k_split_where_it_applies() -> None:
+    """The K-split last wave: a launch option of tail-split kernels (refused elsewhere), which the heuristic
+    turns on for masked two-wave tiles of up to 8 groups at K of two 12-block pieces, never at K = 2048 (8-block
+    pieces lost to halves), with 9+ groups (tiles not counted), on other layouts or under the fused epilogue."""
+    assert make_config(128, 256, 132, k=7168, k_split=True).k_split
+    with pytest.raises(ValueError, match="needs tail_split"):
+        make_config(128, 256, 132, k=7168, k_split=True, tail_split=False)
+    with pytest.raises(ValueError, match="192 / 256-wide tiles"):
+        make_config(128, 128, 132, k=7168, k_split=True)
+
+    def cfg(**kw) -> GemmConfig:
+        return get_config(GemmDesc(**{"m": 4096, "n": 4096, "k": 7168, "num_groups": 2, "layout": "masked",
+                                      "expected_m": 512, **kw}))
+    assert cfg().k_split and cfg().block_n in WAVE_BLOCK_NS
+    assert cfg(k=3072).k_split == (cfg(k=3072).block_n in WAVE_BLOCK_NS)
+    assert not cfg(k=2048).k_split
+    assert not cfg(num_groups=9).k_split
+    assert not cfg(act_quant=1).k_split
+    assert not get_config(GemmDesc(4096, 4096, 7168)).k_split
+    assert not get_config(GemmDesc(8192, 4096, 7168, num_groups=8, layout="contiguous")).k_split
 
 
 @settings(max_examples=60, deadline=None)

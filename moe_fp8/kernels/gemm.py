@@ -14,7 +14,7 @@ import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
 from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles, tail_split_ok
-from .jit import build, make_tma_2d
+from .jit import build, current_raw_stream, make_tma_2d
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
 
@@ -39,6 +39,34 @@ def _tail_split(cfg: GemmConfig, act_quant: int) -> bool:
     """Whether the variant splits a short last wave into tile halves: as configured, except under the fused
     SiLU·mul + quant epilogue, which needs both halves of a tile."""
     return cfg.tail_split and not act_quant
+
+
+# K-split workspace (epilogue/k_split.cuh): a flag per CTA, then one FP32 tile (up to 128 x 256) per CTA.
+K_SPLIT_FLAG_WORDS = 1024
+K_SPLIT_SLOT_WORDS = 128 * 256
+_K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
+    """The K-split workspace of the current stream on ``device_index``, or None (run the tail as halves).
+
+    One per stream: launches on one stream run in order and share it; two streams could run at once, so
+    they never do. Its flags start at zero and every launch leaves them at zero. A workspace is never
+    created while the stream is being captured into a CUDA graph (the zeroing would be a node of the
+    graph, not done before it): a capture uses the workspace of an earlier launch on the capturing stream
+    (a warm-up on that stream), and runs halves otherwise.
+    """
+    if num_ctas > K_SPLIT_FLAG_WORDS:
+        return None
+    key = (device_index, current_raw_stream(device_index))
+    workspace = _K_SPLIT_WORKSPACES.get(key)
+    if workspace is None or workspace.numel() < K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        workspace = _K_SPLIT_WORKSPACES[key] = torch.zeros(
+            K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS, dtype=torch.int32,
+            device=torch.device("cuda", device_index))
+    return workspace
 
 
 def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
@@ -137,7 +165,10 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
         # tail halves: under half a wave of tiles, every tile runs as two halves on two CTAs
         units = 2 * tiles if _tail_split(cfg, act_quant) else tiles
         grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, units)), cfg.multicast
-    return kernel, (grid, 1, 1), (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
+    # K-split last wave: its tiles' K pieces may take every CTA (under one wave, too); the grid above is
+    # the fallback when no workspace can be had (k_split_workspace)
+    sk_grid = (cfg.num_sms, 1, 1) if cfg.k_split and _tail_split(cfg, act_quant) else None
+    return kernel, (grid, 1, 1), sk_grid, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -160,9 +191,12 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
             _PREPARED.clear()
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
-    kernel, grid, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
+    kernel, grid, sk_grid, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
+    workspace = None if sk_grid is None else k_split_workspace(x_fp8.device.index, sk_grid[0])
+    if workspace is not None:
+        grid = sk_grid
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, rows_per_group, num_groups,
-                                out_scale, get_tma_aligned_m(rows_per_group)],
+                                out_scale, get_tma_aligned_m(rows_per_group), workspace],
                   smem_bytes=smem, cluster=cluster)
     return cfg
 

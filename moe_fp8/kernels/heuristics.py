@@ -63,6 +63,13 @@ SPLIT_KS = (1, 2, 4)
 # The masked scheduler counts its tiles (for the tail split) only up to this many groups
 # (sched::MaskedScheduler::kMaxTailSplitGroups): each thread reads every group's count once.
 MASKED_TAIL_SPLIT_MAX_GROUPS = 8
+# A last wave split into K pieces (sched::TailSplit, epilogue/k_split.cuh): pieces per tile at most
+# (kMaxPieces), 128-K blocks per piece at least (kMinPieceBlocks: at K = 2048, 8-block pieces ran 8% slower
+# than tile halves, at K = 7168 14-block pieces up to 11% faster), and the cost of publishing and
+# gathering the FP32 partial tiles through L2.
+K_SPLIT_MAX_PIECES = 4
+K_SPLIT_MIN_PIECE_BLOCKS = 12
+K_SPLIT_FIXUP_NS = 3000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,10 @@ class GemmConfig:
     # 256-wide tiles of single CTAs: a last wave of at most half as many tiles as CTAs runs as tile halves
     # (sched::TailSplit); not with the fused SiLU·mul + quant epilogue (needs both halves)
     tail_split: bool = False
+    # with tail_split: the last wave's tiles run as K pieces on up to 4 CTAs each instead of halves (FP32
+    # partial tiles in a workspace, see epilogue/k_split.cuh). A launch option of the same kernel, not a
+    # separate variant.
+    k_split: bool = False
 
     @property
     def num_math_threads(self) -> int:
@@ -186,27 +197,36 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
     DRAM band)."""
     k_blocks = ceil_div(desc.k, BLOCK_K)
 
-    def wave_ns(active: int, bn: int) -> float:
+    def block_ns(active: int, bn: int) -> float:  # one 128-K block of every one of `active` CTAs
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), MMA_NS_PER_ELEM * block_m * bn)
         if block_m == 64 and 128 % bn and bn % 128:
             k_block_ns += STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2)
         band = min(m_blocks, SWIZZLE_GROUP_M, active)
         dram_ns = (band * block_m + ceil_div(active, band) * bn) * BLOCK_K / DRAM_BYTES_PER_NS
         shared_a_ns = active / band * (block_m + bn) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
-        return k_blocks * max(k_block_ns, dram_ns, shared_a_ns) + TILE_FIXED_NS
+        return max(k_block_ns, dram_ns, shared_a_ns)
+
+    def wave_ns(active: int, bn: int) -> float:
+        return k_blocks * block_ns(active, bn) + TILE_FIXED_NS
 
     full, last = divmod(max(tiles, 1), desc.num_sms)
-    # The last wave as tile halves (sched::TailSplit), counted for the masked layout only: there the tile
-    # count depends on rows drawn at run time, and a split tail keeps 128x256 near its average over draws
-    # (2 x 512 rows at 4096x7168: 840 TF on a draw where 128x192 ran at 591). Normal and contiguous choices
-    # are left as calibrated until measured. Not counted under one wave: there every tile runs as halves,
-    # i.e. 128-wide tiles with half the stages of a real 128-wide configuration.
-    if (desc.layout == "masked" and desc.num_groups <= MASKED_TAIL_SPLIT_MAX_GROUPS and full and last
-            and 2 * last <= desc.num_sms and not desc.act_quant and tail_split_ok(block_n, multicast)):
-        tail_ns = wave_ns(2 * last, block_n // 2)
-    else:
-        tail_ns = wave_ns(last, block_n) if last else 0.0
-    return full * wave_ns(desc.num_sms, block_n) + tail_ns
+    # The last wave as K pieces (sched::TailSplit), counted for the masked layout only: there the tile count
+    # depends on rows drawn at run time. Normal and contiguous kernels split their tail into halves and
+    # their choices are left as calibrated.
+    parts = min(K_SPLIT_MAX_PIECES, k_blocks // K_SPLIT_MIN_PIECE_BLOCKS, desc.num_sms // max(last, 1))
+    if desc.layout == "masked" and last and parts >= 2 and masked_k_split(desc, block_n, multicast):
+        piece_ns = ceil_div(k_blocks, parts) * block_ns(parts * last, block_n) + TILE_FIXED_NS + K_SPLIT_FIXUP_NS
+        return full * wave_ns(desc.num_sms, block_n) + piece_ns
+    return full * wave_ns(desc.num_sms, block_n) + (wave_ns(last, block_n) if last else 0.0)
+
+
+def masked_k_split(desc: GemmDesc, block_n: int, multicast: int = 1) -> bool:
+    """Whether a masked GEMM may run its last wave as K pieces (``GemmConfig.k_split``): two-wave tiles of
+    single CTAs without the fused epilogue, few enough groups that the kernel counts their tiles, and K
+    long enough for two pieces."""
+    return (desc.layout == "masked" and desc.num_groups <= MASKED_TAIL_SPLIT_MAX_GROUPS and not desc.act_quant
+            and tail_split_ok(block_n, multicast)
+            and ceil_div(desc.k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS)
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
@@ -239,10 +259,11 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
 
 def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
                 multicast: int = 1, multicast_on_a: bool = False, split_k: int = 1,
-                swizzle_group_m: int = SWIZZLE_GROUP_M, tail_split: bool | None = None) -> GemmConfig:
+                swizzle_group_m: int = SWIZZLE_GROUP_M, tail_split: bool | None = None,
+                k_split: bool = False) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
     K (the staged weight scales take shared memory); stages default to as many as fit. ``tail_split``
-    defaults to where it applies (``tail_split_ok``)."""
+    defaults to where it applies (``tail_split_ok``); ``k_split`` splits the tail by K instead of halving it."""
     if (block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n)
             or (block_n > 160 and block_n not in WAVE_BLOCK_NS)):
         raise ValueError(f"unsupported block shape {block_m}x{block_n}")
@@ -255,6 +276,11 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     if tail_split and not tail_split_ok(block_n, multicast, split_k):
         raise ValueError(f"tail halves need 192 / 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
                          f"multicast {multicast}, split-K {split_k}")
+    if k_split and tail_split is False:
+        raise ValueError("k_split runs the tail of a tail-split kernel: it needs tail_split")
+    if k_split and not tail_split_ok(block_n, multicast, split_k):
+        raise ValueError(f"k_split needs 192 / 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
+                         f"multicast {multicast}, split-K {split_k}")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
     if not 2 <= stages <= most:
@@ -262,7 +288,8 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     return GemmConfig(block_m=block_m, block_n=block_n, num_stages=stages, swizzle_group_m=swizzle_group_m,
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
                       multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k,
-                      tail_split=tail_split_ok(block_n, multicast, split_k) if tail_split is None else tail_split)
+                      tail_split=tail_split_ok(block_n, multicast, split_k) if tail_split is None else tail_split,
+                      k_split=k_split)
 
 
 def tail_split_ok(block_n: int, multicast: int = 1, split_k: int = 1) -> bool:
@@ -333,4 +360,5 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
-    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a)
+    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
+                       k_split=masked_k_split(desc, bn, mc))

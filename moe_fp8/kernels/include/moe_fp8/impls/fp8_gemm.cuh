@@ -13,6 +13,7 @@
 #include "../epilogue/act_quant.cuh"
 #include "../epilogue/split_k.cuh"
 #include "../epilogue/store.cuh"
+#include "../epilogue/k_split.cuh"
 #include "../mma/wgmma.cuh"
 #include "../ptx/barrier.cuh"
 #include "../ptx/misc.cuh"
@@ -29,6 +30,8 @@ constexpr uint32_t kBarStagingFull = 1;
 constexpr uint32_t kBarStagingEmpty = 2;
 // The store warps have staged a tile's weight scales (store warps -> math), one barrier per buffer.
 constexpr uint32_t kBarScalesFull = 3;  // and 4
+// The math warpgroups' partial tile is published (a K piece): every math thread has written it.
+constexpr uint32_t kBarPartial = 5;
 constexpr uint32_t kNumStoreThreads = 96;  // warps 1-3 of the producer warpgroup
 
 // Shared-memory layout of one kernel variant; the host passes the total it computed as
@@ -142,7 +145,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     uint32_t shape_m,                          // rows of A (per group when masked)
                     uint32_t num_groups,
                     float* __restrict__ out_scale,  // kActQuant only
-                    uint32_t out_scale_stride) {
+                    uint32_t out_scale_stride,
+                    uint32_t* __restrict__ k_split_workspace) {  // tail split: K pieces, not halves (or null)
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
@@ -162,6 +166,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // the gate and up blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
     constexpr bool kTwoBoxB = kNumWaves == 2 && !kCluster;
     constexpr bool kTailSplit = Scheduler::kTailSplit;
+    using Tail = sched::TailSplit<kTailSplit, kNumKBlocks>;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -213,6 +218,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
 
     Scheduler scheduler(shape_m, grouped_layout, num_groups);
+    const bool k_split = k_split_workspace != nullptr;
     sched::Tile tile;
 
     // NOTE: the epilogue is split: math warpgroups write the bf16 tile into shared memory and go on
@@ -230,7 +236,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             sched::Tile next_tile;
             uint32_t scale_buf = 0;
             auto stage_next_scales = [&]() {
-                if (!ahead.next(next_tile)) return;
+                if (!ahead.next(next_tile, k_split)) return;
                 // the tile's two weight-scale blocks: its gate and up blocks (kActQuant), or its first
                 // and next, both clamped to the last (a multicast partner tile past N, or the second
                 // wave of N's last tile, reads it for columns that are never stored)
@@ -244,10 +250,12 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             };
             stage_next_scales();
             ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);  // the staging tile starts empty
-            while (scheduler.next(tile)) {
+            while (scheduler.next(tile, k_split)) {
                 stage_next_scales();
+                // (a published K piece still signals here: the math warpgroups are done with its scales)
                 ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
-                if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
+                if (Tail::publishes(tile)) {  // a partial tile, stored by another CTA
+                } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);
                 } else if (kTailSplit && tile.num_waves == 1) {  // a tail half: its wave's columns
@@ -270,11 +278,12 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // multicast: this CTA fetches its half (by cluster rank) of the shared operand for both
             const uint32_t rank = kMulticast > 1 ? ptx::cluster_cta_rank() : 0;
             uint32_t stage = 0, phase = 0;
-            while (scheduler.next(tile)) {
+            while (scheduler.next(tile, k_split)) {
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
-                const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;  // constants unless split-K
-                const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
+                // constants unless K is split (split-K, or the K pieces of a tail-split kernel)
+                const uint32_t kb0 = kSplitK > 1 || kTailSplit ? tile.k_block0 : 0;
+                const uint32_t num_kb = kSplitK > 1 || kTailSplit ? tile.num_k_blocks : kNumKBlocks;
                 // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
                 // unrolled loop spills (ptxas unrolls it by the stage count)
 #pragma unroll 1
@@ -329,7 +338,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     const uint64_t desc_a0 = mma::make_desc_k_major_sw128(smem_a + warpgroup * 64 * kBlockK);
     const uint64_t desc_b0 = mma::make_desc_k_major_sw128(smem_b);
 
-    while (scheduler.next(tile)) {
+    while (scheduler.next(tile, k_split)) {
         const uint32_t n0 = tile.n_block * BLOCK_N;
 #pragma unroll
         for (uint32_t i = 0; i < kNumAccum; ++i) total[i] = 0.0f;
@@ -339,14 +348,16 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
         ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
         scale_buf ^= 1;
-        // the tile's K blocks (a split's share with split-K); the i-th issue's block, as the producer walks them
+        // the tile's K blocks (a split's share with split-K; a K piece's has its own mainloop below);
+        // the i-th issue's block, as the producer walks them
         const uint32_t kb0 = kSplitK > 1 ? tile.k_block0 : 0;
         const uint32_t num_kb = kSplitK > 1 ? tile.num_k_blocks : kNumKBlocks;
-        auto k_block = [&](uint32_t i) { return kb0 + (tile.k_reverse ? num_kb - 1 - i : i); };
+        auto k_block = [&](uint32_t i, uint32_t first, uint32_t count) {
+            return first + (tile.k_reverse ? count - 1 - i : i);
+        };
 
-        // Wait for the i-th block's slot and read its scales; the slot stays ours until released.
-        auto acquire = [&](uint32_t i, BlockScales& sc) {
-            const uint32_t kb = k_block(i);
+        // Wait for the next slot, holding K block kb, and read its scales; the slot stays ours until released.
+        auto acquire = [&](uint32_t kb, BlockScales& sc) {
             sc.b_lo = ptx::ld_shared_f32(tile_w_scale + kb);
             sc.b_hi = ptx::ld_shared_f32(tile_w_scale + Smem::kSBPitch + kb);
             ptx::mbar_wait(&full_bar[stage], phase);
@@ -410,7 +421,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             float acc0[kWaveAccum], acc1[kWaveAccum];
             BlockScales sc0, sc1;
             auto issue = [&](uint32_t i, float* acc, BlockScales& sc) {
-                acquire(i, sc);
+                acquire(k_block(i, kb0, num_kb), sc);
                 mma_wave(0, acc);
                 next_stage();
             };
@@ -442,38 +453,48 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             float acc[kWaveAccum];
             BlockScales sc;
-            // waves [kFirst, kFirst + kRun) of every K block; the last releases the slot. Both are
-            // compile-time: a run-time wave would index `total` dynamically (local memory).
-            auto mainloop = [&](auto first, auto run) {
+            // waves [kFirst, kFirst + kRun) of K blocks [k0, k0 + nk); the last wave releases the slot. The
+            // waves are compile-time: a run-time wave would index `total` dynamically (local memory).
+            auto mainloop = [&](auto first, auto run, uint32_t k0, uint32_t nk) {
                 constexpr uint32_t kFirst = decltype(first)::value, kRun = decltype(run)::value;
-                for (uint32_t kb = 0; kb < num_kb; ++kb) {
-                    acquire(kb, sc);
+                for (uint32_t i = 0; i < nk; ++i) {
+                    acquire(k_block(i, k0, nk), sc);
 #pragma unroll
-                    for (uint32_t i = 0; i < kRun; ++i) {
-                        const uint32_t w = kFirst + i;
+                    for (uint32_t r = 0; r < kRun; ++r) {
+                        const uint32_t w = kFirst + r;
                         mma_wave(w, acc);
                         mma::wgmma_wait<0>();
 #pragma unroll
                         for (uint32_t j = 0; j < kWaveAccum; ++j) mma::fence_operand(acc[j]);
-                        if (i + 1 == kRun) release();
+                        if (r + 1 == kRun) release();
                         promote_wave(w, acc, sc);
                     }
                     next_stage();
                 }
             };
-            // NOTE: each split tail half gets its own copy of the loop. Testing the wave inside one shared
-            // loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never split.
+            // NOTE: each split tail half, and a K piece, gets its own copy of the loop. Testing the wave inside
+            // one shared loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never
+            // split; a run-time K range in the whole tiles' loop cost 4-13% at long K (session 11 record).
             if (kTailSplit && tile.num_waves == 1) {
-                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{});
-                else mainloop(Count<1>{}, Count<1>{});
+                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, kb0, num_kb);
+                else mainloop(Count<1>{}, Count<1>{}, kb0, num_kb);
+            } else if (kTailSplit && tile.num_k_blocks != kNumKBlocks) {
+                mainloop(Count<0>{}, Count<kNumWaves>{}, tile.k_block0, tile.num_k_blocks);
             } else {
-                mainloop(Count<0>{}, Count<kNumWaves>{});
+                mainloop(Count<0>{}, Count<kNumWaves>{}, kb0, num_kb);
             }
         }
 
+        // K pieces of a split tail (epilogue/k_split.cuh): publish the partial tile, or add the others'
+        if (Tail::publishes(tile))
+            epi::publish_partial<kNumAccum, kNumMathThreads>(k_split_workspace, total, kBarPartial);
+        else if (Tail::gathers(tile))
+            epi::gather_partials<kNumAccum, kNumMathThreads>(k_split_workspace, total, tile.last_piece_cta,
+                                                             kBarPartial);
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
         ptx::named_barrier_sync(kBarStagingEmpty, kNumStagingThreads);
-        if constexpr (kSplitK > 1) {
+        if (Tail::publishes(tile)) {  // nothing to stage; the handshake keeps the store warps in step
+        } else if constexpr (kSplitK > 1) {
             // one tile per CTA: its stage buffers are drained and hold the partial sums
             epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,
                                                                   smem_d, warpgroup * 64);

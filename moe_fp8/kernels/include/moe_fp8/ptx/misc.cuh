@@ -74,6 +74,30 @@ __device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
                  : "memory");
 }
 
+// L2-only 16-byte accesses (.cg): data another SM wrote (or will read) in this launch; L1 is not coherent.
+__device__ __forceinline__ void st_global_cg_v4(float* ptr, float x, float y, float z, float w) {
+    asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
+__device__ __forceinline__ void ld_global_cg_v4(const float* ptr, float& x, float& y, float& z, float& w) {
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x), "=f"(y), "=f"(z), "=f"(w) : "l"(ptr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
+__device__ __forceinline__ void st_release_gpu_u32(uint32_t* ptr, uint32_t v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ float ldg_f32(const float* ptr) {
     float v;
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));  // volatile: issue where written

@@ -17,38 +17,67 @@ struct Tile {
     uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
     uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
-    uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's share
+    uint32_t k_block0;  // the tile's K range in 128-blocks: all of K, or one split's / piece's share
     uint32_t num_k_blocks;
     uint32_t wave0;      // two-wave tiles with TailSplit: the 96 / 128-column waves to run,
     uint32_t num_waves;  //   [wave0, wave0 + num_waves) (both, or one half of a split tail tile)
+    uint32_t last_piece_cta;  // K pieces: the CTA holding the tile's last piece (see TailSplit)
 
     __device__ __forceinline__ bool runs_wave(uint32_t w) const { return w >= wave0 && w < wave0 + num_waves; }
 };
 
 // NOTE: a persistent grid whose last wave holds few tiles idles most SMs for a whole tile (a masked
-// 804-row group at 7168x2048: 196 tiles of 128x256 on 132 SMs). 256 (192)-wide tiles run as two 128
-// (96)-column waves, so when the last wave holds at most half as many tiles as there are CTAs, its tiles
-// are handed out as halves, one wave each, to twice as many CTAs: that wave takes about half as long.
-// Units 0 .. full-1 are whole tiles, unit full + h the half h % 2 of tile full + h / 2.
-template <bool kEnabled>
+// 1206-row group at 4096x7168: 160 tiles of 128x256 on 132 SMs, the last 28 alone for a whole tile).
+// Two ways out, for two-wave (192 / 256-wide) tiles; units 0 .. full-1 are whole tiles either way:
+// - halves: when the last wave holds at most half as many tiles as there are CTAs, its tiles are handed
+//   out as halves, one 96 / 128-column wave each, to twice as many CTAs: unit full + h is the half h % 2
+//   of tile full + h / 2. Bit-identical to whole tiles.
+// - K pieces (the kernel got a K-split workspace, and K holds two pieces of kMinPieceBlocks): each of
+//   the last wave's tiles is split into parts = min(kMaxPieces, K blocks / kMinPieceBlocks, CTAs / tiles)
+//   equal K ranges on consecutive CTAs (halves when that is under 2): unit full + j is piece
+//   j % parts of tile full + j / parts. Pieces 1.. publish FP32 partial tiles; piece 0 adds them in
+//   piece order (deterministic) and stores the tile (epilogue/k_split.cuh). The pieces of different
+//   tiles run the same K range at the same time, so CTAs on one n-block still share B in L2.
+// The split is recomputed from the tile count at every tile rather than held: the math warpgroups of
+// 256-wide tiles and the store warps (two schedulers in 40 registers) have no registers to spare.
+template <bool kEnabled, uint32_t kNumKBlocks>
 struct TailSplit {
-    uint32_t full = 0, halves = 0;
+    // (heuristics.py: K_SPLIT_MAX_PIECES, K_SPLIT_MIN_PIECE_BLOCKS)
+    static constexpr uint32_t kMaxPieces = 4;       // more would add partial-tile traffic for little
+    static constexpr uint32_t kMinPieceBlocks = 12;  // shorter pieces lost to halves (K = 2048: 8 blocks)
 
-    __device__ __forceinline__ void init(uint32_t num_tiles, uint32_t num_ctas) {
-        const uint32_t last = num_tiles % num_ctas;
-        const bool split = kEnabled && last > 0 && 2 * last <= num_ctas;
-        full = split ? num_tiles - last : num_tiles;
-        halves = split ? 2 * last : 0;
-    }
-    // unit -> tile index and waves; false past the last unit
-    __device__ __forceinline__ bool map(uint32_t unit, uint32_t& tile_idx, Tile& t) const {
+    // unit (= blockIdx.x + iter * gridDim.x) of `num_tiles` -> tile index, waves and K range; false past
+    // this CTA's last unit.
+    __device__ __forceinline__ static bool map(uint32_t num_tiles, bool k_split, uint32_t unit, uint32_t& tile_idx,
+                                               Tile& t) {
+        t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
+        const uint32_t num_ctas = gridDim.x, last = num_tiles % num_ctas;
+        const uint32_t k_parts = k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
+        const bool pieces = k_parts >= 2;  // else halves, where they apply
+        const uint32_t parts = pieces ? k_parts : 2;
+        const bool split = kEnabled && last > 0 && (pieces || 2 * last <= num_ctas);
+        const uint32_t full = split ? num_tiles - last : num_tiles;
         if (unit < full) {
-            tile_idx = unit, t.wave0 = 0, t.num_waves = 2;
+            tile_idx = unit;
             return true;
         }
-        if (unit - full >= halves) return false;
-        tile_idx = full + (unit - full) / 2, t.wave0 = (unit - full) % 2, t.num_waves = 1;
+        if (!split || unit - full >= parts * last) return false;
+        const uint32_t j = unit - full, piece = j % parts;
+        tile_idx = full + j / parts;
+        if (!pieces) {
+            t.wave0 = piece, t.num_waves = 1;
+        } else {
+            t.k_block0 = piece * kNumKBlocks / parts;
+            t.num_k_blocks = (piece + 1) * kNumKBlocks / parts - t.k_block0;
+            t.last_piece_cta = blockIdx.x + parts - 1 - piece;  // piece 0: the tile's last piece's CTA
+        }
         return true;
+    }
+    // a K piece that publishes its partial tile (it does not start at K block 0)
+    __device__ __forceinline__ static bool publishes(const Tile& t) { return kEnabled && t.k_block0 > 0; }
+    // a K piece that adds the published partials of CTAs blockIdx.x + 1 .. t.last_piece_cta
+    __device__ __forceinline__ static bool gathers(const Tile& t) {
+        return kEnabled && t.k_block0 == 0 && t.num_k_blocks < kNumKBlocks;
     }
 };
 
@@ -94,8 +123,8 @@ struct NormalScheduler {
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(kNumKBlocks >= kSplitK, "every split needs at least one K block");
+    using Tail = TailSplit<kTailSplit, kNumKBlocks>;
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
-    TailSplit<kTailSplit> tail;
     int32_t iter = -1;
 
     __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/)
@@ -103,10 +132,10 @@ struct NormalScheduler {
         num_units_m = kMulticastOnA ? num_m_blocks : ceil_div(num_m_blocks, kMulticast);
         num_units_n = kMulticastOnA ? ceil_div(kNumNBlocks, kMulticast) : kNumNBlocks;
         num_units = num_units_m * num_units_n;
-        tail.init(num_units, gridDim.x);
     }
 
-    __device__ __forceinline__ bool next(Tile& t) {
+    // k_split: the kernel has a K-split workspace (the last wave runs as K pieces, not halves)
+    __device__ __forceinline__ bool next(Tile& t, bool k_split) {
         if constexpr (kSplitK > 1) {
             if (++iter > 0 || blockIdx.x / kSplitK >= num_units) return false;
             swizzle_tile<kGroupM>(blockIdx.x / kSplitK, num_units_m, num_units_n, t.m_block, t.n_block);
@@ -122,7 +151,7 @@ struct NormalScheduler {
             return true;
         }
         uint32_t unit = blockIdx.x / kMulticast + static_cast<uint32_t>(++iter) * (gridDim.x / kMulticast);
-        if (!tail.map(unit, unit, t)) return false;
+        if (!Tail::map(num_units, k_split, unit, unit, t)) return false;
         uint32_t um, un;
         swizzle_tile<kGroupM>(unit, num_units_m, num_units_n, um, un);
         const uint32_t rank = blockIdx.x % kMulticast;
@@ -134,8 +163,6 @@ struct NormalScheduler {
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
         t.k_reverse = kSerpentineK && (iter & 1);
-        t.k_block0 = 0;
-        t.num_k_blocks = kNumKBlocks;
         return true;
     }
 };
@@ -158,18 +185,16 @@ struct ContiguousScheduler {
     static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
     const int32_t* m_indices;
     uint32_t shape_m, num_m_blocks;
-    TailSplit<kTailSplit> tail;  // over every tile, padding included (padding blocks are few and skipped)
+    using Tail = TailSplit<kTailSplit, kNumKBlocks>;  // over every tile, padding included (few, and skipped)
     int32_t iter = -1;
 
     __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/)
-        : m_indices(m_indices_), shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
-        tail.init(num_m_blocks * kNumNBlocks, gridDim.x);
-    }
+        : m_indices(m_indices_), shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {}
 
-    __device__ __forceinline__ bool next(Tile& t) {
+    __device__ __forceinline__ bool next(Tile& t, bool k_split) {
         while (true) {
             uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
-            if (!tail.map(idx, idx, t)) return false;
+            if (!Tail::map(num_m_blocks * kNumNBlocks, k_split, idx, idx, t)) return false;
             swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
             const int32_t group = ptx::ldg_s32(m_indices + t.m_block * BLOCK_M);
             if (group < 0) continue;
@@ -179,8 +204,6 @@ struct ContiguousScheduler {
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
             t.k_reverse = kSerpentineK && (iter & 1);
-            t.k_block0 = 0;
-            t.num_k_blocks = kNumKBlocks;
             return true;
         }
     }
@@ -209,19 +232,16 @@ struct MaskedScheduler {
     // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
     // needed rather than held (the store warps run two schedulers in 40 registers)
     uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
-    TailSplit<kTailSplit> tail;
+    using Tail = TailSplit<kTailSplit, kNumKBlocks>;
+    static constexpr uint32_t kUncounted = 0xffffffffu;
+    uint32_t num_tiles = kUncounted;  // counted for up to kMaxTailSplitGroups (kTailSplit only)
     int32_t iter = -1;
 
     __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
-        if constexpr (kTailSplit) {
-            uint32_t total = 0;
-            if (num_groups <= kMaxTailSplitGroups) {
-                for (uint32_t g = 0; g < num_groups; ++g) total += ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
-                tail.init(total, gridDim.x);
-            } else {
-                tail.full = 0xffffffffu;  // whole tiles only; the group walk ends the schedule
-            }
+        if (kTailSplit && num_groups <= kMaxTailSplitGroups) {
+            num_tiles = 0;
+            for (uint32_t g = 0; g < num_groups; ++g) num_tiles += ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
         }
         load_group();
     }
@@ -234,10 +254,12 @@ struct MaskedScheduler {
         group_end_tile = group_first_tile + ceil_div(rows_of(group), BLOCK_M) * kNumNBlocks;
     }
 
-    __device__ __forceinline__ bool next(Tile& t) {
+    __device__ __forceinline__ bool next(Tile& t, bool k_split) {
         uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
-        if constexpr (kTailSplit) {
-            if (!tail.map(idx, idx, t)) return false;
+        if (kTailSplit && num_tiles != kUncounted) {
+            if (!Tail::map(num_tiles, k_split, idx, idx, t)) return false;
+        } else {  // whole tiles only; the group walk ends the schedule
+            t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         }
         while (idx >= group_end_tile) {
             if (++group >= num_groups) return false;
@@ -253,8 +275,6 @@ struct MaskedScheduler {
         t.scale_m0 = t.m_block * BLOCK_M;
         t.scale_k0 = group * kNumKBlocks;
         t.k_reverse = kSerpentineK && (iter & 1);
-        t.k_block0 = 0;
-        t.num_k_blocks = kNumKBlocks;
         return true;
     }
 };
