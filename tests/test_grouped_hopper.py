@@ -165,14 +165,26 @@ def test_masked_k_split(block_n: int, masked_m: list[int]) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_contiguous_k_split() -> None:
-    """K pieces on the contiguous layout: all-padding blocks are skipped alike on every CTA."""
-    inp = make_contiguous_inputs(6, 150, 2112, 3072, seed=7, device="cuda", num_empty=1)
-    out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
-                                       config=make_config(128, 256, 11, k=3072, k_split=True))
+@pytest.mark.parametrize("m,n,k", [(300, 2112, 3200), (1000, 7168, 3088), (129, 4096, 4112), (64, 512, 3072),
+                                   (1206, 4096, 7168), (300, 2112, 2048)])
+@pytest.mark.parametrize("block_n", [192, 256])
+@pytest.mark.parametrize("sms", [5, 13, 132])
+def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) -> None:
+    """The last wave as K pieces on 2-4 CTAs per tile, also under one wave (every tile), ragged K included;
+    K = 2048 is too short for two pieces and runs halves. One group of m rows: right vs the reference,
+    deterministic (pieces are added in order, whichever finishes first), and a second launch finds the
+    flags lowered."""
+    inp = make_masked_inputs(1, m, m, n, k, seed=m + sms, device="cuda", masked_m=[m])
+    cfg = make_config(128, block_n, sms, k=k, k_split=True)
+    outs = []
+    for _ in range(2):
+        out = torch.full((1, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, m, out,
+                                       config=cfg)
+        outs.append(out)
     torch.cuda.synchronize()
-    _check_contiguous(inp, out)
+    _check_masked(inp, outs[0])
+    assert torch.equal(outs[0], outs[1]), "K pieces are not deterministic"
 
 
 @pytest.mark.parametrize("warm", [True, False])

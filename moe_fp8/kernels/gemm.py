@@ -79,6 +79,8 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
                          f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
     if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
         raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
+    if cfg.k_split and layout != "masked":
+        raise ValueError(f"a K-split last wave is only compiled into the masked layout, not {layout}")
     sched_args = f", /*kTailSplit=*/{str(_tail_split(cfg, act_quant)).lower()}"
     if cfg.multicast > 1 or cfg.split_k > 1:
         sched_args += f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
