@@ -77,6 +77,24 @@ def test_contiguous_tail_split(block_m: int, block_n: int) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)  # unwritten rows: NaN in both
 
 
+# the operands a captured masked GEMM reads, replaced in place between replays
+_OPERANDS = ("x_fp8", "x_scale", "w_fp8", "w_scale", "masked_m")
+
+
+def _clone_operands(inp):
+    return inp._replace(**{f: getattr(inp, f).clone() for f in _OPERANDS})
+
+
+def _replay_masked(graph: torch.cuda.CUDAGraph, buf, out: torch.Tensor, new) -> None:
+    """Copy ``new``'s operands into the captured buffers, poison ``out``, replay, check against ``new``."""
+    for f in _OPERANDS:
+        getattr(buf, f).copy_(getattr(new, f))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_masked(new, out)
+
+
 def _check_masked(inp, out: torch.Tensor) -> None:
     max_m = inp.x_fp8.shape[1]
     expect = ref.fp8_grouped_gemm_masked(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m)
@@ -147,14 +165,26 @@ def test_masked_k_split(block_n: int, masked_m: list[int]) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_contiguous_k_split() -> None:
-    """K pieces on the contiguous layout: all-padding blocks are skipped alike on every CTA."""
-    inp = make_contiguous_inputs(6, 150, 2112, 3072, seed=7, device="cuda", num_empty=1)
-    out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
-                                       config=make_config(128, 256, 11, k=3072, k_split=True))
+@pytest.mark.parametrize("m,n,k", [(300, 2112, 3200), (1000, 7168, 3088), (129, 4096, 4112), (64, 512, 3072),
+                                   (1206, 4096, 7168), (300, 2112, 2048)])
+@pytest.mark.parametrize("block_n", [192, 256])
+@pytest.mark.parametrize("sms", [5, 13, 132])
+def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) -> None:
+    """The last wave as K pieces on 2-4 CTAs per tile, also under one wave (every tile), ragged K included;
+    K = 2048 is too short for two pieces and runs halves. One group of m rows: right vs the reference,
+    deterministic (pieces are added in order, whichever finishes first), and a second launch finds the
+    flags lowered."""
+    inp = make_masked_inputs(1, m, m, n, k, seed=m + sms, device="cuda", masked_m=[m])
+    cfg = make_config(128, block_n, sms, k=k, k_split=True)
+    outs = []
+    for _ in range(2):
+        out = torch.full((1, m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, m, out,
+                                       config=cfg)
+        outs.append(out)
     torch.cuda.synchronize()
-    _check_contiguous(inp, out)
+    _check_masked(inp, outs[0])
+    assert torch.equal(outs[0], outs[1]), "K pieces are not deterministic"
 
 
 @pytest.mark.parametrize("warm", [True, False])
@@ -162,30 +192,25 @@ def test_masked_k_split_cuda_graph(warm: bool) -> None:
     """Under a CUDA graph the K-split tail uses the workspace of an earlier launch on the capturing stream;
     without one it runs halves. Both replay right with other counts."""
     g, max_m, n, k = 2, 1024, 4096, 3072
-    first = make_masked_inputs(g, max_m, 512, n, k, seed=5, device="cuda")
-    x_fp8, x_scale, masked_m = first.x_fp8.clone(), first.x_scale.clone(), first.masked_m.clone()
+    buf = _clone_operands(make_masked_inputs(g, max_m, 512, n, k, seed=5, device="cuda"))
     out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
-    # compiled, and a workspace made, on the current stream: not the one the graph captures
-    fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+
+    def run() -> None:
+        fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, 512, out)
+    run()  # compiled, and a workspace made, on the current stream: not the one the graph captures
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         if warm:
-            fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+            run()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, first.w_fp8, first.w_scale, masked_m, 512, out)
+            run()
     torch.cuda.current_stream().wait_stream(stream)
     assert ((stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES) == warm
     for seed, counts in [(6, [1024, 1023]), (7, [0, 700]), (8, [129, 3])]:
-        new = make_masked_inputs(g, max_m, 512, n, k, seed=seed, device="cuda", masked_m=counts)
-        x_fp8.copy_(new.x_fp8)
-        x_scale.copy_(new.x_scale)
-        masked_m.copy_(new.masked_m)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_masked(new._replace(w_fp8=first.w_fp8, w_scale=first.w_scale), out)
+        _replay_masked(graph, buf, out, make_masked_inputs(g, max_m, 512, n, k, seed=seed, device="cuda",
+                                                           masked_m=counts))
 
 
 @pytest.mark.parametrize("expected_m", [1, 64, 256])
@@ -193,25 +218,16 @@ def test_masked_cuda_graph_replay(expected_m: int) -> None:
     """Captured once with one expected_m hint, replayed with other counts and data: the hint may
     change speed, never the result."""
     g, max_m, n, k = 8, 256, 2048, 1024
-    first = make_masked_inputs(g, max_m, 32, n, k, seed=1, device="cuda")
-    x_fp8, x_scale, w_fp8, w_scale, masked_m = (first.x_fp8.clone(), first.x_scale, first.w_fp8.clone(),
-                                                first.w_scale.clone(), first.masked_m.clone())
+    buf = _clone_operands(make_masked_inputs(g, max_m, 32, n, k, seed=1, device="cuda"))
     out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
-    fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, w_fp8, w_scale, masked_m, expected_m, out)
+    fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, expected_m, out)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fp8_grouped_gemm_masked_hopper(x_fp8, x_scale, w_fp8, w_scale, masked_m, expected_m, out)
+        fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, expected_m,
+                                       out)
     for seed, counts in [(2, [0, 256, 3, 17, 128, 129, 64, 255]), (3, [256] * 8), (4, [0] * 7 + [5])]:
-        new = make_masked_inputs(g, max_m, 32, n, k, seed=seed, device="cuda", masked_m=counts)
-        x_fp8.copy_(new.x_fp8)
-        x_scale.copy_(new.x_scale)
-        w_fp8.copy_(new.w_fp8)
-        w_scale.copy_(new.w_scale)
-        masked_m.copy_(new.masked_m)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_masked(new, out)
+        _replay_masked(graph, buf, out, make_masked_inputs(g, max_m, 32, n, k, seed=seed, device="cuda",
+                                                           masked_m=counts))
 
 
 # ---- the fused SiLU·mul + quant epilogue (GEMM1 of an expert: w13 = [gate; up]) ----

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_fp8.kernels.gemm import generate_source
 from moe_fp8.kernels.heuristics import (
     BLOCK_MS,
     BLOCK_NS,
@@ -56,6 +57,9 @@ def test_k_split_where_it_applies() -> None:
     assert not cfg(act_quant=1).k_split
     assert not get_config(GemmDesc(4096, 4096, 7168)).k_split
     assert not get_config(GemmDesc(8192, 4096, 7168, num_groups=8, layout="contiguous")).k_split
+    for layout in ("normal", "contiguous"):
+        with pytest.raises(ValueError, match="only compiled into the masked layout"):
+            generate_source(layout, 4096, 7168, make_config(128, 256, 132, k=7168, k_split=True))
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,7 +14,8 @@ import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
 from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles, tail_split_ok
-from .jit import build, current_raw_stream, make_tma_2d
+from .jit import build, make_tma_2d
+from .jit.runtime import _current_stream
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
 
@@ -47,7 +48,7 @@ K_SPLIT_SLOT_WORDS = 128 * 256
 _K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
+def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     """The K-split workspace of the current stream on ``device_index``, or None (run the tail as halves).
 
     One per stream: launches on one stream run in order and share it; two streams could run at once, so
@@ -58,7 +59,7 @@ def k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     """
     if num_ctas > K_SPLIT_FLAG_WORDS:
         return None
-    key = (device_index, current_raw_stream(device_index))
+    key = (device_index, _current_stream(device_index))
     workspace = _K_SPLIT_WORKSPACES.get(key)
     if workspace is None or workspace.numel() < K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS:
         if torch.cuda.is_current_stream_capturing():
@@ -78,6 +79,8 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
                          f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
     if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
         raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
+    if cfg.k_split and layout != "masked":
+        raise ValueError(f"a K-split last wave is only compiled into the masked layout, not {layout}")
     sched_args = f", /*kTailSplit=*/{str(_tail_split(cfg, act_quant)).lower()}"
     if cfg.multicast > 1 or cfg.split_k > 1:
         sched_args += f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
@@ -165,10 +168,10 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
         # tail halves: under half a wave of tiles, every tile runs as two halves on two CTAs
         units = 2 * tiles if _tail_split(cfg, act_quant) else tiles
         grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, units)), cfg.multicast
-    # K-split last wave: its tiles' K pieces may take every CTA (under one wave, too); the grid above is
-    # the fallback when no workspace can be had (k_split_workspace)
-    sk_grid = (cfg.num_sms, 1, 1) if cfg.k_split and _tail_split(cfg, act_quant) else None
-    return kernel, (grid, 1, 1), sk_grid, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
+    # K-split last wave: its tiles' K pieces may take every CTA (under one wave, too), so it launches
+    # num_sms CTAs; the grid above is the fallback when no workspace can be had (_k_split_workspace)
+    k_split = cfg.k_split and _tail_split(cfg, act_quant)
+    return kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -191,10 +194,10 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
             _PREPARED.clear()
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
-    kernel, grid, sk_grid, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
-    workspace = None if sk_grid is None else k_split_workspace(x_fp8.device.index, sk_grid[0])
+    kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
+    workspace = _k_split_workspace(x_fp8.device.index, cfg.num_sms) if k_split else None
     if workspace is not None:
-        grid = sk_grid
+        grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, rows_per_group, num_groups,
                                 out_scale, get_tma_aligned_m(rows_per_group), workspace],
                   smem_bytes=smem, cluster=cluster)

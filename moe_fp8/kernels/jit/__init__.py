@@ -43,7 +43,6 @@ from .runtime import (
     CudaUnavailableError,
     JitKernel,
     cubin_entry_functions,
-    current_raw_stream,
     driver_available,
 )
 
@@ -78,7 +77,6 @@ __all__ = [
     "clear_memory_cache",
     "clear_tma_cache",
     "cubin_entry_functions",
-    "current_raw_stream",
     "driver_available",
     "find_compilers",
     "get_compiler",

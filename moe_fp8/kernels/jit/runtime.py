@@ -349,7 +349,7 @@ class JitKernel:
         if smem_bytes > st.max_dynamic_smem:
             self._raise_smem_limit(st, smem_bytes)
         if stream is None:
-            stream = current_raw_stream(dev)
+            stream = _current_stream(dev)
         elif not isinstance(stream, int):
             stream = int(getattr(stream, "cuda_stream", stream))
         g = grid if type(grid) is tuple and len(grid) == 3 else _dim3(grid, "grid")
@@ -624,7 +624,7 @@ def _current_device() -> int:
     return _get_device()
 
 
-def current_raw_stream(dev: int) -> int:
+def _current_stream(dev: int) -> int:
     """The ``cudaStream_t`` (as an int) of torch's current stream on device ``dev``: where ``launch``
     runs by default."""
     if _get_raw_stream is None:

@@ -166,7 +166,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // the gate and up blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
     constexpr bool kTwoBoxB = kNumWaves == 2 && !kCluster;
     constexpr bool kTailSplit = Scheduler::kTailSplit;
-    using Tail = sched::TailSplit<kTailSplit, kNumKBlocks>;
+    using Tail = typename Scheduler::Tail;
+    constexpr bool kKPieces = Tail::kKPieces;  // the last wave may run as K pieces (masked layout)
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -282,8 +283,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 const int32_t a_row = static_cast<int32_t>(tile.row0);
                 const int32_t b_row = static_cast<int32_t>(tile.group * SHAPE_N + tile.n_block * BLOCK_N);
                 // constants unless K is split (split-K, or the K pieces of a tail-split kernel)
-                const uint32_t kb0 = kSplitK > 1 || kTailSplit ? tile.k_block0 : 0;
-                const uint32_t num_kb = kSplitK > 1 || kTailSplit ? tile.num_k_blocks : kNumKBlocks;
+                const uint32_t kb0 = kSplitK > 1 || kKPieces ? tile.k_block0 : 0;
+                const uint32_t num_kb = kSplitK > 1 || kKPieces ? tile.num_k_blocks : kNumKBlocks;
                 // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
                 // unrolled loop spills (ptxas unrolls it by the stage count)
 #pragma unroll 1
@@ -478,7 +479,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             if (kTailSplit && tile.num_waves == 1) {
                 if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, kb0, num_kb);
                 else mainloop(Count<1>{}, Count<1>{}, kb0, num_kb);
-            } else if (kTailSplit && tile.num_k_blocks != kNumKBlocks) {
+            } else if (kKPieces && tile.num_k_blocks != kNumKBlocks) {
                 mainloop(Count<0>{}, Count<kNumWaves>{}, tile.k_block0, tile.num_k_blocks);
             } else {
                 mainloop(Count<0>{}, Count<kNumWaves>{}, kb0, num_kb);

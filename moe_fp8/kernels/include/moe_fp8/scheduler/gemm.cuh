@@ -40,8 +40,11 @@ struct Tile {
 //   tiles run the same K range at the same time, so CTAs on one n-block still share B in L2.
 // The split is recomputed from the tile count at every tile rather than held: the math warpgroups of
 // 256-wide tiles and the store warps (two schedulers in 40 registers) have no registers to spare.
-template <bool kEnabled, uint32_t kNumKBlocks>
+// kKPieces: K pieces compiled in (the masked scheduler only: in the normal and contiguous kernels, which
+// never get a workspace, the code alone cost 128x256 tiles 4-8% at long K, session 11 A/B).
+template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false>
 struct TailSplit {
+    static constexpr bool kKPieces = kEnabled && kKPieces_;
     // (heuristics.py: K_SPLIT_MAX_PIECES, K_SPLIT_MIN_PIECE_BLOCKS)
     static constexpr uint32_t kMaxPieces = 4;       // more would add partial-tile traffic for little
     static constexpr uint32_t kMinPieceBlocks = 12;  // shorter pieces lost to halves (K = 2048: 8 blocks)
@@ -52,7 +55,7 @@ struct TailSplit {
                                                Tile& t) {
         t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         const uint32_t num_ctas = gridDim.x, last = num_tiles % num_ctas;
-        const uint32_t k_parts = k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
+        const uint32_t k_parts = kKPieces && k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
         const bool pieces = k_parts >= 2;  // else halves, where they apply
         const uint32_t parts = pieces ? k_parts : 2;
         const bool split = kEnabled && last > 0 && (pieces || 2 * last <= num_ctas);
@@ -74,10 +77,10 @@ struct TailSplit {
         return true;
     }
     // a K piece that publishes its partial tile (it does not start at K block 0)
-    __device__ __forceinline__ static bool publishes(const Tile& t) { return kEnabled && t.k_block0 > 0; }
+    __device__ __forceinline__ static bool publishes(const Tile& t) { return kKPieces && t.k_block0 > 0; }
     // a K piece that adds the published partials of CTAs blockIdx.x + 1 .. t.last_piece_cta
     __device__ __forceinline__ static bool gathers(const Tile& t) {
-        return kEnabled && t.k_block0 == 0 && t.num_k_blocks < kNumKBlocks;
+        return kKPieces && t.k_block0 == 0 && t.num_k_blocks < kNumKBlocks;
     }
 };
 
@@ -232,7 +235,7 @@ struct MaskedScheduler {
     // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
     // needed rather than held (the store warps run two schedulers in 40 registers)
     uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
-    using Tail = TailSplit<kTailSplit, kNumKBlocks>;
+    using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true>;
     static constexpr uint32_t kUncounted = 0xffffffffu;
     uint32_t num_tiles = kUncounted;  // counted for up to kMaxTailSplitGroups (kTailSplit only)
     int32_t iter = -1;
