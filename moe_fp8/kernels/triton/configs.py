@@ -78,7 +78,8 @@ DISPATCH_FUSED_MAX_PAIRS = 2048
 DISPATCH_RANK_TILE = 4096
 # Fused kernel: experts per counting program (masked_m), in programs of their own ahead of the token
 # programs. Session 12, H100, DeepSeek-V3 decode (128 tokens, top-8 of 256), routing + quant_dispatch_masked
-# under a CUDA graph: 20.85 us when 16 of the token programs also counted, 18.34 without any counting.
+# under a CUDA graph: 20.85 us when 16 of the token programs also counted, 18.34 without any counting,
+# 18.8-19.3 counting apart (with the row prefetch); 8 or 32 experts per program were slower.
 DISPATCH_COUNT_EXPERTS = 16
 # Fused kernel scatter: one token per program and its whole row (7168 bytes: one column block, so
 # the pairs are ranked once per token, not once per column block). Sweep (gpu6, 128×7168 decode):

@@ -128,7 +128,7 @@ def _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global
     loc = loc.to(tl.int32)
     rank = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
     qi = tl.arange(0, RANK_CHUNK)
-    # pairs after ours never count (programs past the last token, there for masked_m: none at all)
+    # pairs after ours never count (a program past the last token, the one of an empty batch: none at all)
     last = tl.where(pid_t * BLOCK_T < T, tl.minimum((pid_t + 1) * BLOCK_T * TOP_K, num_pairs), 0)
     for q0 in range(0, last, RANK_CHUNK):
         q = q0 + qi
