@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moe_fp8.kernels.triton import configs as C
+from moe_fp8.kernels.triton import dispatch as D
 
 
 def is_pow2(n: int) -> bool:
@@ -63,7 +64,10 @@ def test_routing_config(t, e, k, n_group):
 
 def test_dispatch_and_combine_configs():
     d = C.dispatch_config(128, 8, 7168, 256)
-    assert d.e_p2 == 256 and d.block_k == 8192 and d.block_k % 128 == 0 and d.e_block * 128 >= 256
+    assert d.e_p2 == 256 and d.block_k == 8192 and d.block_k % 128 == 0
+    # decode: 16 programs count 16 experts each for masked_m, apart from the 128 token programs
+    assert d.fused and d.e_block == 16 and D._fused_grid(128, 256, 1, d) == (16 + 128, 1)
+    assert D._fused_grid(0, 0, 2, d) == (1, 2)  # never an empty grid
     assert C.dispatch_config(3, 2, 16, 5).block_k == 16  # small rows: one column block
     c = C.combine_config(128, 7168)
     assert c.block_h == 1024 and c.num_warps == 4 and is_pow2(c.block_t)

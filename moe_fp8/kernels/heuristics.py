@@ -7,7 +7,8 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
 - every CTA walks its tiles' 128-K blocks at ~``250 + BLOCK_M + BLOCK_N`` ns per block — the load
   pipeline, not the tensor cores, sets this rate (the kernel with its wgmmas removed runs at the
   same speed), so small tiles are not much cheaper per block than large ones; only the 128x256
-  tile is bound by its math (~870 ns per block: wgmma plus promotion of 2 x 128 x 256 x 128 FLOP);
+  tile is bound by its math (~870 ns per block: wgmma plus promotion of 2 x 128 x 256 x 128 FLOP),
+  and the 128x192 one too, at 10% more per element than 128x256 (its two 96-column waves);
 - but a wave is never faster than DRAM can deliver the distinct A rows and B columns its tiles
   touch per 128-K block (the swizzled order keeps them to a band of ``SWIZZLE_GROUP_M`` m-blocks) at
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
@@ -37,6 +38,13 @@ BARRIER_BYTES = 8
 K_BLOCK_BASE_NS = 250.0  # per 128-K block of one CTA: fixed part ...
 K_BLOCK_NS_PER_ROW = 1.0  # ... plus this per row of A and B in the tile
 MMA_NS_PER_ELEM = 870.0 / (128 * 256)  # ... but never below the tensor-core + promotion rate (128x256)
+# 128x192 tiles run their math ~10% slower per element than 128x256 ones (measured ~730 ns per block
+# on 4096x2112x7168; the model had 652). Session 12, H100, same process, 23 shapes whose choice a
+# factor of 1.12 moves off 192 (to 256 unless noted): normal 24576x1536, 32768x512, 7168x{16384, 2048,
+# 256} and 4096x7168 at 1280-13696 rows 8-41% faster; N = 2112: 3840 rows (to 128x128) 0.98, 8192 rows
+# 0.96, 14336 rows 1.05 (1.10 keeps 8192 rows on 192); contiguous 0.996 / 1.02; masked 1 x 1024 at
+# 4096x7168 +13-27% on 4 draws, 2 x 512 +17 / +5 / -3 / -3%.
+MMA_192_FACTOR = 1.10
 TILE_FIXED_NS = 200.0  # epilogue and pipeline refill per tile
 DRAM_BYTES_PER_NS = 2900.0
 # CTAs of one wave reading the same A rows (small M: all of them) share L2 lines: together they are
@@ -198,7 +206,8 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
     k_blocks = ceil_div(desc.k, BLOCK_K)
 
     def block_ns(active: int, bn: int) -> float:  # one 128-K block of every one of `active` CTAs
-        k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), MMA_NS_PER_ELEM * block_m * bn)
+        mma_ns = MMA_NS_PER_ELEM * block_m * bn * (MMA_192_FACTOR if bn == 192 else 1.0)
+        k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
             k_block_ns += STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2)
         band = min(m_blocks, SWIZZLE_GROUP_M, active)

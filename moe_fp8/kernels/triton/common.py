@@ -113,6 +113,18 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Hint the lines at ``ptrs`` (valid addresses) into L2, for a PDL kernel to call before
+    ``pdl_start``: its programs are resident while the previous kernel runs, so the lines arrive during
+    that wait. Safe even if the previous kernel writes them: L2 is the point of coherence of the GPU and
+    a prefetch fills no L1, so the load after the wait reads the final data. Without ``PDL`` (or in
+    the interpreter, which has no inline PTX) nothing."""
+    if PDL:
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def fp8_e4m3_code(q, NATIVE: tl.constexpr):
     """uint8 e4m3fn code of float32 ``q`` (finite, ``|q| <= 448``), rounded to nearest even.
 

@@ -76,6 +76,11 @@ ROUTING_DECODE_WARPS = 4
 DISPATCH_FUSED_MAX_PAIRS = 2048
 # Fused kernel: elements of one rank-comparison tile ([block_t, top_k, chunk]).
 DISPATCH_RANK_TILE = 4096
+# Fused kernel: experts per counting program (masked_m), in programs of their own ahead of the token
+# programs. Session 12, H100, DeepSeek-V3 decode (128 tokens, top-8 of 256), routing + quant_dispatch_masked
+# under a CUDA graph: 20.85 us when 16 of the token programs also counted, 18.34 without any counting,
+# 18.8-19.3 counting apart (with the row prefetch); 8 or 32 experts per program were slower.
+DISPATCH_COUNT_EXPERTS = 16
 # Fused kernel scatter: one token per program and its whole row (7168 bytes: one column block, so
 # the pairs are ranked once per token, not once per column block). Sweep (gpu6, 128×7168 decode):
 # block_k 8192 / 8 warps 11.7 us vs 14.4 at 2048 / 4 warps.
@@ -230,9 +235,9 @@ def routing_config(num_tokens: int, num_experts: int, top_k: int, n_group: int |
 @dataclasses.dataclass(frozen=True)
 class DispatchConfig:
     """``fused`` (masked layout, few pairs): one launch, ``block_t`` tokens × ``block_k`` bytes per
-    program, each ranking its pairs in ``rank_chunk``-pair steps, ``e_block`` experts of ``masked_m``
-    per program. Otherwise count/scan over ``chunk``-pair chunks, then the scatter (``block_t`` ×
-    ``block_k``). ``num_warps``: the scatter's; ``route_warps``: the routing kernels'."""
+    program, each ranking its pairs in ``rank_chunk``-pair steps, and programs of their own counting
+    ``e_block`` experts each for ``masked_m``. Otherwise count/scan over ``chunk``-pair chunks, then the
+    scatter (``block_t`` × ``block_k``). ``num_warps``: the scatter's; ``route_warps``: the routing kernels'."""
 
     fused: bool
     chunk: int
@@ -277,9 +282,7 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
         block_k = block_k or min(_pow2_ceil(hidden), default_k)
         num_warps = num_warps or default_warps
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
-    # masked_m: spread the experts over the fused grid's programs (at least 16 per counting program)
-    programs = -(-max(num_tokens, 1) // block_t) * -(-hidden // block_k)
-    e_block = min(e_p2, max(16, _pow2_ceil(-(-num_experts // programs))))
+    e_block = min(e_p2, DISPATCH_COUNT_EXPERTS)
     return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
                           block_t, block_k, num_warps, rank_chunk, e_block)
 

@@ -8,8 +8,9 @@ destination row of every pair, or -1), written by the programs that copy the row
 - Masked layout, few pairs (``<= configs.DISPATCH_FUSED_MAX_PAIRS``: every decode step) —
   ``_dispatch_fused_kernel``, **one launch**, no routing kernel: each scatter program (``BLOCK_T``
   tokens × ``BLOCK_K`` bytes) ranks its own pairs against every earlier pair (a comparison over the
-  id list, from L2), writes its rows' slices and (column block 0) ``row_map``; the programs whose
-  flat index owns a slice of ``E_BLOCK`` experts also count them for ``masked_m``.
+  id list, from L2), writes its rows' slices and (column block 0) ``row_map``; programs of their own,
+  first in the grid, count ``E_BLOCK`` experts each for ``masked_m``. Token programs hint their row
+  slice into L2 before the PDL wait (``common.prefetch_l2``), so it arrives while routing finishes.
 - Large problems — parallel over chunks of ``CHUNK`` pairs, three launches:
   1. ``_count_kernel``: local expert of each pair (``expert_map`` applied; ids outside the map or
      mapped outside ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the
@@ -69,6 +70,7 @@ from moe_fp8.kernels.triton.common import (
     native_fp8,
     pdl_args,
     pdl_start,
+    prefetch_l2,
     quantize_groups,
     to_bf16,
 )
@@ -126,7 +128,7 @@ def _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global
     loc = loc.to(tl.int32)
     rank = tl.zeros([BLOCK_T, K_P2], dtype=tl.int32)
     qi = tl.arange(0, RANK_CHUNK)
-    # pairs after ours never count (programs past the last token, there for masked_m: none at all)
+    # pairs after ours never count (a program past the last token, the one of an empty batch: none at all)
     last = tl.where(pid_t * BLOCK_T < T, tl.minimum((pid_t + 1) * BLOCK_T * TOP_K, num_pairs), 0)
     for q0 in range(0, last, RANK_CHUNK):
         q = q0 + qi
@@ -157,17 +159,30 @@ def _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, f, T, num_experts, num_globa
 
 
 @triton.jit
-def _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
-                     num_global, max_m, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr,
-                     RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr):
-    """The routing part of a fused masked-dispatch program: ranks its own pairs, writes their ``row_map``
-    (column block 0) and the ``masked_m`` slice its flat index owns; returns ``dest [BLOCK_T, K_P2]``."""
+def _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, pid_t, pid_k, t, t_ok, T, num_experts, num_global, max_m,
+                     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                     HAS_MAP: tl.constexpr):
+    """The routing part of a fused token program: ranks its own pairs, writes their ``row_map`` (column
+    block 0); returns ``dest [BLOCK_T, K_P2]``."""
     p, p_ok, dest = _rank_own_pairs(ids_ptr, map_ptr, pid_t, t, t_ok, T, num_experts, num_global, max_m,
                                     TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
     tl.store(row_map_ptr + p, dest, mask=p_ok & (p * 0 + pid_k == 0))
-    _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, pid_t * tl.num_programs(1) + pid_k, T, num_experts,
-                    num_global, max_m, TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
     return dest
+
+
+@triton.jit
+def _fused_program(num_experts, E_BLOCK: tl.constexpr):
+    """``(counting, index, pid_k)`` of a fused masked-dispatch program. The grid's first rows count
+    ``E_BLOCK`` experts each for ``masked_m`` (``index``: the expert slice); the rest are token programs
+    (``index``: the token block). Counting apart keeps the counts off the token programs' path
+    (DeepSeek-V3 decode: 2.5 us of the dispatch when 16 token programs also counted), and first in the
+    grid starts them first: ``masked_m`` is what the next kernels wait for."""
+    pid_t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    count_rows = tl.cdiv(tl.cdiv(num_experts, E_BLOCK), tl.num_programs(1))
+    counting = pid_t < count_rows
+    index = tl.where(counting, pid_t * tl.num_programs(1) + pid_k, pid_t - count_rows)
+    return counting, index, pid_k
 
 
 @triton.jit
@@ -178,38 +193,47 @@ def _dispatch_fused_kernel(
     RANK_CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Masked dispatch in one launch (few pairs). Program ``(pid_t, pid_k)``: ``BLOCK_T`` tokens ×
-    ``BLOCK_K`` bytes. Each ranks its own pairs against every earlier pair (positions need no
-    other program), copies its slice of the rows, writes ``row_map`` (``pid_k == 0``) and the counts
-    of ``E_BLOCK`` experts (``masked_m``) if its flat program index owns a slice of them."""
-    pdl_start(PDL)
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    t64 = t.to(tl.int64)
-    # the row slice first: its load is in flight while the pairs are ranked
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    c_ok = cols < K
-    row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
-    SG: tl.constexpr = (BLOCK_K + 127) // 128
-    g = pid_k * SG + tl.arange(0, SG)
-    g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
-    sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=t_ok[:, None] & g_ok[None, :])
+    """Masked dispatch in one launch (few pairs). Token program ``(pid_t, pid_k)``: ``BLOCK_T`` tokens ×
+    ``BLOCK_K`` bytes. Each ranks its own pairs against every earlier pair (positions need no other
+    program), copies its slice of the rows and writes ``row_map`` (``pid_k == 0``); counting programs
+    write ``masked_m`` (``_fused_program``)."""
+    counting, index, pid_k = _fused_program(num_experts, E_BLOCK)
+    if counting:
+        pdl_start(PDL)
+        _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, index, T, num_experts, num_global, max_m,
+                        TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+    else:
+        t = index * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        c_ok = cols < K
+        LINES: tl.constexpr = (BLOCK_K + 127) // 128
+        line = tl.minimum(pid_k * BLOCK_K + tl.arange(0, LINES) * 128, K - 1)
+        prefetch_l2(x_ptr + tl.where(t_ok, t64, 0)[:, None] * K + line[None, :], PDL)
+        pdl_start(PDL)
+        # the row slice first: its load is in flight while the pairs are ranked
+        row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
+        SG: tl.constexpr = (BLOCK_K + 127) // 128
+        g = pid_k * SG + tl.arange(0, SG)
+        g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
+        sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
+                     mask=t_ok[:, None] & g_ok[None, :])
 
-    j = tl.arange(0, K_P2)
-    dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
-                            num_global, max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, E_BLOCK, HAS_MAP)
+        j = tl.arange(0, K_P2)
+        dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, index, pid_k, t, t_ok, T, num_experts, num_global,
+                                max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
 
-    # ---- scatter: each kept pair's slice of the row and its scales ----
-    for jj in tl.static_range(TOP_K):
-        d = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest
-        ok = d >= 0
-        d = tl.where(ok, d, 0)
-        mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
-        s_offs = (d // mdiv) * KG * m_pad + d % mdiv  # scales: 3-D TMA layout [E, max_m, KG]
-        tl.store(out_ptr + d[:, None] * K + cols[None, :], row, mask=ok[:, None] & c_ok[None, :])
-        tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc, mask=ok[:, None] & g_ok[None, :])
+        # ---- scatter: each kept pair's slice of the row and its scales ----
+        for jj in tl.static_range(TOP_K):
+            d = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest
+            ok = d >= 0
+            d = tl.where(ok, d, 0)
+            mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
+            s_offs = (d // mdiv) * KG * m_pad + d % mdiv  # scales: 3-D TMA layout [E, max_m, KG]
+            tl.store(out_ptr + d[:, None] * K + cols[None, :], row, mask=ok[:, None] & c_ok[None, :])
+            tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc,
+                     mask=ok[:, None] & g_ok[None, :])
 
 
 @triton.jit
@@ -221,50 +245,57 @@ def _quant_dispatch_fused_kernel(
     UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``per_token_group_quant`` (group 128) fused into the masked dispatch above: a program loads
+    """``per_token_group_quant`` (group 128) fused into the masked dispatch above: a token program loads
     its ``BLOCK_T`` × ``BLOCK_K`` slice of the bf16/fp16/fp32 rows as ``(token, scale group)``
     segments, quantizes them exactly as the quant kernel does, writes ``x_fp8`` / ``x_scale`` (TMA
     layout ``[T, KG]``, ``t_pad`` rows) and copies the codes and scales to each kept destination.
     Ranking, ``row_map`` and ``masked_m`` as in ``_dispatch_fused_kernel``."""
-    pdl_start(PDL)
-    pid_t = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    SG: tl.constexpr = BLOCK_K // 128
-    seg = tl.arange(0, BLOCK_T * SG)  # segment = (token seg // SG, scale group seg % SG)
-    c = tl.arange(0, 128)
-    ts = pid_t * BLOCK_T + seg // SG
-    g = pid_k * SG + seg % SG
-    seg_ok = (ts < T) & (g < KG)
-    col = g[:, None] * 128 + c[None, :]
-    mask = seg_ok[:, None] & (col < K)
-    ts64 = ts.to(tl.int64)
-    # the slice first: its load is in flight while the pairs are ranked
-    xv = tl.load(x_ptr + ts64[:, None] * K + col, mask=mask, other=0.0).to(tl.float32)
+    counting, index, pid_k = _fused_program(num_experts, E_BLOCK)
+    if counting:
+        pdl_start(PDL)
+        _write_masked_m(ids_ptr, map_ptr, masked_m_ptr, index, T, num_experts, num_global, max_m,
+                        TOP_K, RANK_CHUNK, E_BLOCK, HAS_MAP)
+    else:
+        t = index * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        SG: tl.constexpr = BLOCK_K // 128
+        seg = tl.arange(0, BLOCK_T * SG)  # segment = (token seg // SG, scale group seg % SG)
+        c = tl.arange(0, 128)
+        ts = index * BLOCK_T + seg // SG
+        g = pid_k * SG + seg % SG
+        seg_ok = (ts < T) & (g < KG)
+        col = g[:, None] * 128 + c[None, :]
+        mask = seg_ok[:, None] & (col < K)
+        ts64 = ts.to(tl.int64)
+        # 32 elements apart: every 128-byte line of a bf16 / fp16 / fp32 segment
+        first = tl.where(seg_ok, ts64 * K + g * 128, 0)
+        prefetch_l2(x_ptr + first[:, None] + tl.arange(0, 4)[None, :] * 32, PDL)
+        pdl_start(PDL)
+        # the slice first: its load is in flight while the pairs are ranked
+        xv = tl.load(x_ptr + ts64[:, None] * K + col, mask=mask, other=0.0).to(tl.float32)
 
-    j = tl.arange(0, K_P2)
-    dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, masked_m_ptr, pid_t, pid_k, t, t_ok, T, num_experts,
-                            num_global, max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, E_BLOCK, HAS_MAP)
+        j = tl.arange(0, K_P2)
+        dest = _route_own_pairs(ids_ptr, map_ptr, row_map_ptr, index, pid_k, t, t_ok, T, num_experts, num_global,
+                                max_m, TOP_K, K_P2, BLOCK_T, RANK_CHUNK, HAS_MAP)
 
-    code, scale = quantize_groups(xv, eps, UE8M0, NATIVE_FP8)  # masked-off lanes hold 0
-    tl.store(xq_ptr + ts64[:, None] * K + col, code, mask=mask)
-    tl.store(xqs_ptr + ts64 + g.to(tl.int64) * t_pad, scale, mask=seg_ok)
+        code, scale = quantize_groups(xv, eps, UE8M0, NATIVE_FP8)  # masked-off lanes hold 0
+        tl.store(xq_ptr + ts64[:, None] * K + col, code, mask=mask)
+        tl.store(xqs_ptr + ts64 + g.to(tl.int64) * t_pad, scale, mask=seg_ok)
 
-    # ---- scatter: each kept pair's codes and scales ----
-    tt = tl.arange(0, BLOCK_T)
-    for jj in tl.static_range(TOP_K):
-        d_t = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest: [BLOCK_T]
-        if BLOCK_T == 1:
-            d = d_t + seg * 0
-        else:  # segment s belongs to token s // SG of the block
-            d = tl.sum(tl.where((seg // SG)[:, None] == tt[None, :], d_t[None, :], 0), axis=1)
-        ok = seg_ok & (d >= 0)
-        d = tl.where(ok, d, 0)
-        mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
-        tl.store(out_ptr + d[:, None] * K + col, code, mask=ok[:, None] & (col < K))
-        # scales: 3-D TMA layout [E, max_m, KG]
-        tl.store(out_s_ptr + (d // mdiv) * KG * m_pad + d % mdiv + g.to(tl.int64) * m_pad, scale, mask=ok)
+        # ---- scatter: each kept pair's codes and scales ----
+        tt = tl.arange(0, BLOCK_T)
+        for jj in tl.static_range(TOP_K):
+            d_t = tl.sum(tl.where(j[None, :] == jj, dest, 0), axis=1)  # column jj of dest: [BLOCK_T]
+            if BLOCK_T == 1:
+                d = d_t + seg * 0
+            else:  # segment s belongs to token s // SG of the block
+                d = tl.sum(tl.where((seg // SG)[:, None] == tt[None, :], d_t[None, :], 0), axis=1)
+            ok = seg_ok & (d >= 0)
+            d = tl.where(ok, d, 0)
+            mdiv = tl.maximum(max_m, 1)  # max_m = 0: nothing is kept, but never divide by 0
+            tl.store(out_ptr + d[:, None] * K + col, code, mask=ok[:, None] & (col < K))
+            # scales: 3-D TMA layout [E, max_m, KG]
+            tl.store(out_s_ptr + (d // mdiv) * KG * m_pad + d % mdiv + g.to(tl.int64) * m_pad, scale, mask=ok)
 
 
 # ============================================================================================
@@ -630,6 +661,12 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
         NATIVE_FP8=quant is not None and native_fp8(x.device), num_warps=cfg.num_warps, **pdl_args(x.device))
 
 
+def _fused_grid(num_tokens: int, num_experts: int, col_blocks: int, cfg: DispatchConfig) -> tuple[int, int]:
+    """Grid of a fused masked dispatch: counting rows (``e_block`` experts per program), then token rows."""
+    rows = ceil_div(ceil_div(num_experts, cfg.e_block), col_blocks) + ceil_div(num_tokens, cfg.block_t)
+    return max(rows, 1), col_blocks
+
+
 def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
            num_experts: int, max_m: int, m_pad: int, out: torch.Tensor, out_scale: torch.Tensor,
            row_map: torch.Tensor, masked_m: torch.Tensor, cfg: DispatchConfig) -> None:
@@ -640,10 +677,7 @@ def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, e
     col_blocks = max(ceil_div(k, cfg.block_k), 1)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    # every expert's masked_m needs a program: enough token blocks for all expert slices
-    programs = max(ceil_div(num_tokens, cfg.block_t) * col_blocks, ceil_div(num_experts, cfg.e_block))
-    t_blocks = ceil_div(programs, col_blocks)
-    _dispatch_fused_kernel[(t_blocks, col_blocks)](
+    _dispatch_fused_kernel[_fused_grid(num_tokens, num_experts, col_blocks, cfg)](
         x_fp8.view(torch.uint8), x_scale, ids, emap if emap is not None else ids, out.view(torch.uint8),
         out_scale, row_map, masked_m, num_tokens, k, x_scale.shape[1], num_experts,
         emap.shape[0] if emap is not None else num_experts, max_m, m_pad,
@@ -740,8 +774,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     col_blocks = max(ceil_div(k, block_k), 1)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    programs = max(ceil_div(num_tokens, cfg.block_t) * col_blocks, ceil_div(num_experts, cfg.e_block))
-    _quant_dispatch_fused_kernel[(ceil_div(programs, col_blocks), col_blocks)](
+    _quant_dispatch_fused_kernel[_fused_grid(num_tokens, num_experts, col_blocks, cfg)](
         x, ids, emap if emap is not None else ids, x_fp8.view(torch.uint8), x_scale, out.view(torch.uint8),
         out_scale, row_map, masked_m, num_tokens, k, kg, num_experts,
         emap.shape[0] if emap is not None else num_experts, max_m, m_pad, get_tma_aligned_m(num_tokens), float(eps),
