@@ -208,13 +208,12 @@ def _dispatch_fused_kernel(
         t64 = t.to(tl.int64)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         c_ok = cols < K
-        LINES: tl.constexpr = (BLOCK_K + 127) // 128
-        line = tl.minimum(pid_k * BLOCK_K + tl.arange(0, LINES) * 128, K - 1)
+        SG: tl.constexpr = (BLOCK_K + 127) // 128  # scale groups = 128-byte lines of the FP8 slice
+        line = tl.minimum(pid_k * BLOCK_K + tl.arange(0, SG) * 128, K - 1)
         prefetch_l2(x_ptr + tl.where(t_ok, t64, 0)[:, None] * K + line[None, :], PDL)
         pdl_start(PDL)
         # the row slice first: its load is in flight while the pairs are ranked
         row = tl.load(x_ptr + t64[:, None] * K + cols[None, :], mask=t_ok[:, None] & c_ok[None, :])
-        SG: tl.constexpr = (BLOCK_K + 127) // 128
         g = pid_k * SG + tl.arange(0, SG)
         g_ok = (g < KG) & (g * 128 < (pid_k + 1) * BLOCK_K)
         sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g,
@@ -267,9 +266,10 @@ def _quant_dispatch_fused_kernel(
         col = g[:, None] * 128 + c[None, :]
         mask = seg_ok[:, None] & (col < K)
         ts64 = ts.to(tl.int64)
-        # 32 elements apart: every 128-byte line of a bf16 / fp16 / fp32 segment
-        first = tl.where(seg_ok, ts64 * K + g * 128, 0)
-        prefetch_l2(x_ptr + first[:, None] + tl.arange(0, 4)[None, :] * 32, PDL)
+        # 32 elements apart: every 128-byte line of a bf16 / fp16 / fp32 segment (within the row: K may
+        # end inside the last segment)
+        line = tl.minimum(g[:, None] * 128 + tl.arange(0, 4)[None, :] * 32, K - 1)
+        prefetch_l2(x_ptr + tl.where(seg_ok, ts64, 0)[:, None] * K + line, PDL)
         pdl_start(PDL)
         # the slice first: its load is in flight while the pairs are ranked
         xv = tl.load(x_ptr + ts64[:, None] * K + col, mask=mask, other=0.0).to(tl.float32)
