@@ -153,7 +153,8 @@ def _drive() -> None:
         for shared in (None, torch.zeros(t, 7168, dtype=torch.bfloat16)):
             D.combine(y, row_map, w, shared)
             for knobs in [{"block_t": 4}, {"block_h": 2048, "num_warps": 8}, {"block_h": 512}, {"gather_all": False},
-                          {"gather_all": True, "block_h": 2048, "num_warps": 8}]:
+                          {"gather_all": True, "block_h": 2048, "num_warps": 8}, {"sparse": True},
+                          {"sparse": True, "block_h": 4096}]:
                 D.combine(y, row_map, w, shared, config=C.combine_config(t, 7168, **knobs))
 
 

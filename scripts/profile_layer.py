@@ -107,8 +107,10 @@ def combine_sweep(y: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor,
     local = int((row_map >= 0).sum())
     nbytes = 2 * y.shape[1] * (local + t)
     results = []
-    for bt, bh, nw, ga in itertools.product((1, 2), (2048, 4096, 8192), (4, 8, 16), (False, True)):
-        cfg = CombineConfig(bt, bh, nw, ga)
+    for bt, bh, nw, mode in itertools.product((1, 2), (2048, 4096, 8192), (4, 8, 16), ("per slot", "gather", "sparse")):
+        if mode == "sparse" and bt != 1:
+            continue
+        cfg = CombineConfig(bt, bh, nw, mode == "gather", mode == "sparse")
         try:
             us = bench_us(lambda cfg=cfg: triton_combine(y, row_map, weights, None, config=cfg))
         except Exception as exc:  # a config that does not compile is skipped

@@ -73,7 +73,9 @@ def test_dispatch_and_combine_configs():
     assert c.block_h == 1024 and c.num_warps == 4 and is_pow2(c.block_t)
     assert c.gather_all  # decode: the top_k rows in one load
     c = C.combine_config(16384, 7168)
-    assert (c.block_h, c.num_warps, c.gather_all) == (4096, 4, False)
+    assert (c.block_h, c.num_warps, c.gather_all, c.sparse) == (8192, 4, False, True)
+    assert C.combine_config(2048, 7168, sparse=True).sparse and not C.combine_config(2048, 7168).sparse
+    assert not C.combine_config(128, 7168, sparse=True).sparse  # gather_all: no branches
 
 
 def test_dispatch_fuses_decode_and_chunks_prefill():

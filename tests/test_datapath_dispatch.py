@@ -334,7 +334,17 @@ def test_dispatch_masked_drops_invalid_ids():
     check_masked((out, out_scale, masked_m, row_map), ref.dispatch_masked(d.x_fp8, d.x_scale, keep, 4, 8), 8)
 
 
-@pytest.mark.parametrize("gather_all", [True, False])  # the top_k rows in one load (decode) / one per slot
+# the top_k rows in one load (decode), one load per slot, one branch per slot (expert parallelism)
+COMBINE_MODES = ["gather_all", "per_slot", "sparse"]
+
+
+def combine_mode_config(t: int, h: int, mode: str):
+    cfg = combine_config(t, h, gather_all=mode == "gather_all", sparse=mode == "sparse")
+    assert cfg.sparse == (mode == "sparse")
+    return cfg
+
+
+@pytest.mark.parametrize("mode", COMBINE_MODES)
 @pytest.mark.parametrize("layout", ["masked", "contiguous"])
 @pytest.mark.parametrize(("y_dtype", "w_dtype", "shared", "map_dtype"), [
     (torch.bfloat16, torch.float32, True, torch.int64),
@@ -342,7 +352,7 @@ def test_dispatch_masked_drops_invalid_ids():
     (torch.float32, torch.bfloat16, True, torch.int64),
     (torch.float16, torch.float16, False, torch.int64),
 ])
-def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype, gather_all):
+def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype, mode):
     t, h, e, k, max_m = 30, 320, 8, 4, 12
     d = make_dispatch_inputs(t, h, e, k, seed=2, device=DEVICE, skew=2.0)
     if layout == "masked":
@@ -358,16 +368,16 @@ def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype, 
     weights_nan[::7, 1] = float("nan")
     weights = weights_nan.to(w_dtype)
     sh = randn((t, h), seed=4, device=DEVICE) if shared else None
-    got = dispatch.combine(y, row_map.to(map_dtype), weights, sh, config=combine_config(t, h, gather_all=gather_all))
+    got = dispatch.combine(y, row_map.to(map_dtype), weights, sh, config=combine_mode_config(t, h, mode))
     assert_same_bits(got, ref.combine(y, row_map, weights, sh), "combine")
 
 
-@pytest.mark.parametrize("gather_all", [True, False])
-def test_combine_edge_cases(gather_all):
+@pytest.mark.parametrize("mode", COMBINE_MODES)
+def test_combine_edge_cases(mode):
     y = randn((6, 128), seed=0, device=DEVICE)
     row_map = torch.tensor([[0, -1], [5, 5], [-1, -1], [6, 1]], device=DEVICE)  # 6 is past the end
     w = torch.tensor([[0.5, float("nan")], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0]], device=DEVICE)
-    out = dispatch.combine(y, row_map, w, None, config=combine_config(4, 128, gather_all=gather_all))
+    out = dispatch.combine(y, row_map, w, None, config=combine_mode_config(4, 128, mode))
     assert_same_bits(out[:3], ref.combine(y, row_map[:3], w[:3]), "combine")
     assert torch.isnan(out[3]).all(), "an out-of-range row must poison the token, not read memory"
     y_t = randn((128, 6), seed=1, device=DEVICE).t()  # non-contiguous y

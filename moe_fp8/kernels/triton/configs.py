@@ -119,16 +119,18 @@ DISPATCH_ROUTE_WARPS = 4
 # 32 experts, 7 of 8 slots skipped, the layer's combine stage: one-load 221 / 439 us at 8192 / 16384
 # tokens, per-slot 168 / 369; all slots used: 98% / 95% of copy BW at 16384 / 4096, 13.4 us at 128).
 COMBINE_GATHER_MAX_TOKENS = 512
-# Large batches: 4096 columns / 4 warps (session 9 sweep, scripts/profile_layer.py --combine-sweep, H100):
-# an EP rank's combine (7 of 8 slots skipped) 127.8 / 244.0 us at 8192 / 16384 tokens against 137.3 /
-# 269.3 for 2048 / 4 warps, the best of 36 configs at both sizes; every slot local, all of 2048-8192
-# columns at 4-16 warps are within 1% (368.7-370 us at 8192 tokens, 2.86 TB/s). Fewer tokens keep
-# 1024 / 4 warps (more programs).
+# Large batches: a token's whole row (8192 columns) / 4 warps, one branch per slot (``sparse``). Session
+# 13 sweep (scripts/profile_layer.py --combine-sweep, H100, 54 configs): an EP rank's combine (~7 of 8
+# slots skipped) 93.7 / 168.8 us at 8192 / 16384 tokens (best sparse 89.5 / 168.8) against 127.9 / 244.3
+# for session 9's per-slot 4096 / 4 warps, whose masked-off slots still issued their loads and math;
+# every slot local 366.5 / 718.4 us (2.88 / 2.94 TB/s, the best config) against 386.3 / 755.6. Fewer
+# tokens keep 1024 / 4 warps (more programs) and turn ``sparse`` on only when the layout has fewer rows
+# than half the pairs (the branches serialize the row loads of a dense token).
 COMBINE_BLOCK_H = 1024
 COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
 COMBINE_LARGE_FROM = 4096
-COMBINE_LARGE_BLOCK_H = 4096
+COMBINE_LARGE_BLOCK_H = 8192
 COMBINE_LARGE_WARPS = 4
 
 
@@ -293,15 +295,21 @@ class CombineConfig:
     block_h: int
     num_warps: int
     gather_all: bool = False  # the top_k rows in one load (decode), else one load per slot
+    sparse: bool = False  # one branch per slot (block_t 1): idle slots cost nothing (expert parallelism)
 
 
 @functools.lru_cache(maxsize=1024)
 def combine_config(num_tokens: int, hidden: int, *, block_t: int | None = None, block_h: int | None = None,
-                   num_warps: int | None = None, gather_all: bool | None = None) -> CombineConfig:
+                   num_warps: int | None = None, gather_all: bool | None = None,
+                   sparse: bool = False) -> CombineConfig:
+    """``sparse``: the caller's hint that most slots are idle (``combine`` passes it when the layout has
+    fewer rows than half the pairs); large batches branch per slot anyway (see ``COMBINE_LARGE_BLOCK_H``)."""
     # bf16 rows: 1024 columns = 2 KiB per gathered row, 8 columns (16 bytes) per thread at 4 warps.
     large = num_tokens >= COMBINE_LARGE_FROM and block_h is None and num_warps is None
     block_h = block_h or min(_pow2_ceil(hidden), COMBINE_LARGE_BLOCK_H if large else COMBINE_BLOCK_H)
     block_t = block_t or max(1, min(COMBINE_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
     if gather_all is None:
         gather_all = num_tokens <= COMBINE_GATHER_MAX_TOKENS
-    return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS), gather_all)
+    sparse = (sparse or large) and block_t == 1 and not gather_all
+    return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS), gather_all,
+                         sparse)

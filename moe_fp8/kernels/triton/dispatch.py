@@ -509,7 +509,7 @@ def _combine_kernel(
     y_ptr, row_map_ptr, w_ptr, shared_ptr, out_ptr,
     T, H, num_rows, y_stride, rm_stride_t, rm_stride_k, w_stride_t, w_stride_k, sh_stride,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    GATHER_ALL: tl.constexpr, HAS_SHARED: tl.constexpr, NATIVE_CVT: tl.constexpr,
+    GATHER_ALL: tl.constexpr, SPARSE: tl.constexpr, HAS_SHARED: tl.constexpr, NATIVE_CVT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -546,19 +546,40 @@ def _combine_kernel(
         if HAS_SHARED:
             acc = acc + sh
     else:
-        for j in tl.static_range(TOP_K):
-            r = tl.load(row_map_ptr + t64 * rm_stride_t + j * rm_stride_k, mask=t_ok, other=-1).to(tl.int64)
-            w = tl.load(w_ptr + t64 * w_stride_t + j * w_stride_k, mask=t_ok, other=0.0).to(tl.float32)
-            use = t_ok & (r >= 0)
-            inside = r < num_rows
-            v = tl.load(y_ptr + r[:, None] * y_stride + h[None, :], mask=(use & inside)[:, None] & h_ok[None, :],
-                        other=0.0).to(tl.float32)
-            v = tl.where(inside[:, None], v, float("nan"))
-            acc = tl.where(use[:, None], acc + w[:, None] * v, acc)
+        if SPARSE:  # BLOCK_T == 1: a branch per slot, so a slot that is not local costs no load and no math
+            tok = tl.program_id(0).to(tl.int64)
+            for j in tl.static_range(TOP_K):
+                r = tl.load(row_map_ptr + tok * rm_stride_t + j * rm_stride_k).to(tl.int64)
+                if r >= 0:
+                    w = tl.load(w_ptr + tok * w_stride_t + j * w_stride_k).to(tl.float32)
+                    inside = h * 0 + r < num_rows  # [BLOCK_H]: a bad row id poisons the token, never reads
+                    v = tl.load(y_ptr + r * y_stride + h, mask=h_ok & inside, other=0.0).to(tl.float32)
+                    v = tl.where(inside, v, float("nan"))
+                    acc = acc + w * v[None, :]
+        else:
+            acc = _combine_slots(y_ptr, row_map_ptr, w_ptr, acc, t64, t_ok, h, h_ok, num_rows, y_stride, rm_stride_t,
+                                 rm_stride_k, w_stride_t, w_stride_k, TOP_K)
         if HAS_SHARED:
             acc = acc + tl.load(shared_ptr + t64[:, None] * sh_stride + h[None, :],
                                 mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + t64[:, None] * H + h[None, :], to_bf16(acc, NATIVE_CVT), mask=t_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def _combine_slots(y_ptr, row_map_ptr, w_ptr, acc, t64, t_ok, h, h_ok, num_rows, y_stride, rm_stride_t, rm_stride_k,
+                   w_stride_t, w_stride_k, TOP_K: tl.constexpr):
+    """``acc + Σ_j w_j·y_j`` of a ``[BLOCK_T, BLOCK_H]`` tile, one masked load per slot (no branches: the
+    loads of several slots can be in flight together)."""
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row_map_ptr + t64 * rm_stride_t + j * rm_stride_k, mask=t_ok, other=-1).to(tl.int64)
+        w = tl.load(w_ptr + t64 * w_stride_t + j * w_stride_k, mask=t_ok, other=0.0).to(tl.float32)
+        use = t_ok & (r >= 0)
+        inside = r < num_rows
+        v = tl.load(y_ptr + r[:, None] * y_stride + h[None, :], mask=(use & inside)[:, None] & h_ok[None, :],
+                    other=0.0).to(tl.float32)
+        v = tl.where(inside[:, None], v, float("nan"))
+        acc = tl.where(use[:, None], acc + w[:, None] * v, acc)
+    return acc
 
 
 # ============================================================================================
@@ -967,7 +988,10 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
     shared = shared_output
     if shared is not None and shared.stride(-1) != 1:
         shared = shared.contiguous()
-    cfg = config or combine_config(num_tokens, h)
+    # sparse: fewer rows than half the pairs (an expert-parallel rank's contiguous layout)
+    cfg = config or combine_config(num_tokens, h, sparse=2 * rows.shape[0] < num_tokens * top_k)
+    if cfg.sparse and (cfg.block_t != 1 or cfg.gather_all):
+        raise ValueError(f"a sparse combine needs block_t 1 and no gather_all, got {cfg}")
     col_blocks = ceil_div(h, cfg.block_h)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {h} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
@@ -976,7 +1000,7 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
         num_tokens, h, rows.shape[0], rows.stride(0), row_map.stride(0), row_map.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), shared.stride(0) if shared is not None else 0,
         TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-        GATHER_ALL=cfg.gather_all, HAS_SHARED=shared is not None,
+        GATHER_ALL=cfg.gather_all, SPARSE=cfg.sparse, HAS_SHARED=shared is not None,
         NATIVE_CVT=native_cvt(device), num_warps=cfg.num_warps, enable_fp_fusion=False, **pdl_args(device),
     )
     return out
