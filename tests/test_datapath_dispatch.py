@@ -18,7 +18,7 @@ from moe_fp8.utils import empty_scale_tma, is_scale_tma_layout
 triton = pytest.importorskip("triton")
 
 from moe_fp8.kernels.triton import dispatch  # noqa: E402  (after the importorskip)
-from moe_fp8.kernels.triton.configs import combine_config, dispatch_config  # noqa: E402
+from moe_fp8.kernels.triton.configs import CombineConfig, combine_config, dispatch_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -370,6 +370,15 @@ def test_combine_matches_reference(layout, y_dtype, w_dtype, shared, map_dtype, 
     sh = randn((t, h), seed=4, device=DEVICE) if shared else None
     got = dispatch.combine(y, row_map.to(map_dtype), weights, sh, config=combine_mode_config(t, h, mode))
     assert_same_bits(got, ref.combine(y, row_map, weights, sh), "combine")
+
+
+def test_combine_refuses_a_sparse_config_it_cannot_run():
+    y = randn((6, 128), seed=0, device=DEVICE)
+    row_map = torch.tensor([[0, -1], [5, 2]], device=DEVICE)
+    w = torch.ones(2, 2, device=DEVICE)
+    for cfg in (CombineConfig(2, 128, 4, False, True), CombineConfig(1, 128, 4, True, True)):
+        with pytest.raises(ValueError, match="a sparse combine needs block_t 1 and no gather_all"):
+            dispatch.combine(y, row_map, w, None, config=cfg)
 
 
 @pytest.mark.parametrize("mode", COMBINE_MODES)
