@@ -11,6 +11,7 @@
 #pragma once
 
 #include "../common/types.cuh"
+#include "../ptx/misc.cuh"
 
 namespace moe_fp8::routing {
 
@@ -50,6 +51,8 @@ __global__ void __launch_bounds__(256) select_experts_kernel(
     static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
     constexpr uint32_t kNumExperts = 32 * V;
     constexpr uint32_t kNumGroups = LPG ? 32 / LPG : 1;
+    // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
+    ptx::launch_dependents();
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t expert0 = lane * V;
 
