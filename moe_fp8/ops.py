@@ -244,10 +244,11 @@ _HOPPER_IMPLS = {
     "fp8_grouped_gemm_contiguous": "moe_fp8.kernels.gemm:fp8_grouped_gemm_contiguous_hopper",
     "fp8_grouped_gemm_masked": "moe_fp8.kernels.gemm:fp8_grouped_gemm_masked_hopper",
     "fp8_grouped_gemm_silu_mul_quant": "moe_fp8.kernels.gemm:fp8_grouped_gemm_silu_mul_quant_hopper",
+    "select_experts": "moe_fp8.kernels.routing:select_experts_hopper",  # (the Triton kernel outside its cases)
 }
 # Triton kernels of the MoE data path (moe_fp8.kernels.triton): the portable backend's implementation
-# and, on Hopper, the hopper backend's too (there is no CUDA-C kernel for these memory-bound ops, and
-# the Triton ones reach the same bandwidth). Lazy, so a CPU-only machine never imports Triton.
+# and, on Hopper, the hopper backend's too where it has no CUDA-C kernel (these memory-bound ops reach
+# the same bandwidth in Triton; routing does not). Lazy, so a CPU-only machine never imports Triton.
 _TRITON_IMPLS = {
     "per_token_group_quant": "moe_fp8.kernels.triton.quant:per_token_group_quant",
     "silu_mul_per_token_group_quant": "moe_fp8.kernels.triton.quant:silu_mul_per_token_group_quant",
@@ -264,7 +265,8 @@ for _op, _fn in _HOPPER_IMPLS.items():
     backends.register(_op, "hopper", _fn)
 for _op, _fn in _TRITON_IMPLS.items():
     backends.register(_op, "portable", _fn)
-    backends.register(_op, "hopper", _fn)
+    if _op not in _HOPPER_IMPLS:
+        backends.register(_op, "hopper", _fn)
 backends.register("fp8_grouped_gemm_silu_mul_quant", "portable", _composed_grouped_silu_quant)
 del _op, _fn
 

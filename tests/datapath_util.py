@@ -121,3 +121,18 @@ def check_silu_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.T
     rdeq = rq.reshape(qb.shape).float() * rs[:, expand]
     ok = torch.isfinite(rdeq).all(dim=1) & torch.isfinite(deq).all(dim=1)
     assert _diff(deq[ok], rdeq[ok]) < 1e-5
+
+
+def check_routing(got, want, renormalize: bool) -> None:
+    """``select_experts`` output vs the reference's: ids bit-equal; weights bit-equal, or within a few
+    ulps with ``renormalize`` (the sum of the top-k weights is taken in another order than torch's)."""
+    (w, ids), (rw, rids) = got, want
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert_same_bits(ids, rids, "topk_ids")
+    if not renormalize:
+        assert_same_bits(w, rw, "topk_weights")
+        return
+    nan = torch.isnan(rw)
+    assert torch.equal(torch.isnan(w), nan)
+    torch.testing.assert_close(w[~nan], rw[~nan], rtol=2.0**-21, atol=0)
+

@@ -17,6 +17,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 // Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
+// Programmatic dependent launch: the next kernel on the stream, if launched with the PDL attribute, may
+// start now; it still waits (griddepcontrol.wait) for this grid to complete before touching its outputs.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }

@@ -1,0 +1,130 @@
+"""Hopper ``select_experts`` kernel (impls/routing.cuh) vs the reference, and which calls it covers.
+
+The GPU tests run only on an sm_90 GPU; the CPU ones check the plan (which calls the kernel takes, the
+rest going to the Triton kernel) and that every lane layout compiles without local memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from datapath_util import check_routing
+
+from moe_fp8 import reference as ref
+from moe_fp8.kernels.routing import KERNEL_TEMPLATE, plan
+from moe_fp8.testing import make_routing_inputs
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def test_plan_covers_sigmoid_routing_of_whole_lanes():
+    covered = {  # (E, top_k, n_group, logits, bias) -> (experts per lane, lanes per group)
+        (256, 8, 8, BF16, F32): (8, 4),  # DeepSeek-V3
+        (256, 8, None, F32, None): (8, 0),
+        (160, 6, 8, F32, BF16): (5, 4),
+        (32, 4, 32, F32, None): (1, 1),
+        (512, 32, 2, F32, None): (16, 16),
+        (96, 2, 16, F32, None): (3, 2),
+    }
+    for (e, k, n_group, dtype, bias), want in covered.items():
+        assert plan(e, k, "sigmoid", n_group, dtype, bias) == want
+    assert plan(256, 8, "softmax", 8, F32, None) is None  # softmax: the Triton kernel's
+    assert plan(48, 2, "sigmoid", None, F32, None) is None  # not 32 per lane-multiple
+    assert plan(1024, 8, "sigmoid", None, F32, None) is None  # more than 16 per lane
+    assert plan(256, 33, "sigmoid", None, F32, None) is None  # more picks than lanes
+    assert plan(256, 8, "sigmoid", None, torch.float16, None) is None
+    assert plan(256, 8, "sigmoid", 64, F32, None) is None  # groups of 4 experts split a lane of 8
+
+
+@pytest.mark.parametrize(("logit", "bias", "v", "lpg", "has_bias"),
+                         [("uint16_t", "float", 8, 4, "true"), ("float", "uint16_t", 16, 0, "true"),
+                          ("float", "float", 1, 1, "false"), ("float", "float", 5, 4, "true")])
+def test_kernel_compiles_without_local_memory(logit, bias, v, lpg, has_bias, tmp_path: Path):
+    from moe_fp8.kernels.jit import get_compiler
+    from moe_fp8.kernels.jit.cache import include_dir
+    from moe_fp8.kernels.sass import SassToolNotFoundError, count_instructions, dump_sass
+
+    src = KERNEL_TEMPLATE.format(logit=logit, bias=bias, v=v, lpg=lpg, has_bias=has_bias)
+    res = get_compiler().compile_ex(src, "routing", [include_dir()], tmp_path)
+    (report,) = res.ptxas.values()
+    assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
+    try:
+        sass = dump_sass(res.cubin)
+    except SassToolNotFoundError:
+        pytest.skip("no cuobjdump / nvdisasm")
+    assert count_instructions(sass, "REDUX") >= 2  # a pick: two 32-bit warp reductions
+    assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0
+
+
+# ---- GPU: the kernel itself
+
+CASES = [  # T, E, top_k, renormalize, n_group, topk_group, bias dtype, scale, logits dtype
+    (7, 256, 8, True, 8, 4, F32, 2.5, BF16),  # DeepSeek-V3
+    (4096, 256, 8, True, 8, 4, F32, 2.5, F32),
+    (16384, 256, 8, True, 8, 4, BF16, 2.5, BF16),
+    (33, 256, 8, False, None, None, None, 1.0, F32),
+    (9, 160, 6, True, 8, 3, F32, 16.0, F32),  # 5 experts per lane
+    (5, 32, 4, False, 32, 16, F32, 1.0, F32),  # one expert per group
+    (5, 32, 32, True, None, None, None, 1.0, F32),  # every expert picked
+    (3, 512, 32, True, 2, 1, BF16, 1.0, BF16),  # 16 per lane, picks from one group of 256
+    (11, 96, 3, False, 4, 2, None, 1.0, F32),  # 3 experts per lane, groups of 8 lanes
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "e", "k", "renorm", "n_group", "topk_group", "bias_dtype", "scale", "dtype"), CASES)
+def test_matches_reference(t, e, k, renorm, n_group, topk_group, bias_dtype, scale, dtype):
+    from moe_fp8.kernels.routing import select_experts_hopper
+
+    assert plan(e, k, "sigmoid", n_group, dtype, bias_dtype) is not None
+    logits, bias = make_routing_inputs(t, e, seed=t + e, device="cuda", dtype=dtype, with_bias=bias_dtype is not None)
+    if bias is not None:
+        bias = bias.to(bias_dtype)
+    got = select_experts_hopper(logits, k, "sigmoid", renorm, n_group, topk_group, bias, scale)
+    want = ref.select_experts(logits, k, scoring_func="sigmoid", renormalize=renorm, n_group=n_group,
+                              topk_group=topk_group, e_score_correction_bias=bias, routed_scaling_factor=scale)
+    check_routing(got, want, renorm)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_ties_nan_inf_and_strided_logits(seed):
+    """Small-integer logits (ties between experts and between groups), NaN / ±Inf rows, strided views."""
+    from moe_fp8.kernels.routing import select_experts_hopper
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.tensor([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0])[torch.randint(0, 6, (64, 256), generator=g)]
+    logits[1, 17] = float("nan")
+    logits[2, :] = float("nan")
+    logits[3, :] = -float("inf")
+    logits[3, 200] = 0.0
+    logits[4, 10] = float("inf")
+    logits[5, :] = 0.0  # every expert and group tied
+    wide = torch.zeros(64, 512)
+    wide[:, 1::2] = logits
+    strided = wide.cuda()[:, 1::2]  # column stride 2
+    bias = torch.tensor([0.0, 0.25, -0.5])[torch.randint(0, 3, (256,), generator=g)].cuda()
+    for n_group, topk_group in ((8, 4), (None, None), (8, 8), (32, 3)):
+        for b in (None, bias):
+            for renorm in (True, False):
+                got = select_experts_hopper(strided, 8, "sigmoid", renorm, n_group, topk_group, b, 2.5)
+                want = ref.select_experts(strided, 8, scoring_func="sigmoid", renormalize=renorm, n_group=n_group,
+                                          topk_group=topk_group, e_score_correction_bias=b, routed_scaling_factor=2.5)
+                check_routing(got, want, renorm)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_uncovered_calls_run_the_triton_kernel():
+    from moe_fp8.kernels.routing import select_experts_hopper
+
+    logits = make_routing_inputs(9, 64, seed=3, device="cuda", dtype=torch.float16).router_logits
+    for scoring in ("softmax", "sigmoid"):  # softmax, and float16 logits: not the kernel's
+        got = select_experts_hopper(logits, 6, scoring, True, None, None, None, 1.0)
+        check_routing(got, ref.select_experts(logits, 6, scoring_func=scoring), True)
+    assert [x.shape for x in select_experts_hopper(logits[:0], 6, "sigmoid", True, None, None, None, 1.0)] == [
+        (0, 6), (0, 6)]
