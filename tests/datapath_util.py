@@ -135,4 +135,3 @@ def check_routing(got, want, renormalize: bool) -> None:
     nan = torch.isnan(rw)
     assert torch.equal(torch.isnan(w), nan)
     torch.testing.assert_close(w[~nan], rw[~nan], rtol=2.0**-21, atol=0)
-

@@ -31,7 +31,7 @@ def test_plan_covers_sigmoid_routing_of_whole_lanes():
     for (e, k, n_group, dtype, bias), want in covered.items():
         assert plan(e, k, "sigmoid", n_group, dtype, bias) == want
     assert plan(256, 8, "softmax", 8, F32, None) is None  # softmax: the Triton kernel's
-    assert plan(48, 2, "sigmoid", None, F32, None) is None  # not 32 per lane-multiple
+    assert plan(48, 2, "sigmoid", None, F32, None) is None  # not a multiple of 32 experts
     assert plan(1024, 8, "sigmoid", None, F32, None) is None  # more than 16 per lane
     assert plan(256, 33, "sigmoid", None, F32, None) is None  # more picks than lanes
     assert plan(256, 8, "sigmoid", None, torch.float16, None) is None

@@ -36,10 +36,9 @@ def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, l
     if not n_group:
         return v, 0
     per_group = num_experts // n_group
-    lpg = per_group // v
-    if per_group % v or lpg & (lpg - 1) or lpg * v * n_group != num_experts:
+    if num_experts % n_group or per_group % v:  # a group must be whole lanes (then n_group divides 32)
         return None
-    return v, lpg
+    return v, per_group // v
 
 
 @functools.cache

@@ -6,8 +6,8 @@
 //
 // NOTE: the Triton kernel spends ~85% of its time in its 8 picks: each is an int64 max over a
 // [tokens, groups, experts] tile that Triton lays over two warps (shared memory) and shuffles as
-// 2 x 32-bit per butterfly level. Here a pick is a lane-local max over V keys and two 32-bit
-// redux.sync (value key, then the lowest expert among equal values).
+// 2 x 32-bit per butterfly level. Here each lane sorts its V keys once, and a pick is two 32-bit
+// redux.sync over the lanes' heads (value key, then the lowest expert among equal values).
 #pragma once
 
 #include "../common/types.cuh"

@@ -16,11 +16,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
 
-// Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
 // Programmatic dependent launch: the next kernel on the stream, if launched with the PDL attribute, may
 // start now; it still waits (griddepcontrol.wait) for this grid to complete before touching its outputs.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
 __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
