@@ -53,84 +53,79 @@ __global__ void __launch_bounds__(256) select_experts_kernel(
     constexpr uint32_t kNumGroups = LPG ? 32 / LPG : 1;
     // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
     ptx::launch_dependents();
+    // one token per warp (the grid has a warp for every token)
+    const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (t >= num_tokens) return;
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t expert0 = lane * V;
-
-    float lane_bias[V];
+    const TLogit* row = logits + t * stride_t;
+    // the lane's (choice, expert) ranks, sorted descending once: a pick then reads only the head
+    int64_t key[V];
 #pragma unroll
-    for (uint32_t j = 0; j < V; ++j)
-        lane_bias[j] = kHasBias ? static_cast<float>(load_f64(bias + (expert0 + j) * stride_bias)) : 0.0f;
-
-    const uint32_t warps = blockDim.x / 32;
-    for (uint32_t t = blockIdx.x * warps + threadIdx.x / 32; t < num_tokens; t += gridDim.x * warps) {
-        const TLogit* row = logits + t * stride_t;
-        // the lane's (choice, expert) ranks, sorted descending once: a pick then reads only the head
-        int64_t key[V];
+    for (uint32_t j = 0; j < V; ++j) {
+        const float score = sigmoid_f32(load_f64(row + (expert0 + j) * stride_e));
+        const float choice = kHasBias ? score + static_cast<float>(load_f64(bias + (expert0 + j) * stride_bias)) : score;
+        key[j] = rank(sort_key(choice), kNumExperts - 1 - (expert0 + j));
+    }
 #pragma unroll
-        for (uint32_t j = 0; j < V; ++j) {
-            const float score = sigmoid_f32(load_f64(row + (expert0 + j) * stride_e));
-            key[j] = rank(sort_key(kHasBias ? score + lane_bias[j] : score), kNumExperts - 1 - (expert0 + j));
+    for (uint32_t round = 0; round < V; ++round) {  // odd-even transposition sort
+#pragma unroll
+        for (uint32_t j = round % 2; j + 1 < V; j += 2) {
+            const int64_t hi = max(key[j], key[j + 1]), lo = min(key[j], key[j + 1]);
+            key[j] = hi, key[j + 1] = lo;
         }
+    }
+
+    if constexpr (LPG > 0) {
+        // group score: the sum of the group's two best choices (one with a single expert per group)
+        int64_t first = key[0], second = kRemoved;
+        if constexpr (V > 1) second = key[1];
 #pragma unroll
-        for (uint32_t round = 0; round < V; ++round) {  // odd-even transposition sort
-#pragma unroll
-            for (uint32_t j = round % 2; j + 1 < V; j += 2) {
-                const int64_t hi = max(key[j], key[j + 1]), lo = min(key[j], key[j + 1]);
-                key[j] = hi, key[j + 1] = lo;
+        for (uint32_t m = 1; m < LPG; m <<= 1) {
+            const int64_t o1 = __shfl_xor_sync(kFullMask, first, m), o2 = __shfl_xor_sync(kFullMask, second, m);
+            if (first > o1) {
+                second = max(second, o1);
+            } else {
+                second = max(first, o2);
+                first = o1;
             }
         }
+        float group_score = key_value(static_cast<int32_t>(first >> 32));
+        if (LPG * V >= 2) group_score += key_value(static_cast<int32_t>(second >> 32));
+        const int64_t group_rank = rank(sort_key(group_score), kNumGroups - 1 - lane / LPG);
+        uint32_t better = 0;  // groups ranked above this lane's
+#pragma unroll
+        for (uint32_t g = 0; g < kNumGroups; ++g) better += __shfl_sync(kFullMask, group_rank, g * LPG) > group_rank;
+        if (better >= topk_group) {  // not kept: every choice -inf, so sorted by expert alone
+#pragma unroll
+            for (uint32_t j = 0; j < V; ++j) key[j] = rank(kNegInfKey, kNumExperts - 1 - (expert0 + j));
+        }
+    }
 
-        if constexpr (LPG > 0) {
-            // group score: the sum of the group's two best choices (one with a single expert per group)
-            int64_t first = key[0], second = kRemoved;
-            if constexpr (V > 1) second = key[1];
+    // top-k: each pick is the warp's largest head; lane k keeps pick k
+    int32_t my_id = 0;
+    for (uint32_t k = 0; k < top_k; ++k) {
+        const int32_t head_key = static_cast<int32_t>(key[0] >> 32);
+        const int32_t best_key = __reduce_max_sync(kFullMask, head_key);
+        const uint32_t code = __reduce_max_sync(kFullMask, head_key == best_key ? static_cast<uint32_t>(key[0]) : 0u);
+        if (head_key == best_key && static_cast<uint32_t>(key[0]) == code) {  // this lane's head won: pop it
 #pragma unroll
-            for (uint32_t m = 1; m < LPG; m <<= 1) {
-                const int64_t o1 = __shfl_xor_sync(kFullMask, first, m), o2 = __shfl_xor_sync(kFullMask, second, m);
-                if (first > o1) {
-                    second = max(second, o1);
-                } else {
-                    second = max(first, o2);
-                    first = o1;
-                }
-            }
-            float group_score = key_value(static_cast<int32_t>(first >> 32));
-            if (LPG * V >= 2) group_score += key_value(static_cast<int32_t>(second >> 32));
-            const int64_t group_rank = rank(sort_key(group_score), kNumGroups - 1 - lane / LPG);
-            uint32_t better = 0;  // groups ranked above this lane's
-#pragma unroll
-            for (uint32_t g = 0; g < kNumGroups; ++g) better += __shfl_sync(kFullMask, group_rank, g * LPG) > group_rank;
-            if (better >= topk_group) {  // not kept: every choice -inf, so sorted by expert alone
-#pragma unroll
-                for (uint32_t j = 0; j < V; ++j) key[j] = rank(kNegInfKey, kNumExperts - 1 - (expert0 + j));
-            }
+            for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
+            key[V - 1] = kRemoved;
         }
-
-        // top-k: each pick is the warp's largest head; lane k keeps pick k
-        int32_t my_id = 0;
-        for (uint32_t k = 0; k < top_k; ++k) {
-            const int32_t head_key = static_cast<int32_t>(key[0] >> 32);
-            const int32_t best_key = __reduce_max_sync(kFullMask, head_key);
-            const uint32_t code = __reduce_max_sync(kFullMask, head_key == best_key ? static_cast<uint32_t>(key[0]) : 0u);
-            if (head_key == best_key && static_cast<uint32_t>(key[0]) == code) {  // this lane's head won: pop it
+        if (lane == k) my_id = static_cast<int32_t>(kNumExperts - 1 - code);
+    }
+    // weights: the picked experts' scores, recomputed from their logits (one per lane)
+    float my_weight = lane < top_k ? sigmoid_f32(load_f64(row + static_cast<uint64_t>(my_id) * stride_e)) : 0.0f;
+    if (renormalize) {
+        float sum = my_weight;  // lanes past top_k hold 0
 #pragma unroll
-                for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
-                key[V - 1] = kRemoved;
-            }
-            if (lane == k) my_id = static_cast<int32_t>(kNumExperts - 1 - code);
-        }
-        // weights: the picked experts' scores, recomputed from their logits (one per lane)
-        float my_weight = lane < top_k ? sigmoid_f32(load_f64(row + static_cast<uint64_t>(my_id) * stride_e)) : 0.0f;
-        if (renormalize) {
-            float sum = my_weight;  // lanes past top_k hold 0
-#pragma unroll
-            for (uint32_t m = 1; m < 32; m <<= 1) sum += __shfl_xor_sync(kFullMask, sum, m);
-            my_weight = __fdiv_rn(my_weight, sum);
-        }
-        if (lane < top_k) {
-            weights[static_cast<uint64_t>(t) * top_k + lane] = my_weight * routed_scaling_factor;
-            ids[static_cast<uint64_t>(t) * top_k + lane] = my_id;
-        }
+        for (uint32_t m = 1; m < 32; m <<= 1) sum += __shfl_xor_sync(kFullMask, sum, m);
+        my_weight = __fdiv_rn(my_weight, sum);
+    }
+    if (lane < top_k) {
+        weights[static_cast<uint64_t>(t) * top_k + lane] = my_weight * routed_scaling_factor;
+        ids[static_cast<uint64_t>(t) * top_k + lane] = my_id;
     }
 }
 
