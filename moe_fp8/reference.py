@@ -444,8 +444,11 @@ def fp8_grouped_gemm_silu_mul_quant(
 def _stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries of the last dim, descending; ties → lower index first.
 
-    (``torch.topk`` does not promise any tie order.) NaN sorts above every number.
+    (``torch.topk`` does not promise any tie order.) NaN sorts above every number; -0.0 equals 0.0.
     """
+    # one NaN, one zero: CUDA's radix sort orders floats by their bits (a NaN with the sign bit set,
+    # as inf - inf makes, below -inf; -0.0 below 0.0), the CPU sort by value
+    values = torch.where(torch.isnan(values), float("nan"), values) + 0.0
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 

@@ -131,7 +131,8 @@ def _drive() -> None:
             D.dispatch_contiguous(x, xs, ids, e, m, 128, sync=True)
             D.dispatch_contiguous(x, xs, ids, e, m, 128, sync=False)
         for knobs in [{"fused": False}, {"fused": True}, {"block_t": 2, "block_k": 4096, "num_warps": 8},
-                      {"block_t": 1, "block_k": 8192, "num_warps": 8}, {"block_k": 1024}, {"block_t": 8}]:
+                      {"block_t": 1, "block_k": 8192, "num_warps": 8}, {"block_k": 1024}, {"block_t": 8},
+                      {"fused": False, "sparse": True}, {"fused": False, "sparse": True, "block_k": 8192, "num_warps": 8}]:
             cfg = C.dispatch_config(t, top_k, 7168, e, **knobs)
             if cfg.fused and t > 256:
                 continue  # the fused path's cost grows as pairs²: the sweep never tries it there
@@ -146,6 +147,9 @@ def _drive() -> None:
         for m, ue8m0, sync, return_x in ((None, False, True, True), (emap[: max(e, 12) * 2], False, True, False),
                                          (emap[: max(e, 12) * 2], True, False, True), (None, True, True, False)):
             D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x)
+            if m is not None:  # the quant kernel, then the dense FP8 scatter
+                cfg = C.dispatch_config(t, top_k, 7168, e, has_map=True, quant=True, sparse=False)
+                D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x, config=cfg)
         D.quant_dispatch_contiguous(torch.zeros(t, 200, dtype=torch.float32), ids, e, None, 16)
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)

@@ -30,8 +30,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -n 3
 } 2>&1 | tee "$OUT/info.txt"
 
 if has tests; then
-  # -n 3: the float32 reference of the big grouped cases needs a few GB per worker
-  python3 -m pytest -q -p no:cacheprovider -n 3 -m "gpu or hopper" tests/ 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 30
+  # -n 3: the float32 reference of the big grouped cases needs a few GB per worker. `datapath`: the
+  # data-path kernel tests that run in the interpreter on CPU run compiled here
+  python3 -m pytest -q -p no:cacheprovider -n 3 -m "gpu or hopper or datapath" tests/ 2>&1 | tee "$OUT/gpu_tests.txt" | tail -n 30
   pack
 fi
 if has smoke; then

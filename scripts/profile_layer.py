@@ -47,6 +47,21 @@ def host_us(fn, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 10) -> float:
+    """Microseconds per ``fn()`` from a CUDA graph of ``calls`` calls (L2 flushed before each replay): the
+    GPU time without the host's launch cost, which on the device machine exceeds a short kernel's."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench_us(graph.replay) / calls
+
+
 def kernel_timeline(fn) -> tuple[list[tuple[str, float, float]], float]:
     """``[(name, start_us, dur_us)]`` of the GPU kernels (and memsets/copies) of one ``fn()``, and its span."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
@@ -209,8 +224,8 @@ def dispatch_timeline(t: int, hidden_size: int = 7168, experts: int = 256, top_k
 
 
 def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: int = 8) -> None:
-    """The contiguous dispatch's scatter kernel alone, per block shape: every expert local (the moe-data
-    bench) and one expert-parallel rank (the layer bench: 32 of 256 experts, via ``expert_map``)."""
+    """The contiguous dispatch's scatter kernel alone, per block shape (CUDA-graph timed): every expert local
+    (the moe-data bench) and one expert-parallel rank (the layer bench: 32 of 256 experts, via ``expert_map``)."""
     from moe_fp8.kernels.triton import dispatch as D
     from moe_fp8.kernels.triton.configs import dispatch_config
     from moe_fp8.utils import empty_scale_tma
@@ -229,21 +244,28 @@ def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: in
         nbytes = (hidden_size + hidden_size // 32) * (local_pairs + (used if emap is not None else t))
         print(f"\n## scatter {t}x{hidden_size}, {name}: {local_pairs} local pairs, {m_rows} rows "
               f"({nbytes / 1e6:.0f} MB moved)")
-        for bt, bk, nw in ((1, 8192, 8), (1, 8192, 4), (1, 8192, 16), (2, 8192, 8), (1, 4096, 4), (1, 2048, 4),
-                           (2, 4096, 8)):
-            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_t=bt, block_k=bk, num_warps=nw)
-            us = bench_us(lambda cfg=cfg, r=routing, m=m_rows: D._contiguous_scatter(x_fp8, x_scale, ids, r, m, cfg))
-            print(f"  block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s")
+        variants = [(bt, bk, nw, False) for bt, bk, nw in ((1, 8192, 8), (1, 8192, 4), (2, 8192, 8), (1, 4096, 4),
+                                                           (1, 2048, 4))]
+        variants += [(1, bk, nw, True) for bk, nw in ((8192, 4), (8192, 8), (4096, 4), (2048, 4))]
+        for bt, bk, nw, sparse in variants:
+            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_t=bt, block_k=bk, num_warps=nw, sparse=sparse)
+            us = graph_us(lambda cfg=cfg, r=routing, m=m_rows: D._contiguous_scatter(x_fp8, x_scale, ids, r, m, cfg))
+            print(f"  {'sparse' if sparse else 'dense '} block_t {bt} block_k {bk} warps {nw}: {us:7.1f} us "
+                  f"{nbytes / us / 1e3:6.0f} GB/s")
         # the same scatter quantizing the bf16 rows on the way (quant_dispatch_contiguous), with / without x_fp8,
         # against the quant kernel it replaces
-        print(f"  quant kernel alone: {bench_us(lambda: per_token_group(x)):7.1f} us")
+        print(f"  quant kernel alone: {graph_us(lambda: per_token_group(x)):7.1f} us")
         x_out = (torch.empty_like(x_fp8), empty_scale_tma(t, x_scale.shape[1], device="cuda"))
-        for (bk, nw), write_x in itertools.product(((8192, 8), (4096, 4), (2048, 4)), (True, False)):
-            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_k=bk, num_warps=nw, quant=True)
+        quant_variants = [(bk, nw, False) for bk, nw in ((8192, 8), (4096, 4), (2048, 4))]
+        quant_variants += [(bk, nw, True) for bk, nw in ((8192, 8), (4096, 4), (4096, 8), (2048, 4))]
+        for (bk, nw, sparse), write_x in itertools.product(quant_variants, (True, False)):
+            cfg = dispatch_config(t, top_k, hidden_size, num_local, block_t=1 if sparse else None, block_k=bk,
+                                  num_warps=nw, quant=True, sparse=sparse)
             quant = D._Quant(False, 1e-10, *(x_out if write_x else (None, None)))
-            us = bench_us(lambda cfg=cfg, r=routing, m=m_rows, q=quant: D._contiguous_scatter(x, None, ids, r, m, cfg,
+            us = graph_us(lambda cfg=cfg, r=routing, m=m_rows, q=quant: D._contiguous_scatter(x, None, ids, r, m, cfg,
                                                                                              quant=q))
-            print(f"  quantizing, block_k {bk} warps {nw}, {'with' if write_x else 'without'} x_fp8: {us:7.1f} us")
+            print(f"  quantizing, {'sparse' if sparse else 'dense '} block_k {bk} warps {nw}, "
+                  f"{'with' if write_x else 'without'} x_fp8: {us:7.1f} us")
 
 
 def routing_sweep(layer, t: int) -> None:

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
              + "\n```\n"]
     if (run / "gpu_tests.txt").exists():
         tail = [ln for ln in (run / "gpu_tests.txt").read_text().splitlines() if ln.strip()][-1]
-        parts.append(f"## GPU tests\n\n`python -m pytest -m \"gpu or hopper\" tests/`: **{tail.strip('= ')}**\n")
+        parts.append(f"## GPU tests\n\n`python -m pytest -m \"gpu or hopper or datapath\" tests/`: **{tail.strip('= ')}**\n")
     if (run / "jit_smoke.txt").exists():
         parts.append("## JIT runtime\n" + (run / "jit_smoke.txt").read_text().split("\n", 2)[-1].strip() + "\n")
     if (run / "demo.txt").exists():

@@ -7,6 +7,8 @@ unspecified / untouched (checked on poisoned buffers). Combine: identical bf16 b
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from datapath_util import DEVICE, assert_same_bits, require_kernels
@@ -19,6 +21,8 @@ triton = pytest.importorskip("triton")
 
 from moe_fp8.kernels.triton import dispatch  # noqa: E402  (after the importorskip)
 from moe_fp8.kernels.triton.configs import CombineConfig, combine_config, dispatch_config  # noqa: E402
+
+pytestmark = pytest.mark.datapath
 
 
 @pytest.fixture(autouse=True)
@@ -82,13 +86,14 @@ def check_contiguous_bound(got, want, align_m: int) -> None:
     assert_same_bits(out_scale[:m_total][rows], r_scale[rows], "dispatched scales")
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(("fused", "sparse"), [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
-def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fused):
+def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fused, sparse):
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
-    cfg = dispatch_config(t, k, h, e, fused=fused, block_t=2, block_k=128)
+    cfg = dispatch_config(t, k, h, e, fused=fused, block_t=1 if sparse else 2, block_k=128, sparse=sparse)
+    assert cfg.sparse == sparse
     got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, config=cfg)
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
     for align_m in (128, 16):
@@ -164,13 +169,16 @@ def test_quant_dispatch_masked_ue8m0_non_finite_and_persistent_buffers():
 def test_quant_dispatch_contiguous_matches_quant_then_dispatch(t, h, e_global, e_local, k, max_m, skew):
     """``quant_dispatch_contiguous`` equals the reference's ``per_token_group_quant`` then
     ``dispatch_contiguous`` bit for bit, with the sync (exact rows) and without it (the bound), with
-    and without the quantized input (``return_x=False``: with a map, idle tokens' rows are not read)."""
+    and without the quantized input (``return_x=False``: with a map, idle tokens' rows are not read), by
+    the dense scatter (2 tokens per program; under a map: the quant kernel, then the FP8 scatter) and
+    the sparse one (a branch per slot)."""
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
     r_fp8, r_scale = ref.per_token_group_quant(d.x)
-    for align_m, sync, return_x in ((128, True, True), (16, True, False), (128, False, True), (128, False, False)):
-        cfg = dispatch_config(t, k, h, e, block_t=2, block_k=128)
+    for (align_m, sync, return_x), sparse in itertools.product(
+            ((128, True, True), (16, True, False), (128, False, True), (128, False, False)), (False, True)):
+        cfg = dispatch_config(t, k, h, e, block_t=1 if sparse else 2, block_k=128, quant=True, sparse=sparse)
         x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(d.x, d.topk_ids, e, emap, align_m, sync=sync,
                                                                   return_x=return_x, config=cfg)
         if not return_x:

@@ -22,7 +22,7 @@ tl = triton.language
 
 from moe_fp8.kernels.triton import common, quant  # noqa: E402  (after the importorskip)
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.datapath, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture(autouse=True)

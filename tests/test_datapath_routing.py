@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from moe_fp8.kernels.triton import routing  # noqa: E402  (after the importorskip)
 
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [pytest.mark.datapath, pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture(autouse=True)

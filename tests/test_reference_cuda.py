@@ -117,6 +117,26 @@ def test_routing_dispatch_combine_cuda_matches_cpu_without_sync():
         assert same_bytes(a, b)
 
 
+@pytest.mark.parametrize("scoring_func", ["softmax", "sigmoid"])
+def test_routing_special_rows_cuda_matches_cpu(scoring_func):
+    """Ties, NaN, -inf and +inf logits: the same ids and weights on both devices (a row holding +inf
+    once picked other ids on CUDA: its softmax is NaN with the sign bit set, which CUDA's sort put last)."""
+    logits = torch.zeros(6, 24)
+    logits[1, ::3] = 1.0
+    logits[2, 5] = float("nan")
+    logits[3, :] = -float("inf")
+    logits[3, 7] = 0.0
+    logits[4, 10] = float("inf")
+    logits[5] = randn((24,), seed=3, dtype=torch.float32)
+    logits[5, 3::4] = -0.0
+    for n_group, topk_group in ((None, None), (4, 2)):
+        route = dict(top_k=4, scoring_func=scoring_func, n_group=n_group, topk_group=topk_group)
+        cpu_w, cpu_ids = ref.select_experts(logits, **route)
+        w, ids = ref.select_experts(logits.cuda(), **route)
+        assert torch.equal(ids.cpu(), cpu_ids)
+        torch.testing.assert_close(w.cpu(), cpu_w, equal_nan=True)
+
+
 def test_masked_decode_path_is_graph_capturable():
     """dispatch_masked → masked GEMM → combine captured once, replayed with other routings."""
     num_tokens, hidden, num_experts, top_k, max_m = 16, 256, 8, 2, 8

@@ -94,6 +94,9 @@ DISPATCH_FUSED_WARPS = 8
 #   warps, 75.7 (142.7) at 4096 / 4 and 126.4 (247.6) at 2048 / 4;
 # - every expert local (top_k copies per token), 2048 / 4 warps: 242.9 us at 8192 tokens (484.5 at
 #   16384) against 249.7 (504.3) at 4096 / 4 and 269.4 (539.1) at 8192 / 8.
+# Under an expert_map the sparse scatter (a branch per slot) takes over, same block (session 15, CUDA-graph
+# timed, 8192 / 16384 tokens): 43.9 / 83.8 us against the dense kernel's 47.9 / 92.3; 4096 / 4 took
+# 52.0 / 101.0, 8192 / 8 45.4 / 87.1.
 DISPATCH_BLOCK_T = 1
 DISPATCH_BLOCK_K = 2048
 DISPATCH_WARPS = 4
@@ -105,6 +108,12 @@ DISPATCH_MAP_WARPS = 4
 # at 2048 / 4, and 628 us for the quant kernel plus the FP8 scatter (2048 / 4).
 DISPATCH_QUANT_BLOCK_K = 4096
 DISPATCH_QUANT_WARPS = 4
+# The sparse scatter quantizing on the way (quant_dispatch_contiguous under an expert_map, without x_fp8).
+# Session 15 (H100, 32 of 256 experts local, CUDA-graph timed), 8192 / 16384 tokens: 98.2 / 190.1 us at
+# 4096 / 4 against 105.6 / 206.0 at 4096 / 8, 109.6 / 212.6 at 8192 / 8 and 125.4 / 254.7 at 2048 / 4; the
+# quant kernel plus the sparse FP8 scatter took 70.9 + 43.9 / 139.8 + 83.8.
+DISPATCH_SPARSE_QUANT_BLOCK_K = 4096
+DISPATCH_SPARSE_QUANT_WARPS = 4
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
 # ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
 M_INDICES_E_CHUNK = 32
@@ -253,17 +262,19 @@ class DispatchConfig:
     num_warps: int
     rank_chunk: int
     e_block: int
+    sparse: bool = False  # the chunked scatter: one token per program, a branch per slot (``_scatter_sparse_kernel``)
 
 
 @functools.lru_cache(maxsize=1024)
 def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
                     fused: bool | None = None, block_t: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None, has_map: bool = False,
-                    quant: bool = False) -> DispatchConfig:
+                    quant: bool = False, sparse: bool | None = None) -> DispatchConfig:
     """``fused`` applies to ``dispatch_masked`` only (the contiguous layout needs every expert's count
     before any position: it always takes the chunked path). ``has_map``: an ``expert_map`` selects the
-    local experts (the chunked scatter's own defaults). ``quant``: the chunked scatter quantizes the
-    rows it copies (``quant_dispatch_contiguous``)."""
+    local experts (the chunked scatter's own defaults; by default the sparse scatter). ``quant``: the
+    chunked scatter quantizes the rows it copies (``quant_dispatch_contiguous``). ``sparse``: the chunked
+    scatter branches per slot (one token per program, so ``block_t`` must be 1)."""
     e_p2 = _pow2_ceil(num_experts)
     pairs = num_tokens * top_k
     if fused is None:
@@ -277,16 +288,22 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
         block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_FUSED_BLOCK_K)
         num_warps = num_warps or DISPATCH_FUSED_WARPS
     else:
+        if sparse is None:
+            sparse = has_map and block_t in (None, 1)
+        if sparse and block_t not in (None, 1):
+            raise ValueError(f"the sparse scatter runs one token per program, got block_t={block_t}")
         block_t = block_t or max(1, min(DISPATCH_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
-        default_k, default_warps = ((DISPATCH_QUANT_BLOCK_K, DISPATCH_QUANT_WARPS) if quant else
-                                    (DISPATCH_MAP_BLOCK_K, DISPATCH_MAP_WARPS) if has_map else
+        # (quant under a map with the dense scatter: the quant kernel runs apart, the scatter copies FP8)
+        default_k, default_warps = ((DISPATCH_SPARSE_QUANT_BLOCK_K, DISPATCH_SPARSE_QUANT_WARPS) if quant and sparse
+                                    else (DISPATCH_MAP_BLOCK_K, DISPATCH_MAP_WARPS) if has_map else
+                                    (DISPATCH_QUANT_BLOCK_K, DISPATCH_QUANT_WARPS) if quant else
                                     (DISPATCH_BLOCK_K, DISPATCH_WARPS))
         block_k = block_k or min(_pow2_ceil(hidden), default_k)
         num_warps = num_warps or default_warps
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
     e_block = min(e_p2, DISPATCH_COUNT_EXPERTS)
     return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
-                          block_t, block_k, num_warps, rank_chunk, e_block)
+                          block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused)
 
 
 @dataclasses.dataclass(frozen=True)
