@@ -675,20 +675,27 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W.fp8_lm_head_in_checkpoint(args.model))
     num_sms = args.num_sms or get_num_sms()
     variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
+    routing = W.routing_variants(cfg)
     comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
-    print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants")
+    print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
+          f"{f', + {len(routing)} routing kernels' if routing else ''}")
     if args.dry_run:
+        def state(v) -> str:
+            return "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
+
         for g in gemms:
             groups = f", {g.num_groups} experts" if g.num_groups > 1 else ""
             print(f"  {g.name:<34} {g.n}×{g.k}  {'/'.join(g.layouts)}{groups}")
         for v in variants:
             c = v.config
-            state = "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
             print(f"  {v.name:<48} {c.block_m}x{c.block_n} s{c.num_stages}  {W.describe_rows(v):<22} "
-                  f"{state:<10}  {', '.join(v.users)}")
+                  f"{state(v):<10}  {', '.join(v.users)}")
+        for r in routing:
+            print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")
         return 0
+    variants = [*variants, *routing]
 
     with Progress(len(variants), "warmup", enabled=not args.no_progress) as progress:
         def cached(n: int) -> None:

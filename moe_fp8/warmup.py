@@ -1,4 +1,5 @@
-"""Precompile every GEMM kernel variant a model needs into the JIT disk cache (``moe-fp8 warmup``).
+"""Precompile every GEMM kernel variant a model needs, and its router's Hopper routing kernels
+(``routing_variants``), into the JIT disk cache (``moe-fp8 warmup``).
 
 A variant bakes N, K and the tile configuration (STYLE practice 4); M and the grouped counts are
 run-time values. So the variants of a model are: for each weight shape (after the tensor- and
@@ -47,6 +48,7 @@ from moe_fp8.utils import ALIGN_M, GROUP_K, align
 __all__ = [
     "GemmShape",
     "ModelConfigError",
+    "RoutingVariant",
     "Variant",
     "WarmupResult",
     "compile_variants",
@@ -55,6 +57,7 @@ __all__ = [
     "fp8_lm_head_in_checkpoint",
     "load_model_config",
     "model_gemms",
+    "routing_variants",
     "warmup",
 ]
 
@@ -294,6 +297,37 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
     return list(found.values())
 
 
+@dataclasses.dataclass
+class RoutingVariant:
+    """One compiled Hopper routing kernel (``kernels/routing.py``): its cache ``name``, ``source``, and the
+    router-logits dtype it serves."""
+    name: str
+    source: str
+    logits_dtype: str
+
+
+def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
+    """The Hopper ``select_experts`` kernels of the model's router (over all routed experts, whatever the
+    parallelism): float32 and bfloat16 logits (engines differ), with the float32 correction bias when
+    ``topk_method`` is ``noaux_tc``. None where the CUDA kernel does not cover the router (softmax
+    scoring, expert counts off its lane layout): the Triton kernel runs those."""
+    import torch
+
+    from moe_fp8.kernels.routing import kernel_variant, plan
+
+    n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
+    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    if not n_experts or not 1 <= top_k <= n_experts:
+        return []
+    bias = torch.float32 if cfg.get("topk_method") == "noaux_tc" else None
+    out = []
+    for logits in (torch.float32, torch.bfloat16):
+        shape = plan(n_experts, top_k, cfg.get("scoring_func", "softmax"), cfg.get("n_group"), logits, bias)
+        if shape is not None:
+            out.append(RoutingVariant(*kernel_variant(logits, bias, *shape), str(logits)[6:]))
+    return out
+
+
 def describe_rows(v: Variant) -> str:
     """The row counts that select ``v``: M (normal), M_total (contiguous), expected M per expert (masked)."""
     what = {"normal": "M", "contiguous": "M_total", "masked": "expected M"}[v.layout]
@@ -320,7 +354,7 @@ def _compile_worker(name: str, source: str, compiler: str) -> tuple[str, float, 
     return name, time.perf_counter() - t0, None
 
 
-def compile_variants(variants: list[Variant], jobs: int | None = None, compiler: str | None = None,
+def compile_variants(variants: list[Variant | RoutingVariant], jobs: int | None = None, compiler: str | None = None,
                      on_done: Callable[[str, str | None], None] | None = None,
                      on_cached: Callable[[int], None] | None = None) -> WarmupResult:
     """Compile the variants not yet in the disk cache, ``jobs`` at a time in separate processes.
@@ -363,7 +397,8 @@ def compile_variants(variants: list[Variant], jobs: int | None = None, compiler:
 
 def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, jobs: int | None = None,
            num_sms: int | None = None, compiler: str | None = None) -> WarmupResult:
-    """Python API of ``moe-fp8 warmup``: enumerate the model's variants and compile the missing ones.
+    """Python API of ``moe-fp8 warmup``: enumerate the model's variants (GEMMs and routing) and compile the
+    missing ones.
 
     ``num_sms`` defaults to ``moe_fp8.get_num_sms()`` (the visible GPU's, else ``$MOE_FP8_NUM_SMS``,
     else 132): it must be what the serving process will use, as it changes the chosen configs.
@@ -374,5 +409,5 @@ def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, 
     gemms = model_gemms(cfg, tp, ep, fp8_lm_head=fp8_lm_head_in_checkpoint(Path(model)))
     variants = enumerate_variants(gemms, max_tokens, num_sms or get_num_sms(),
                                   top_k=int(cfg.get("num_experts_per_tok") or 1))
-    return compile_variants(variants, jobs, compiler)
+    return compile_variants([*variants, *routing_variants(cfg)], jobs, compiler)
 

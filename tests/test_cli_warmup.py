@@ -23,6 +23,7 @@ DEEPSEEK_V3 = {
     "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "q_lora_rank": 1536,
     "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
     "num_attention_heads": 128, "vocab_size": 129280, "first_k_dense_replace": 3, "num_hidden_layers": 61,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                             "weight_block_size": [128, 128]},
 }
@@ -138,6 +139,31 @@ def test_dry_run_lists_variants(tmp_path, capsys, monkeypatch):
     lines = [ln for ln in out.splitlines() if ln.strip().startswith("fp8_gemm_")]
     assert lines and all("to compile" in ln for ln in lines)
     assert not (tmp_path / "cache").exists()  # a dry run writes nothing
+
+
+def test_routing_variants_are_what_select_experts_builds(tmp_path, capsys, monkeypatch):
+    """DeepSeek-V3's router (sigmoid, 8 groups, correction bias): the two kernels the Hopper routing wrapper
+    builds for float32 and bfloat16 logits; routers the CUDA kernel does not cover add none."""
+    import torch
+
+    from moe_fp8.kernels import routing
+
+    got = W.routing_variants(DEEPSEEK_V3)
+    want = [routing.kernel_variant(dt, torch.float32, *routing.plan(256, 8, "sigmoid", 8, dt, torch.float32))
+            for dt in (torch.float32, torch.bfloat16)]
+    assert [(v.name, v.source) for v in got] == want
+    assert [v.logits_dtype for v in got] == ["float32", "bfloat16"]
+    assert W.routing_variants({**DEEPSEEK_V3, "scoring_func": "softmax"}) == []  # the Triton kernel's
+    assert W.routing_variants({**DEEPSEEK_V3, "n_routed_experts": 48}) == []
+    assert W.routing_variants(TINY_DENSE) == []
+    no_bias = W.routing_variants({**DEEPSEEK_V3, "topk_method": "greedy"})
+    assert len(no_bias) == 2 and all("nobias" in v.name for v in no_bias)
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(tmp_path, DEEPSEEK_V3)
+    assert cli.main(["warmup", "--model", str(model), "--tp", "8", "--max-tokens", "64", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "+ 2 routing kernels" in out
+    assert f"  {got[1].name:<48} bfloat16 logits" in out
 
 
 @pytest.mark.skipif(not COMPILERS, reason="no JIT compiler")

@@ -41,12 +41,17 @@ def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, l
     return v, per_group // v
 
 
-@functools.cache
-def get_kernel(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int):
+def kernel_variant(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int) -> tuple[str, str]:
+    """``(name, source)`` of one specialization, as ``build`` takes them (``moe-fp8 warmup`` too)."""
     source = KERNEL_TEMPLATE.format(logit=_CTYPES[logits_dtype], bias=_CTYPES[bias_dtype or torch.float32], v=v,
                                     lpg=lpg, has_bias=str(bias_dtype is not None).lower())
     name = f"select_experts_{str(logits_dtype)[6:]}_{str(bias_dtype)[6:] if bias_dtype else 'nobias'}_v{v}_g{lpg}"
-    return build(name, source)
+    return name, source
+
+
+@functools.cache
+def get_kernel(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int):
+    return build(*kernel_variant(logits_dtype, bias_dtype, v, lpg))
 
 
 def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
