@@ -147,9 +147,10 @@ def _drive() -> None:
         for m, ue8m0, sync, return_x in ((None, False, True, True), (emap[: max(e, 12) * 2], False, True, False),
                                          (emap[: max(e, 12) * 2], True, False, True), (None, True, True, False)):
             D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x)
-            if m is not None:  # the quant kernel, then the dense FP8 scatter
-                cfg = C.dispatch_config(t, top_k, 7168, e, has_map=True, quant=True, sparse=False)
-                D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x, config=cfg)
+            # under a map: the quant kernel then the dense FP8 scatter; without one: the sparse scatter
+            # quantizing (and writing x_fp8)
+            cfg = C.dispatch_config(t, top_k, 7168, e, has_map=m is not None, quant=True, sparse=m is None)
+            D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x, config=cfg)
         D.quant_dispatch_contiguous(torch.zeros(t, 200, dtype=torch.float32), ids, e, None, 16)
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)

@@ -212,6 +212,7 @@ def test_missing_model_and_compiler_and_cache_are_one_line_errors(tmp_path, caps
     assert "moe-fp8 warmup: error: " in capsys.readouterr().err
 
     model = _model(tmp_path, TINY_DENSE)
+    monkeypatch.delenv("MOE_FP8_JIT_COMPILER", raising=False)  # no compiler asked for: both are tried
     monkeypatch.setattr(compiler_mod, "_instances", {})
     monkeypatch.setattr(compiler_mod, "_find_nvcc", lambda: (None, "nvcc not found (test)"))
     monkeypatch.setattr(compiler_mod, "_nvrtc_info", lambda: compiler_mod.CompilerInfo(
