@@ -12,6 +12,7 @@ the host time of the layer's ops. Other modes, one per flag:
       --scatter        the contiguous dispatch's scatter kernel alone, per block shape (FP8 rows, and
                        quantizing bf16 rows on the way as quant_dispatch_contiguous does without a map)
       --routing        select_experts alone, per block shape
+      --fused-gemm1    GEMM1 + SiLU·mul+quant as two kernels vs the fused epilogue (--path masked too)
 """
 
 from __future__ import annotations
@@ -286,6 +287,35 @@ def routing_sweep(layer, t: int) -> None:
         print(f"  block_t {bt} warps {nw}: {us:7.1f} us{'' if same else '  (DIFFERENT RESULT)'}")
 
 
+def fused_gemm1(layer, t: int, path: str) -> None:
+    """GEMM1 then the SiLU·mul + quant kernel against ``fp8_grouped_gemm_silu_mul_quant`` (the fused epilogue)
+    on the layer's own dispatched batch, CUDA-graph timed."""
+    from moe_fp8 import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
+    from moe_fp8.layers import dispatch_masked
+    from moe_fp8.layers.moe import masked_expected_m
+    from moe_fp8.quant import silu_mul_per_token_group
+
+    hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16)
+    _, ids = layer.route(torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32))
+    x_fp8, x_scale = per_token_group(hidden)
+    w13, w13_scale = layer.w13_weight, layer.w13_weight_scale_inv
+    if path == "contiguous":
+        a, a_scale, m_indices, _ = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
+        grouping = {"m_indices": m_indices}
+        h = fp8_grouped_gemm_contiguous(a, a_scale, w13, w13_scale, m_indices)
+        plain = lambda: fp8_grouped_gemm_contiguous(a, a_scale, w13, w13_scale, m_indices)  # noqa: E731
+    else:
+        expected_m = masked_expected_m(t, layer.top_k, NUM_EXPERTS)
+        a, a_scale, masked_m, _ = dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, t, layer.expert_map)
+        grouping = {"masked_m": masked_m, "expected_m": expected_m}
+        h = fp8_grouped_gemm_masked(a, a_scale, w13, w13_scale, masked_m, expected_m)
+        plain = lambda: fp8_grouped_gemm_masked(a, a_scale, w13, w13_scale, masked_m, expected_m)  # noqa: E731
+    silu_us = graph_us(lambda: silu_mul_per_token_group(h, masked_m=grouping.get("masked_m")), 5)
+    fused_us = graph_us(lambda: fp8_grouped_gemm_silu_mul_quant(a, a_scale, w13, w13_scale, **grouping), 5)
+    print(f"## GEMM1 {path}, {t} tokens ({a.shape[0]} rows): plain {graph_us(plain, 5):.1f} + SiLU·mul+quant "
+          f"{silu_us:.1f} us, fused {fused_us:.1f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="*", default=[512, 8192])
@@ -296,6 +326,7 @@ def main() -> None:
     p.add_argument("--dispatch", action="store_true", help="dispatch_contiguous kernel timelines instead")
     p.add_argument("--scatter", action="store_true", help="scatter kernel variants instead")
     p.add_argument("--routing", action="store_true", help="select_experts configs instead")
+    p.add_argument("--fused-gemm1", action="store_true", help="GEMM1 + SiLU·mul+quant, plain vs fused, instead")
     args = p.parse_args()
     layer, _ = build_layer()
     for t in args.tokens:
@@ -303,6 +334,8 @@ def main() -> None:
             scatter_sweep(t)
         elif args.routing:
             routing_sweep(layer, t)
+        elif args.fused_gemm1:
+            fused_gemm1(layer, t, args.path)
         elif args.dispatch:
             dispatch_timeline(t)
         elif args.host_ops:
