@@ -270,7 +270,7 @@ def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 # the plain GEMM1 plus the separate SiLU·mul + quant: 814 vs 556 + 51 us at 8192 tokens, 356 vs 309 + 6 us
 # at 64 (docs/kernels/gemm.md, session 8; its epilogue needs 256-wide tiles, while the plain GEMM's heuristic
 # streams small batches on narrower ones). Re-measured in session 15 (CUDA-graph timed): 607-843 vs ~600 us
-# at 8192 tokens, 1382-1447 vs ~1040 at 16384 (its time varies with inputs or order), and the layer 15-25%
+# at 8192 tokens, 1382-1447 vs ~1040 at 16384 (its time varies with inputs or order), and the layer 14-25%
 # slower fused (docs/kernels/gemm.md). The op stays public and tested; set True to measure it again.
 FUSE_GEMM1_ACT = False
 
