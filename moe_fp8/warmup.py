@@ -317,11 +317,9 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
 
     n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
     top_k = int(cfg.get("num_experts_per_tok") or 1)
-    if not n_experts or not 1 <= top_k <= n_experts:
-        return []
     bias = torch.float32 if cfg.get("topk_method") == "noaux_tc" else None
     out = []
-    for logits in (torch.float32, torch.bfloat16):
+    for logits in (torch.float32, torch.bfloat16):  # (plan: None for a dense model or an uncovered router)
         shape = plan(n_experts, top_k, cfg.get("scoring_func", "softmax"), cfg.get("n_group"), logits, bias)
         if shape is not None:
             out.append(RoutingVariant(*kernel_variant(logits, bias, *shape), str(logits)[6:]))
