@@ -171,14 +171,16 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
     return (bench_us(gemm1), bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
-def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> float:
-    """Decode under a captured CUDA graph (the masked path; what an engine replays every step)."""
+def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str = "masked") -> float:
+    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches.
+    Decode: the masked path, what an engine replays every step. Prefill: the contiguous path (no host sync,
+    so it captures too)."""
     for _ in range(2):
-        layer(hidden, logits, path="masked")
+        layer(hidden, logits, path=path)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer(hidden, logits)
+        layer(hidden, logits, path=path)
     return bench_us(graph.replay)
 
 
@@ -227,6 +229,15 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
         for name, us in (*stages.items(), ("forward", forward)):
             rows.append(row("moe_layer_stage", {**shape, "path": path, "stage": name}, "moe_fp8", us, 0, 0))
         gemm = stages["gemm1"] + stages["gemm2"]
+        if path == "contiguous":  # the same layer with the exact layout and its host sync, same process
+            layer.contiguous_sync = True
+            synced = bench_us(lambda: layer(hidden, logits, path="contiguous"))
+            layer.contiguous_sync = False
+            g_us = _graph_us(layer, hidden, logits, "contiguous")
+            rows.append(row("moe_layer_path", {**shape, "path": "contiguous_graph"}, "moe_fp8", g_us, flops, nbytes))
+            notes.append(f"tokens {t} contiguous: layer {full:.1f} us without a host sync (upper-bound layout), "
+                         f"{synced:.1f} us with one (contiguous_sync=True); replayed from a CUDA graph (GPU time "
+                         f"alone) {g_us:.1f} us, GEMM kernels alone {100 * sum(kernels) / g_us:.0f}% of it")
         notes.append(f"tokens {t} {path}: layer {full:.1f} us; one forward by stage ({forward:.1f} us): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
                      + f"; GEMM stages {100 * gemm / forward:.0f}% of the forward (GEMM kernels alone "

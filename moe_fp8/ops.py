@@ -19,7 +19,8 @@ Three layers per op:
    op                                backend fn
    ================================  ================================================================
    fp8_gemm                          fn(x_fp8, x_scale, w, w_scale, out) -> None
-   fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out) -> None
+   fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out, *, m_total=None)
+                                        -> None (m_total passed only when given)
    fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
    fp8_grouped_gemm_silu_mul_quant   fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
                                         ue8m0, out, out_scale) -> None (one of m_indices / masked_m)
@@ -31,15 +32,16 @@ Three layers per op:
                                         topk_group, e_score_correction_bias, routed_scaling_factor)
                                         -> (topk_weights f32, topk_ids i32)
    dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
-                                        *, sync=True)
-                                        -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64)
+                                        *, sync=True, return_m_total=False)
+                                        -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64
+                                            [, m_total i32 [1] on the device])
    dispatch_masked                   fn(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, *,
                                         out=None, out_scale=None)
                                         -> (out_fp8, out_scale[TMA 3-D], masked_m i32, row_map i64)
    quant_dispatch_contiguous         fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, *,
-                                        sync=True, return_x=True)
+                                        sync=True, return_x=True, return_m_total=False)
                                         -> (x_fp8, x_scale[TMA], out_fp8, out_scale[TMA], m_indices,
-                                            row_map): per_token_group_quant (group 128) then
+                                            row_map[, m_total]): per_token_group_quant (group 128) then
                                             dispatch_contiguous; x_fp8 / x_scale None when not
                                             return_x
    quant_dispatch_masked             fn(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, *,
@@ -132,7 +134,10 @@ def _ref_fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, ou
 
 
 def _ref_grouped_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
-                            m_indices: Tensor, out: Tensor) -> None:
+                            m_indices: Tensor, out: Tensor, *, m_total: Tensor | None = None) -> None:
+    if m_total is not None:  # rows from m_total on are padding (on the device: no sync)
+        rows = torch.arange(m_indices.shape[0], device=m_indices.device)
+        m_indices = torch.where(rows < m_total, m_indices, -1)
     reference.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out=out)
 
 
@@ -185,29 +190,32 @@ def _ref_quant_dispatch_masked(x: Tensor, topk_ids: Tensor, num_experts: int, ma
 
 
 def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
-                             expert_map: Tensor | None, align_m: int, *, sync: bool = True
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             expert_map: Tensor | None, align_m: int, *, sync: bool = True,
+                             return_m_total: bool = False) -> tuple[Tensor, ...]:
     out = reference.dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
+    if return_m_total:
+        out = (*out, torch.tensor([out[0].shape[0]], dtype=torch.int32, device=x_fp8.device))
     if sync:
         return out
     # sync=False: the same layout padded to the documented upper bound (padding rows m_indices = -1)
     t, top_k = topk_ids.shape
     rows = ceil_div(t * top_k + num_experts * (align_m - 1), align_m) * align_m
-    a, a_scale, m_indices, row_map = out
+    a, a_scale, m_indices, row_map = out[:4]
     extra = rows - a.shape[0]
     a = torch.cat([a, torch.zeros((extra, a.shape[1]), dtype=a.dtype, device=a.device)])
     scale = empty_scale_tma(rows, a_scale.shape[1], device=a.device)
     scale.fill_(1.0)
     scale[: a_scale.shape[0]] = a_scale
     m_indices = torch.cat([m_indices, m_indices.new_full((extra,), -1)])
-    return a, scale, m_indices, row_map
+    return a, scale, m_indices, row_map, *out[4:]
 
 
 def _ref_quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
                                    align_m: int, ue8m0: bool, eps: float, *, sync: bool = True,
-                                   return_x: bool = True) -> tuple[Tensor | None, ...]:
+                                   return_x: bool = True, return_m_total: bool = False) -> tuple[Tensor | None, ...]:
     x_fp8, x_scale = reference.per_token_group_quant(x, GROUP_K, ue8m0, eps)
-    routed = _ref_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=sync)
+    routed = _ref_dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=sync,
+                                      return_m_total=return_m_total)
     return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
 
 
@@ -320,25 +328,31 @@ def fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Te
 
 
 def _grouped_contiguous_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
-                             out: Tensor) -> None:
+                             out: Tensor, m_total: Tensor | None = None) -> None:
     if out.numel() == 0:
         return
-    backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1](x_fp8, x_scale, w, w_scale, m_indices, out)
+    fn = backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1]
+    if m_total is None:
+        fn(x_fp8, x_scale, w, w_scale, m_indices, out)
+    else:
+        fn(x_fp8, x_scale, w, w_scale, m_indices, out, m_total=m_total)
 
 
 @torch.library.custom_op("moe_fp8::fp8_grouped_gemm_contiguous", mutates_args=("out",))
 def _grouped_contiguous_op(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
-                           out: Tensor) -> None:
-    _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out)
+                           out: Tensor, m_total: Tensor | None = None) -> None:
+    _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
 
 
 @_grouped_contiguous_op.register_fake
-def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor, out: Tensor) -> None:
+def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor, out: Tensor,
+      m_total: Tensor | None = None) -> None:
     return None
 
 
 def fp8_grouped_gemm_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
-                                m_indices: Tensor, out: Tensor | None = None) -> Tensor:
+                                m_indices: Tensor, out: Tensor | None = None, *,
+                                m_total: Tensor | None = None) -> Tensor:
     """Grouped FP8 GEMM, contiguous layout (prefill): row ``r`` uses group ``m_indices[r]``.
 
     Args:
@@ -351,16 +365,20 @@ def fp8_grouped_gemm_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_sca
         m_indices: ``int32 [M_total]`` on x's device: group id per row, ``-1`` for padding rows
             (their output rows are unspecified).
         out: optional ``bfloat16 [M_total, N]`` contiguous.
+        m_total: optional ``int32 [1]`` on x's device (never read on the host): every row from
+            ``m_total[0]`` on is padding, whatever ``m_indices`` says there. The row count of a
+            sync-free dispatch (``dispatch_contiguous(sync=False, return_m_total=True)``), whose layout
+            is sized by an upper bound: the kernel reads it on the device and never visits those rows.
 
     Returns ``out``.
     """
-    _, m, n, _ = V.check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
+    _, m, n, _ = V.check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
     if out is None:
         out = torch.empty((m, n), dtype=_BF16, device=x_fp8.device)
     if _compiling():
-        torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
+        torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
     else:
-        _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out)
+        _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
     return out
 
 
@@ -591,8 +609,9 @@ def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: 
         h: ``[M, 2I]`` (contiguous layout) or ``[G, max_m, 2I]`` (masked layout), bf16/fp16/fp32,
             contiguous, ``[gate | up]`` (gate = first I columns); ``I`` a positive multiple of 16.
         group_size, ue8m0, eps: as ``per_token_group_quant``.
-        masked_m: optional ``int32 [G]`` on h's device (3-D h only): rows ``r >= masked_m[g]`` are not
-            meaningful in the result (kernels leave them untouched).
+        masked_m: optional ``int32 [G]`` on h's device: rows ``r >= masked_m[g]`` are not meaningful in
+            the result (kernels leave them untouched). With a 2-D h, ``int32 [1]``: the rows holding data
+            (the ``m_total`` of a sync-free contiguous dispatch).
         out, out_scale: optional destinations (e.g. persistent decode buffers): ``float8_e4m3fn [..., I]``
             contiguous and ``float32 [..., ceil(I/group_size)]`` in the TMA layout (``empty_scale_tma``),
             on h's device. Either may be given alone; the other is then allocated.
@@ -686,12 +705,17 @@ def select_experts(router_logits: Tensor, top_k: int, *, scoring_func: str = "so
 # ============================================================================================
 
 def _dispatch_contiguous_eager_only(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
-                                    expert_map: Tensor | None, align_m: int, sync: bool = True
-                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                    expert_map: Tensor | None, align_m: int, sync: bool = True,
+                                    return_m_total: bool = False) -> tuple[Tensor, ...]:
     fn = backends.select("dispatch_contiguous", x_fp8.device)[1]
-    if sync:  # the plain calling convention (any backend)
-        return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
-    return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=False)
+    return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
+              **_changed(sync=(sync, True), return_m_total=(return_m_total, False)))
+
+
+def _changed(**values: tuple[object, object]) -> dict[str, object]:
+    """The keywords whose value differs from its default (``name=(value, default)``): a backend that
+    does not know an option still serves every call that leaves it alone."""
+    return {k: v for k, (v, default) in values.items() if v != default}
 
 
 # Hidden from dynamo: a graph break under torch.compile, an error naming this function under
@@ -702,7 +726,8 @@ _dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(_di
 
 def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
                         expert_map: Tensor | None = None,
-                        align_m: int | None = None, *, sync: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        align_m: int | None = None, *, sync: bool = True,
+                        return_m_total: bool = False) -> tuple[Tensor, ...]:
     """Scatter token copies into the contiguous grouped layout (prefill). Not a custom op (see module doc).
 
     Args:
@@ -725,28 +750,36 @@ def dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_ex
     rows past the real ``M_total`` are padding (``m_indices = -1``, contents unspecified), so the
     results still feed ``fp8_grouped_gemm_contiguous`` and ``combine`` unchanged. Invalid ids are then
     not local (as in ``dispatch_masked``) instead of a ``ValueError``.
+
+    ``return_m_total``: also return ``M_total`` as an ``int32 [1]`` tensor on x's device (last). Under
+    ``sync=False`` pass it to the GEMMs (``m_total=``) and to ``silu_mul_per_token_group_quant``
+    (``masked_m=``): they then skip the padding tail on the device instead of walking the upper bound.
     """
     V.check_dispatch(x_fp8, x_scale, topk_ids, num_experts, expert_map)
     if align_m is None:
         align_m = get_align_m()
     V.check_int("align_m", align_m, min_value=1)
     V.check_bool("sync", sync)
+    V.check_bool("return_m_total", return_m_total)
     if _compiling():
-        return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
-    return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
+        return _dispatch_contiguous_impl(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync,
+                                         return_m_total)
+    return _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync,
+                                           return_m_total)
 
 
 def _quant_dispatch_contiguous_eager_only(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None,
                                           align_m: int, ue8m0: bool, eps: float, sync: bool = True,
-                                          return_x: bool = True) -> tuple[Tensor | None, ...]:
+                                          return_x: bool = True, return_m_total: bool = False
+                                          ) -> tuple[Tensor | None, ...]:
     if x.shape[0] == 0:  # no rows: the two ops' own empty-problem paths (no backend sees an empty x)
         x_fp8, x_scale = _per_token_group_quant_impl(x, GROUP_K, ue8m0, eps)
-        routed = _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync)
+        routed = _dispatch_contiguous_eager_only(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync,
+                                                 return_m_total)
         return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
     fn = backends.select("quant_dispatch_contiguous", x.device)[1]
-    # keywords only where they differ from the defaults
-    kwargs = {k: v for k, v in (("sync", sync), ("return_x", return_x)) if not v}
-    return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, **kwargs)
+    return fn(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps,
+              **_changed(sync=(sync, True), return_x=(return_x, True), return_m_total=(return_m_total, False)))
 
 
 _quant_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: fn)(
@@ -755,8 +788,8 @@ _quant_dispatch_contiguous_impl = getattr(torch, "_disable_dynamo", lambda fn: f
 
 def quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, expert_map: Tensor | None = None,
                               align_m: int | None = None, *, ue8m0: bool = False, eps: float = _DEFAULT_EPS,
-                              sync: bool = True, return_x: bool = True
-                              ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+                              sync: bool = True, return_x: bool = True, return_m_total: bool = False
+                              ) -> tuple[Tensor | None, ...]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous`` in one op (prefill).
 
     Bit-identical to the two ops. On the Triton backends the routing runs first and its ``M_total``
@@ -770,10 +803,12 @@ def quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, exp
         ue8m0, eps: as ``per_token_group_quant``.
         return_x: also return the quantized input; False when nothing else reads it (no shared
             experts): without an ``expert_map`` it is then never written.
+        return_m_total: as ``dispatch_contiguous``.
 
     Returns ``(x_fp8 [T, K], x_scale [T, ceil(K/128)] (TMA layout), out_fp8 [M_total, K], out_scale
     (TMA layout), m_indices int32 [M_total], row_map int64 [T, top_k])``: the quantized input (for the
-    shared experts; None, None without ``return_x``) and what ``dispatch_contiguous`` returns.
+    shared experts; None, None without ``return_x``) and what ``dispatch_contiguous`` returns (with
+    ``m_total`` last under ``return_m_total``).
     """
     V.check_quant_dispatch(x, topk_ids, num_experts, expert_map, None, ue8m0, eps)
     if align_m is None:
@@ -781,11 +816,12 @@ def quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int, exp
     V.check_int("align_m", align_m, min_value=1)
     V.check_bool("sync", sync)
     V.check_bool("return_x", return_x)
+    V.check_bool("return_m_total", return_m_total)
     if _compiling():
         return _quant_dispatch_contiguous_impl(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync,
-                                               return_x)
+                                               return_x, return_m_total)
     return _quant_dispatch_contiguous_eager_only(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync,
-                                                 return_x)
+                                                 return_x, return_m_total)
 
 
 def _alloc_masked_maps(t: int, top_k: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -383,18 +383,21 @@ def silu_mul_per_token_group_quant(
 
     Args:
         h: ``[M, 2I]`` or ``[G, max_m, 2I]`` (bf16/fp16/fp32), ``[gate | up]``.
-        masked_m: optional int ``[G]`` (3-D ``h`` only). Rows ``r >= masked_m[g]`` are FP8 zeros with
-            scale 1.0 here, whatever ``h`` holds there (kernels leave them untouched instead).
+        masked_m: optional int ``[G]`` (``[1]`` with a 2-D ``h``: one group). Rows ``r >= masked_m[g]`` are
+            FP8 zeros with scale 1.0 here, whatever ``h`` holds there (kernels leave them untouched instead).
 
     Returns ``(y_fp8 [..., I], y_scale [..., ceil(I/group_size)])``, scales in the TMA layout.
     """
+    if masked_m is not None and h.dim() == 2:
+        y_fp8, y_scale = silu_mul_per_token_group_quant(h.unsqueeze(0), group_size, ue8m0, masked_m, eps=eps)
+        return y_fp8[0], y_scale[0]
     y = silu_mul(h)
     if masked_m is None:
         return per_token_group_quant(y, group_size, ue8m0, eps)
     if h.dim() != 3 or masked_m.shape != (h.shape[0],):
         raise ValueError(
-            f"masked_m needs h [G, max_m, 2I] and masked_m [G], got {tuple(h.shape)} and "
-            f"{tuple(masked_m.shape)}"
+            f"masked_m needs h [G, max_m, 2I] and masked_m [G] (or h [M, 2I] and masked_m [1]), got "
+            f"{tuple(h.shape)} and {tuple(masked_m.shape)}"
         )
     valid = _valid_row_mask(masked_m, h.shape[1]).unsqueeze(-1)
     y_fp8, y_scale = per_token_group_quant(torch.where(valid, y, 0.0), group_size, ue8m0, eps)

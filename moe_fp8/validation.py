@@ -360,14 +360,18 @@ def _check_grouped_w(w: object, k: int, dev: torch.device) -> tuple[int, int]:
 
 
 def check_fp8_grouped_gemm_contiguous(x_fp8: object, x_scale: object, w: object, w_scale: object,
-                                      m_indices: object, out: object = None) -> tuple[int, int, int, int]:
+                                      m_indices: object, out: object = None,
+                                      m_total: object = None) -> tuple[int, int, int, int]:
     """Validate the contiguous grouped GEMM; returns ``(G, M_total, N, K)``.
 
     As ``check_fp8_gemm`` with w FP8 [G, N, K], w_scale FP32 [G, ceil(N/128), ceil(K/128)],
-    m_indices int32 [M_total] contiguous on x_fp8's device, and M_total % get_align_m() == 0.
+    m_indices int32 [M_total] contiguous on x_fp8's device, and M_total % get_align_m() == 0; the
+    optional m_total int32 [1] on x_fp8's device (its value is not read).
     """
     fast = _fast_grouped_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
     if fast is not None:
+        if m_total is not None:
+            check_masked_m("m_total", m_total, 1, x_fp8.device, "[1]")
         return fast
     _check_fp8_operand("x_fp8", x_fp8, 2, "[M_total, K]")
     m, k = x_fp8.shape
@@ -388,6 +392,8 @@ def check_fp8_grouped_gemm_contiguous(x_fp8: object, x_scale: object, w: object,
     check_contiguous("m_indices", m_indices)
     check_same_device("m_indices", m_indices, "x_fp8", dev)
     _check_out(out, (m, n), "[M_total, N]", dev)
+    if m_total is not None:
+        check_masked_m("m_total", m_total, 1, dev, "[1]")
     return g, m, n, k
 
 
@@ -444,11 +450,11 @@ def check_fp8_grouped_gemm_silu_mul_quant(x_fp8: object, x_scale: object, w13: o
     return g, n // 2
 
 
-def check_masked_m(name: str, masked_m: object, groups: int, device: torch.device) -> None:
+def check_masked_m(name: str, masked_m: object, groups: int, device: torch.device, desc: str = "[G]") -> None:
     """``masked_m`` must be an int32 [G] tensor on the data's device (values are not read)."""
     check_tensor(name, masked_m)
     check_dtype(name, masked_m, torch.int32)
-    check_shape(name, masked_m, (groups,), "[G]")
+    check_shape(name, masked_m, (groups,), desc)
     check_contiguous(name, masked_m)
     if masked_m.device != device:
         raise ValueError(
@@ -510,8 +516,8 @@ def check_silu_mul(h: object, group_size: object, ue8m0: object, masked_m: objec
     """Validate ``quant.silu_mul_per_token_group``.
 
     h bf16/fp16/fp32 contiguous, [M, 2·I] (contiguous form) or [G, max_m, 2·I] (masked form) with
-    ``I`` (gate half = first I columns, up half = last I) a positive multiple of 16; masked_m (only with a
-    3-D h, optional there) int32 [G] on h's device.
+    ``I`` (gate half = first I columns, up half = last I) a positive multiple of 16; masked_m (optional)
+    int32 [G] on h's device, [1] with a 2-D h (its row count).
     """
     check_tensor("h", h)
     check_dtype("h", h, ACT_DTYPES)
@@ -524,9 +530,10 @@ def check_silu_mul(h: object, group_size: object, ue8m0: object, masked_m: objec
     check_group_size(group_size)
     check_bool("ue8m0", ue8m0)
     if masked_m is not None:
-        if h.dim() != 3:
-            raise ValueError(f"masked_m needs the masked form h [G, max_m, 2*I], got h of shape {tuple(h.shape)}")
-        check_masked_m("masked_m", masked_m, h.shape[0], h.device)
+        if h.dim() == 3:
+            check_masked_m("masked_m", masked_m, h.shape[0], h.device)
+        else:
+            check_masked_m("masked_m", masked_m, 1, h.device, "[1] for a 2-D h")
 
 
 def check_act_quant_out(out: object, out_scale: object, shape: Sequence[int], group_size: int,

@@ -5,7 +5,7 @@ time in launch order, the sum, and the forward's span from first kernel start to
 difference is the GPU idle time: host syncs and launch gaps; the profiler inflates the gaps) — plus
 the host time of the layer's ops. Other modes, one per flag:
 
-    python scripts/profile_layer.py [--tokens 512 8192] [--path contiguous] [--combine-sweep]
+    python scripts/profile_layer.py [--tokens 512 8192] [--path contiguous] [--sync] [--combine-sweep]
       --host-ops       host microseconds per call of each op (and of a bare Triton launch)
       --host-profile   cProfile of 200 forwards
       --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local)
@@ -108,6 +108,9 @@ def profile_tokens(layer, t: int, path: str, sweep: bool) -> None:
     print(f"  host+GPU per op: route {host_us(lambda: layer.route(logits)):.1f}, "
           f"quant {host_us(lambda: per_token_group(hidden)):.1f}, dispatch_contiguous {host_us(dispatch):.1f}, "
           f"forward {host_us(forward):.1f} us")
+    enqueue = enqueue_us(forward, 20)
+    graph = f"{graph_us(forward, 3):.1f} us" if not layer.contiguous_sync else "- (host sync)"
+    print(f"  host enqueue {enqueue:.1f} us per forward (no sync between); CUDA graph {graph}")
     if not sweep:
         return
     a, _, _, row_map = dispatch()
@@ -319,6 +322,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="*", default=[512, 8192])
     p.add_argument("--path", default="contiguous")
+    p.add_argument("--sync", action="store_true", help="the layer with contiguous_sync=True (one host sync)")
     p.add_argument("--combine-sweep", action="store_true")
     p.add_argument("--host-profile", action="store_true", help="cProfile of 200 forwards instead")
     p.add_argument("--host-ops", action="store_true", help="host time per call of each op instead")
@@ -328,6 +332,7 @@ def main() -> None:
     p.add_argument("--fused-gemm1", action="store_true", help="GEMM1 + SiLU·mul+quant, plain vs fused, instead")
     args = p.parse_args()
     layer, _ = build_layer()
+    layer.contiguous_sync = args.sync
     for t in args.tokens:
         if args.scatter:
             scatter_sweep(t)

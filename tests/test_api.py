@@ -72,6 +72,25 @@ def test_grouped_contiguous_equals_reference():
     assert torch.equal(buf[valid], expected[valid])
 
 
+def test_grouped_contiguous_m_total_ends_the_layout():
+    """``m_total``: rows from it on are padding whatever ``m_indices`` says (the reference masks them on the
+    device); the rows below it as without it. Also through the custom op (``torch.compile``'s path)."""
+    c = make_contiguous_inputs(num_groups=3, expected_m=100, n=24, k=176, seed=4)
+    expected = ref.fp8_grouped_gemm_contiguous(c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, c.m_indices)
+    cut = c.group_starts[2]
+    m_total = torch.tensor([cut], dtype=torch.int32)
+    out = moe_fp8.fp8_grouped_gemm_contiguous(c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, c.m_indices, m_total=m_total)
+    valid = c.m_indices >= 0
+    valid[cut:] = False
+    assert torch.equal(out[valid], expected[valid])
+    cut_indices = torch.where(torch.arange(c.m_indices.shape[0]) < cut, c.m_indices, -1)
+    no_hint = ref.fp8_grouped_gemm_contiguous(c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, cut_indices)
+    assert torch.equal(out, no_hint)  # rows past the cut: exactly the reference's padding rows
+    buf = _poisoned(*expected.shape)
+    torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, c.m_indices, buf, m_total)
+    assert torch.equal(buf, out)
+
+
 def test_grouped_masked_equals_reference_and_leaves_masked_rows():
     mi = make_masked_inputs(num_groups=4, max_m=12, expected_m=6, n=24, k=176, seed=5, num_empty=1)
     expected = ref.fp8_grouped_gemm_masked(mi.x_fp8, mi.x_scale, mi.w_fp8, mi.w_scale, mi.masked_m,

@@ -86,6 +86,12 @@ def check_contiguous_bound(got, want, align_m: int) -> None:
     assert_same_bits(out_scale[:m_total][rows], r_scale[rows], "dispatched scales")
 
 
+def check_m_total(m_total: torch.Tensor, want, device: torch.device) -> None:
+    """``return_m_total``: the reference layout's row count, as int32 [1] on the data's device."""
+    assert m_total.dtype == torch.int32 and m_total.shape == (1,) and m_total.device == device
+    assert int(m_total) == want[2].shape[0]
+
+
 @pytest.mark.parametrize(("fused", "sparse"), [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m", "skew"), DISPATCH_CASES)
 def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fused, sparse):
@@ -100,10 +106,11 @@ def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fus
         want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m)
         got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, config=cfg)
         check_contiguous(got, want)
-        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, sync=False,
-                                           config=cfg)
+        *got, m_total = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, sync=False,
+                                                     return_m_total=True, config=cfg)
         assert got[0].shape[0] == dispatch.contiguous_rows_bound(t, k, e, align_m)
         check_contiguous_bound(got, want, align_m)
+        check_m_total(m_total, want, d.x_fp8.device)
 
 
 @pytest.mark.parametrize("block_t", [1, 4])
@@ -240,11 +247,12 @@ def test_public_quant_dispatch_contiguous_through_the_triton_kernel(monkeypatch,
     h, e_global, e_local, k = 272, 16, 6, 4
     d = make_dispatch_inputs(t, h, e_global, k, seed=13, device=DEVICE, skew=2.0)
     emap = make_expert_map(e_global, e_local, seed=4)
-    for ue8m0, sync, return_x in ((False, True, True), (True, False, True), (False, True, False)):
+    for ue8m0, sync, return_x in ((False, True, True), (True, False, True), (False, True, False), (False, False, False)):
         r_fp8, r_scale = ref.per_token_group_quant(d.x, ue8m0=ue8m0)
         want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e_local, emap, 128)
-        x_fp8, x_scale, *got = moe_fp8.ops.quant_dispatch_contiguous(d.x, d.topk_ids, e_local, emap, ue8m0=ue8m0,
-                                                                      sync=sync, return_x=return_x)
+        x_fp8, x_scale, *got, m_total = moe_fp8.ops.quant_dispatch_contiguous(
+            d.x, d.topk_ids, e_local, emap, ue8m0=ue8m0, sync=sync, return_x=return_x, return_m_total=True)
+        check_m_total(m_total, want, d.x.device)
         if return_x:
             assert_same_bits(x_fp8, r_fp8, "x_fp8")
             assert_same_bits(x_scale, r_scale, "x_scale")
@@ -254,7 +262,7 @@ def test_public_quant_dispatch_contiguous_through_the_triton_kernel(monkeypatch,
             check_contiguous(tuple(got), want)
         else:
             check_contiguous_bound(tuple(got), want, 128)
-    assert calls == (["quant_dispatch_contiguous"] * 3 if t else [])  # no tokens: the two ops' own paths
+    assert calls == (["quant_dispatch_contiguous"] * 4 if t else [])  # no tokens: the two ops' own paths
 
 
 @pytest.mark.parametrize("t", [11, 0])
@@ -480,3 +488,8 @@ def test_public_dispatch_contiguous_without_sync():
     got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 8, sync=False)
     assert got[0].shape[0] == dispatch.contiguous_rows_bound(20, 3, 8, 128)
     check_contiguous_bound(got, want, 128)
+    for sync in (False, True):
+        *got, m_total = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 8, sync=sync,
+                                                           return_m_total=True)
+        check_m_total(m_total, want, d.x_fp8.device)
+        (check_contiguous if sync else lambda g, w: check_contiguous_bound(g, w, 128))(tuple(got), want)

@@ -241,6 +241,24 @@ def test_silu_mul_quant_masked_rows_untouched():
     assert (q.view(torch.uint8)[~valid] == 0x5A).all()
 
 
+def test_silu_mul_quant_2d_row_count():
+    """A 2-D ``h`` with ``masked_m [1]`` (a sync-free contiguous layout's device row count): rows below it
+    as the reference, rows from it on untouched; 0 and every row too."""
+    m, two_i = 37, 512
+    h = silu_inputs((m, two_i), seed=8)
+    for rows in (0, 1, 20, m):
+        count = torch.tensor([rows], dtype=torch.int32, device=DEVICE)
+        out = torch.full((m, two_i // 2), 0x5A, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+        out_scale = empty_scale_tma(m, 2, device=DEVICE)
+        out_scale.fill_(-7.0)
+        q, s = quant.silu_mul_per_token_group_quant(h, 128, False, count, 1e-10, out=out, out_scale=out_scale)
+        want = ref.silu_mul_per_token_group_quant(h, 128, False, count)
+        assert want[1].stride() == s.stride()
+        valid = torch.arange(m, device=DEVICE) < rows
+        check_silu_close((q, s), want, rows_mask=valid)
+        assert (q.view(torch.uint8)[rows:] == 0x5A).all() and (s[rows:] == -7.0).all(), rows
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: model sizes and the backend wiring
 # ----------------------------------------------------------------------------------------------

@@ -77,6 +77,56 @@ def test_contiguous_tail_split(block_m: int, block_n: int) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)  # unwritten rows: NaN in both
 
 
+def _check_m_total(inp, out: torch.Tensor, m_total: int) -> None:
+    """Rows below ``m_total`` as ``_check_contiguous``; every row from it on unwritten (NaN), although
+    ``m_indices`` names real groups there (the kernel must never visit them)."""
+    expect = ref.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices)
+    valid = inp.m_indices >= 0
+    valid[m_total:] = False
+    _assert_close(out[valid], expect[valid])
+    assert out[m_total:].isnan().all(), "rows past m_total were written"
+
+
+@pytest.mark.parametrize("block_m,block_n,tail_split", [(128, 256, True), (128, 256, False), (64, 192, True),
+                                                        (128, 112, False), (64, 16, False)])
+def test_contiguous_m_total(block_m: int, block_n: int, tail_split: bool) -> None:
+    """``m_total`` (device int32 [1]; a sync-free dispatch's row count) ends the layout early: 0, a cut
+    inside the groups, and every row. The tail split then works on the tiles below it."""
+    inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n, device="cuda", num_empty=1)
+    rows = inp.x_fp8.shape[0]
+    sms = tail_split_sms(-(-rows // 2 // block_m) * -(-2112 // block_n)) if tail_split else get_num_sms()
+    cfg = make_config(block_m, block_n, sms, k=1024, tail_split=tail_split)
+    for m_total in (0, inp.group_starts[3], rows // 2 // 128 * 128, rows):
+        out = torch.full((rows, 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
+                                           m_total=torch.tensor([m_total], dtype=torch.int32, device="cuda"),
+                                           config=cfg)
+        torch.cuda.synchronize()
+        _check_m_total(inp, out, m_total)
+
+
+def test_contiguous_m_total_graph_replays() -> None:
+    """Captured once with the public op, replayed with new ``m_total`` contents: each replay stops there."""
+    import moe_fp8
+
+    inp = make_contiguous_inputs(4, 300, 4096, 7168, seed=11, device="cuda")
+    rows = inp.x_fp8.shape[0]
+    m_total = torch.tensor([rows], dtype=torch.int32, device="cuda")
+    out = torch.full((rows, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    call = lambda: moe_fp8.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,  # noqa: E731
+                                                       inp.m_indices, out, m_total=m_total)
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for value in (inp.group_starts[2], 0, rows, inp.group_starts[1] + 128):
+        m_total.fill_(value)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_m_total(inp, out, value)
+
+
 # the operands a captured masked GEMM reads, replaced in place between replays
 _OPERANDS = ("x_fp8", "x_scale", "w_fp8", "w_scale", "masked_m")
 

@@ -189,6 +189,8 @@ def test_fused_moe_contiguous_equals_masked_equals_loop(routing, shared):
     assert contiguous.shape == (t, hidden) and contiguous.dtype == torch.bfloat16
     assert contiguous.isfinite().all()
     assert torch.equal(contiguous, masked)
+    moe.contiguous_sync = True  # the exact layout (one host sync) instead of the upper bound
+    assert torch.equal(moe(x, logits, path="contiguous"), contiguous)
     assert calc_diff(contiguous, moe_loop_reference(x, logits, wts, top_k, ROUTINGS[routing])) < LAYER_DIFF
 
 
@@ -206,8 +208,8 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
     x, logits = randn((5, 128), seed=21), randn((5, 8), seed=22)
     monkeypatch.setattr(backends, "select", spy)
     moe(x, logits, path="contiguous")
-    # Quantization fused into the dispatch op (the GPU quantizes while the host waits for M_total); the
-    # shared experts go after the dispatch, so its host sync does not wait for them.
+    # Quantization fused into the dispatch op; the shared experts go after the dispatch, so its host sync
+    # (contiguous_sync=True) would not wait for them.
     # GEMM1 and SiLU·mul + quant run as two ops (moe.FUSE_GEMM1_ACT is off: the fused kernel measured
     # slower on the H100).
     assert selected == ["select_experts", "quant_dispatch_contiguous", "fp8_gemm",
@@ -239,9 +241,12 @@ def test_fused_moe_auto_path_crossover(monkeypatch):
     assert Fp8FusedMoE(8, 128, 128, 2).masked_max_tokens == moe_module.MASKED_MAX_ROWS // 8
     assert moe_module.default_masked_max_tokens(32) == 512  # the measured DeepSeek-V3 EP-rank case
     assert moe_module.default_masked_max_tokens(256) == 64
-    # During CUDA graph capture (simulated): always masked, and an explicit contiguous path is refused.
+    # During CUDA graph capture (simulated): auto is masked; an explicit contiguous path is taken without a
+    # host sync (the default) and refused with one.
     monkeypatch.setattr(moe_module, "_stream_capturing", lambda t: True)
     assert moe.choose_path(10_000, torch.empty(0)) == "masked"
+    assert moe.choose_path(10_000, torch.empty(0), "contiguous") == "contiguous"
+    moe.contiguous_sync = True
     with pytest.raises(ValueError, match="CUDA graph capture"):
         moe.choose_path(10_000, torch.empty(0), "contiguous")
 
@@ -285,6 +290,8 @@ def test_expert_parallel_ranks_sum_to_full_output(routing):
             moe.shared_experts.down_proj.load_fp8_(d, ds)
         outs = {p: moe(x, logits, path=p) for p in ("contiguous", "masked")}
         assert torch.equal(outs["contiguous"], outs["masked"])
+        moe.contiguous_sync = True
+        assert torch.equal(moe(x, logits, path="contiguous"), outs["masked"])
         assert calc_diff(outs["contiguous"], expected) > 0.05  # one rank is only part of the answer
         partial_sum += outs["contiguous"].float()
     assert calc_diff(partial_sum, expected) < 1e-5
@@ -385,6 +392,8 @@ def test_fused_moe_refuses_bad_configs_and_inputs():
         Fp8FusedMoE(4, 128, 128, 2, expert_map=[0, 1])
     with pytest.raises(ValueError, match="no experts"):
         Fp8FusedMoE(4, 128, 128, 2, expert_map=[-1, -1, -1, -1])
+    with pytest.raises(ValueError, match="contiguous_sync must be a bool"):
+        Fp8FusedMoE(8, 128, 128, 2, contiguous_sync=1)
     moe = Fp8FusedMoE(8, 128, 128, 2)
     x = randn((4, 128), seed=1)
     with pytest.raises(ValueError, match=r"hidden must be \[T, 128\]"):
@@ -425,6 +434,11 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
         # the GPU routing weights differ from the CPU ones by a few ulps (sum order), which can move an
         # FP8 rounding of the SiLU·mul output: measured 1.7e-5; a wrong expert or scale gives > 1e-2
         assert calc_diff(out.cpu(), cpu(x, logits, path=path)) < 1e-4
+    # the sync-free contiguous layout (upper bound, device M_total) computes each row as the exact one
+    gpu.contiguous_sync = True
+    exact = gpu(x.cuda(), logits.cuda(), path="contiguous")
+    gpu.contiguous_sync = False
+    assert torch.equal(exact, gpu(x.cuda(), logits.cuda(), path="contiguous"))
 
     static_x, static_logits = x.cuda(), logits.cuda()
     gpu(static_x, static_logits)  # warm-up: backend selection, JIT compile of every variant
@@ -440,6 +454,18 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, gpu(static_x, static_logits, path="masked"))
+    # the contiguous path captures too (no host sync): each replay's layout follows its own routing
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gpu(static_x, static_logits, path="contiguous")
+    for seed, hot in ((105, 0.0), (106, 9.0)):
+        static_x.copy_(randn((t, 256), seed=seed, device="cuda"))
+        new_logits = randn((t, 16), seed=seed + 1, device="cuda", dtype=torch.float32)
+        new_logits[:, 5] += hot
+        static_logits.copy_(new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, gpu(static_x, static_logits, path="contiguous"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -192,6 +192,9 @@ def test_opcheck_gemms():
     c = make_contiguous_inputs(2, 20, 16, 48, seed=11)
     _opcheck(torch.ops.moe_fp8.fp8_grouped_gemm_contiguous.default,
              (c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, c.m_indices, torch.zeros(c.x_fp8.shape[0], 16, dtype=BF16)))
+    _opcheck(torch.ops.moe_fp8.fp8_grouped_gemm_contiguous.default,
+             (c.x_fp8, c.x_scale, c.w_fp8, c.w_scale, c.m_indices, torch.zeros(c.x_fp8.shape[0], 16, dtype=BF16),
+              torch.tensor([c.group_starts[1]], dtype=torch.int32)))
     mi = make_masked_inputs(2, 4, 2, 16, 48, seed=12)
     _opcheck(torch.ops.moe_fp8.fp8_grouped_gemm_masked.default,
              (mi.x_fp8, mi.x_scale, mi.w_fp8, mi.w_scale, mi.masked_m, mi.expected_m,

@@ -164,6 +164,13 @@ CONTIGUOUS_CASES = [
      r"m_indices must be on the same device as x_fp8"),
     ("out shape", lambda a: a.update(out=torch.empty(128, 8, dtype=BF16)), ValueError,
      r"out must have shape \(128, 24\) = \[M_total, N\]"),
+    ("m_total int64", lambda a: a.update(m_total=torch.zeros(1, dtype=torch.int64)), TypeError,
+     r"m_total must be torch\.int32, got torch\.int64"),
+    ("m_total shape", lambda a: a.update(m_total=torch.zeros(2, dtype=torch.int32)), ValueError,
+     r"m_total must have shape \(1,\) = \[1\], got \(2,\)"),
+    ("m_total device", lambda a: a.update(m_total=torch.zeros(1, dtype=torch.int32, device=META)), ValueError,
+     r"m_total must be on the same device as the data"),
+    ("m_total not a tensor", lambda a: a.update(m_total=128), TypeError, r"m_total must be a torch\.Tensor, got int"),
 ]
 
 
@@ -281,7 +288,7 @@ def test_per_block_rejects(name, kwargs, exc, pattern):
     ("I not multiple of 16", dict(h=torch.ones(4, 48)), ValueError,
      r"h last dim \(2\*I\) must be a positive multiple of 32 \(I % 16 == 0\), got 48"),
     ("masked_m with 2-D h", dict(masked_m=torch.ones(4, dtype=torch.int32)), ValueError,
-     r"masked_m needs the masked form h \[G, max_m, 2\*I\], got h of shape \(4, 64\)"),
+     r"masked_m must have shape \(1,\) = \[1\] for a 2-D h, got \(4,\)"),
     ("masked_m dtype", dict(h=torch.ones(2, 3, 64), masked_m=torch.ones(2)), TypeError,
      r"masked_m must be torch\.int32, got torch\.float32"),
     ("masked_m shape", dict(h=torch.ones(2, 3, 64), masked_m=torch.ones(3, dtype=torch.int32)), ValueError,

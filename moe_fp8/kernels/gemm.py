@@ -178,12 +178,13 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
                     w_scale: torch.Tensor, out: torch.Tensor, grouped_layout: torch.Tensor | None,
                     rows_per_group: int, num_groups: int, expected_m: int | None = None,
                     config: GemmConfig | None = None, act_quant: int = 0,
-                    out_scale: torch.Tensor | None = None) -> GemmConfig:
+                    out_scale: torch.Tensor | None = None, m_rows: torch.Tensor | None = None) -> GemmConfig:
     """Shared launch path of the three layouts.
 
     ``x_fp8`` is viewed as [rows, K] (rows = M, M_total or G·max_m), ``w`` as [G·N, K], ``x_scale`` as
     [G·Kb, rows_per_group], ``out`` as [rows, N]; with ``act_quant`` (the fused SiLU·mul + quant
-    epilogue) ``out`` is FP8 [rows, N/2] and ``out_scale`` its scales in the TMA layout. ``config``
+    epilogue) ``out`` is FP8 [rows, N/2] and ``out_scale`` its scales in the TMA layout. ``m_rows``
+    (contiguous only): int32 [1] on the device, the rows from it on are padding. ``config``
     overrides the heuristic (tests and benchmark sweeps). Returns the config used.
     """
     key = (layout, x_fp8.data_ptr(), x_fp8.shape, x_scale.data_ptr(), x_scale.stride(), w.data_ptr(), w.shape,
@@ -198,7 +199,8 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
     workspace = _k_split_workspace(x_fp8.device.index, cfg.num_sms) if k_split else None
     if workspace is not None:
         grid = (cfg.num_sms, 1, 1)
-    kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, rows_per_group, num_groups,
+    kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,
+                                num_groups,
                                 out_scale, get_tma_aligned_m(rows_per_group), workspace],
                   smem_bytes=smem, cluster=cluster)
     return cfg
@@ -215,12 +217,14 @@ def fp8_gemm_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 
 def fp8_grouped_gemm_contiguous_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                                        w_scale: torch.Tensor, m_indices: torch.Tensor, out: torch.Tensor,
-                                       config: GemmConfig | None = None) -> None:
-    """Contiguous M-grouped GEMM: row r of out = x[r] @ w[m_indices[r]]ᵀ; all-padding tiles skipped."""
-    m_total = x_fp8.shape[0]
-    if m_total == 0:
+                                       m_total: torch.Tensor | None = None, config: GemmConfig | None = None) -> None:
+    """Contiguous M-grouped GEMM: row r of out = x[r] @ w[m_indices[r]]ᵀ; all-padding tiles skipped, and
+    with ``m_total`` (int32 [1] on the device) every row from ``m_total[0]`` on, unread and unwritten."""
+    rows = x_fp8.shape[0]
+    if rows == 0:
         return
-    launch_fp8_gemm("contiguous", x_fp8, x_scale, w, w_scale, out, m_indices, m_total, w.shape[0], config=config)
+    launch_fp8_gemm("contiguous", x_fp8, x_scale, w, w_scale, out, m_indices, rows, w.shape[0], config=config,
+                    m_rows=m_total)
 
 
 def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,

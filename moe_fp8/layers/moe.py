@@ -4,16 +4,19 @@ Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
 
     topk_weights, topk_ids = layers.select_experts(router_logits, ...)
     contiguous (prefill)                       | masked (decode, CUDA-graph safe)
-      x_fp8, x_scale, [M_total, H], m_indices, |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
-        row_map = quant_dispatch_contiguous(h) |     quant_dispatch_masked(hidden)  # one launch at decode
-      fp8_grouped_gemm_contiguous (w13)        |   fp8_grouped_gemm_masked (w13)
-      silu_mul_per_token_group                 |   silu_mul_per_token_group(masked_m=...)
-      fp8_grouped_gemm_contiguous (w2)         |   fp8_grouped_gemm_masked (w2)
+      x_fp8, x_scale, [M_bound, H], m_indices, |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
+        row_map, m_total =                     |     quant_dispatch_masked(hidden)  # one launch at decode
+        quant_dispatch_contiguous(h, sync=False)
+      fp8_grouped_gemm_contiguous (w13, m_total) |   fp8_grouped_gemm_masked (w13)
+      silu_mul_per_token_group(masked_m=m_total) |   silu_mul_per_token_group(masked_m=...)
+      fp8_grouped_gemm_contiguous (w2, m_total)  |   fp8_grouped_gemm_masked (w2)
     combine(y, row_map, topk_weights, shared_output)             # + shared experts (Fp8MLP on x_fp8)
 
-One quantization of ``hidden`` per forward, shared by the routed and the shared experts. On Hopper
-(``2I`` a multiple of 256) the first GEMM and SiLU·mul + quant are one kernel,
-``fp8_grouped_gemm_silu_mul_quant``: its epilogue quantizes the FP32 product, so ``h`` is never written.
+One quantization of ``hidden`` per forward, shared by the routed and the shared experts. Neither path
+syncs with the host: the contiguous layout is sized by its upper bound and its real row count
+``m_total`` stays on the device (``contiguous_sync=True`` sizes it exactly, with one sync).
+``fp8_grouped_gemm_silu_mul_quant`` (GEMM1 with SiLU·mul + quant in its epilogue) exists but measured
+slower than the two kernels, so the layer leaves it off (``FUSE_GEMM1_ACT``).
 
 Every step is a public ``moe_fp8`` op, so the layer runs on the Hopper kernels where they exist and on
 the PyTorch reference elsewhere (CPU included).
@@ -240,20 +243,22 @@ def _parse_expert_map(expert_map: Tensor | Sequence[int] | None, num_experts: in
 
 
 def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor | None = None,
-                         path: str = "auto") -> str:
+                         path: str = "auto", *, contiguous_sync: bool = False) -> str:
     """The dispatch layout for a batch of ``num_tokens`` tokens: ``"contiguous"`` or ``"masked"``.
 
-    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream) or under
-    ``torch.compile`` (the contiguous layout's size is data-dependent and needs a host sync), else masked
-    for ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"contiguous"`` during
-    capture raises; an explicit ``"masked"`` / ``"contiguous"`` is returned as given.
+    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream; its buffers have a
+    fixed size) or under ``torch.compile`` (the contiguous dispatch is hidden from dynamo), else masked for
+    ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"masked"`` / ``"contiguous"`` is
+    returned as given; an explicit ``"contiguous"`` during capture raises with ``contiguous_sync`` (a host
+    sync cannot be captured).
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     capturing = hidden is not None and _stream_capturing(hidden)
-    if path == "contiguous" and capturing:
-        raise ValueError("path='contiguous' cannot run inside CUDA graph capture (it syncs with the host "
-                         "to size its layout); use path='masked' or 'auto'")
+    if path == "contiguous" and capturing and contiguous_sync:
+        raise ValueError("path='contiguous' with contiguous_sync=True cannot run inside CUDA graph capture (it "
+                         "syncs with the host to size its layout); use path='masked' or 'auto', or "
+                         "contiguous_sync=False")
     if path != "auto":
         return path
     if capturing or torch.compiler.is_compiling() or num_tokens <= masked_max_tokens:
@@ -285,26 +290,27 @@ def _fused_gemm1(w13: Tensor) -> bool:
 
 def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,
                                w2: Tensor, w2_scale: Tensor, *, ue8m0: bool = False,
-                               mark: Callable[[str], None] | None = None) -> Tensor:
+                               mark: Callable[[str], None] | None = None, m_total: Tensor | None = None) -> Tensor:
     """The expert MLPs on a dispatched contiguous batch: GEMM (w13) → SiLU·mul + quant → GEMM (w2).
 
     ``a_fp8 [M_total, H]`` / ``a_scale`` and ``m_indices`` as ``dispatch_contiguous`` returns them; weights
-    as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). Returns ``y [M_total, H]`` bf16. ``mark(stage)``
-    is called after each stage (``StageTimer``).
+    as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). ``m_total``: the device row count of a sync-free
+    dispatch's upper-bound layout (every op then stops there). Returns ``y [M_total, H]`` bf16 (rows past
+    ``m_total`` unspecified). ``mark(stage)`` is called after each stage (``StageTimer``).
     """
-    if _fused_gemm1(w13):
+    if _fused_gemm1(w13):  # (walks every row of a sync-free layout: it takes no m_total)
         y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, m_indices=m_indices,
                                                          ue8m0=ue8m0)
         if mark is not None:
             mark("gemm1")
     else:
-        h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices)
+        h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices, m_total=m_total)
         if mark is not None:
             mark("gemm1")
-        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0)
+        y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0, masked_m=m_total)
     if mark is not None:
         mark("act_quant")
-    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices)
+    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices, m_total=m_total)
     if mark is not None:
         mark("gemm2")
     return y
@@ -346,16 +352,21 @@ def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, exp
 
 def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
                        w2: Tensor, w2_scale: Tensor, num_local_experts: int,
-                       expert_map: Tensor | None = None, *, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
+                       expert_map: Tensor | None = None, *, ue8m0: bool = False,
+                       sync: bool = False) -> tuple[Tensor, Tensor]:
     """Routed experts on the contiguous layout (prefill): ``dispatch_contiguous`` then
     ``grouped_experts_contiguous``.
 
     ``x_fp8 [T, H]`` / ``x_scale`` (``per_token_group``), ``topk_ids [T, top_k]`` (global ids when
-    ``expert_map`` is given). Returns ``(y [M_total, H] bf16, row_map [T, top_k])`` for ``combine``. Syncs
-    with the host (see ``dispatch_contiguous``).
+    ``expert_map`` is given). Returns ``(y [M, H] bf16, row_map [T, top_k])`` for ``combine``. No host
+    sync: ``M`` is the upper bound and the real row count stays on the device; ``sync=True`` sizes the
+    layout exactly (``M = M_total``) with one sync (see ``Fp8FusedMoE``'s ``contiguous_sync``).
     """
-    a, a_scale, m_indices, row_map = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts, expert_map)
-    return grouped_experts_contiguous(a, a_scale, m_indices, w13, w13_scale, w2, w2_scale, ue8m0=ue8m0), row_map
+    a, a_scale, m_indices, row_map, m_total = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts,
+                                                                  expert_map, sync=sync, return_m_total=True)
+    y = grouped_experts_contiguous(a, a_scale, m_indices, w13, w13_scale, w2, w2_scale, ue8m0=ue8m0,
+                                   m_total=None if sync else m_total)
+    return y, row_map
 
 
 def experts_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
@@ -396,6 +407,13 @@ class Fp8FusedMoE(nn.Module):
             batch a CUDA graph is captured for, so every graph shares it.
         ue8m0: quantize activations with power-of-two (UE8M0) scales, as DeepSeek-V3.1 checkpoints
             (``quantization_config.scale_fmt = "ue8m0"``) expect; their weight scales are powers of two too.
+        contiguous_sync: size the contiguous (prefill) path's layout exactly, with one host sync per
+            forward. Default False: no host sync — the layout gets the upper bound ``T·top_k +
+            E_local·127`` rows and the GEMMs and SiLU·mul + quant read the real row count on the device
+            (``dispatch_contiguous(sync=False)``), so the host enqueues the whole forward without waiting.
+            Costs no time, but memory: under expert parallelism (about ``T`` of the ``T·top_k`` copies are
+            local) the activations take several times the exact layout's (~1.3 GB at 8192 tokens for
+            a DeepSeek-V3 EP-8 rank, against ~0.2 GB).
         device: where to allocate the parameters (``"meta"`` allocates nothing).
 
     ``stage_hook``: None, or a callable (``StageTimer``) called with ``"start"`` and each name of ``STAGES``
@@ -415,7 +433,7 @@ class Fp8FusedMoE(nn.Module):
                  use_correction_bias: bool = False, num_shared_experts: int = 0,
                  shared_intermediate_size: int | None = None,
                  expert_map: Tensor | Sequence[int] | None = None,
-                 masked_max_tokens: int | None = None, ue8m0: bool = False,
+                 masked_max_tokens: int | None = None, ue8m0: bool = False, contiguous_sync: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_experts", num_experts, 1), ("hidden_size", hidden_size, 1),
@@ -452,6 +470,9 @@ class Fp8FusedMoE(nn.Module):
         if not isinstance(ue8m0, bool):
             raise ValueError(f"Fp8FusedMoE: ue8m0 must be a bool, got {ue8m0!r}")
         self.ue8m0 = ue8m0
+        if not isinstance(contiguous_sync, bool):
+            raise ValueError(f"Fp8FusedMoE: contiguous_sync must be a bool, got {contiguous_sync!r}")
+        self.contiguous_sync = contiguous_sync
         self.stage_hook: Callable[[str], None] | None = None
         # (device, GEMM output dtype, max_m) -> MaskedWorkspace; see the module doc and _workspace.
         self._workspaces: dict[tuple[torch.device, torch.dtype, int], MaskedWorkspace] = {}
@@ -500,7 +521,8 @@ class Fp8FusedMoE(nn.Module):
     def choose_path(self, num_tokens: int, hidden: Tensor | None = None, path: str = "auto") -> str:
         """The dispatch layout a forward of ``num_tokens`` tokens uses: ``"contiguous"`` or ``"masked"``
         (``choose_dispatch_path`` with this layer's ``masked_max_tokens``)."""
-        return choose_dispatch_path(num_tokens, self.masked_max_tokens, hidden, path)
+        return choose_dispatch_path(num_tokens, self.masked_max_tokens, hidden, path,
+                                    contiguous_sync=self.contiguous_sync)
 
     def forward(self, hidden: Tensor, router_logits: Tensor, *, path: str = "auto") -> Tensor:
         """``hidden [T, H]`` (bf16/fp16/fp32, contiguous) and ``router_logits [T, E]`` → ``[T, H]`` in hidden's dtype.
@@ -547,8 +569,8 @@ class Fp8FusedMoE(nn.Module):
             routed_scaling_factor=self.routed_scaling_factor)
 
     def _run_shared(self, x_fp8: Tensor | None, x_scale: Tensor | None, mark: Callable[[str], None] | None) -> Tensor | None:
-        # NOTE: enqueued after the dispatch, not before it: the contiguous dispatch waits for the host
-        # (M_total), and this way that sync does not wait for the shared experts' GEMMs, which then run
+        # NOTE: enqueued after the dispatch, not before it: with contiguous_sync the dispatch waits for the
+        # host (M_total), and this way that sync does not wait for the shared experts' GEMMs, which then run
         # while the host prepares the routed GEMMs' launches instead of leaving the GPU idle.
         if self.shared_experts is None:
             return None
@@ -559,16 +581,18 @@ class Fp8FusedMoE(nn.Module):
 
     def _experts_contiguous(self, hidden: Tensor, topk_ids: Tensor,
                             mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-        # quantization + dispatch in one op: the GPU quantizes and copies rows while the host waits for M_total;
-        # the quantized input itself only for the shared experts
-        x_fp8, x_scale, a, a_scale, m_indices, row_map = quant_dispatch_contiguous(
+        # quantization + dispatch in one op; the quantized input itself only for the shared experts.
+        # Sync-free: the layout has the upper-bound rows and the device M_total bounds every op after it.
+        sync = self.contiguous_sync
+        x_fp8, x_scale, a, a_scale, m_indices, row_map, m_total = quant_dispatch_contiguous(
             hidden, topk_ids, self.num_local_experts, self.expert_map, ue8m0=self.ue8m0,
-            return_x=self.shared_experts is not None)
+            return_x=self.shared_experts is not None, sync=sync, return_m_total=True)
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)
         y = grouped_experts_contiguous(a, a_scale, m_indices, self.w13_weight, self.w13_weight_scale_inv,
-                                       self.w2_weight, self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark)
+                                       self.w2_weight, self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark,
+                                       m_total=None if sync else m_total)
         return y, row_map, shared
 
     def _workspace(self, device: torch.device, num_tokens: int) -> MaskedWorkspace | None:

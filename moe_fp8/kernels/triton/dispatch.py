@@ -992,10 +992,16 @@ def _dispatch_contiguous(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids
     return _contiguous_views(bufs, m_total, ceil_div(x.shape[1], 128))
 
 
+def _m_total(plan: tuple[_Routing, tuple]) -> torch.Tensor:
+    """``M_total`` as an int32 ``[1]`` device tensor: a view of the routing's status (int64, little-endian;
+    ``M_total < 2**31``), so returning it costs no launch."""
+    return plan[0].status.view(torch.int32)[:1]
+
+
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                         expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
-                        config: DispatchConfig | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        return_m_total: bool = False, config: DispatchConfig | None = None
+                        ) -> tuple[torch.Tensor, ...]:
     """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``).
 
     ``sync=True``: one host sync (``M_total``); raises ``ValueError`` exactly where the reference does
@@ -1004,19 +1010,22 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     before the sync; the buffers live as long as the views).
     ``sync=False``: no sync; outputs have ``contiguous_rows_bound(...)`` rows, the rows past
     ``M_total`` are padding (``m_indices = -1``), invalid ids are not local. Padding rows' FP8 bytes
-    and scales are not written. ``config``: a ``DispatchConfig`` (tuning).
+    and scales are not written. ``return_m_total``: also return ``M_total`` as an int32 ``[1]`` device
+    tensor (for the GEMMs' ``m_total``). ``config``: a ``DispatchConfig`` (tuning).
     """
     check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
     cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts,
                                     has_map=expert_map is not None)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
-    return _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
+    routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
+    return (*routed, _m_total(plan)) if return_m_total else routed
 
 
 def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                               expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
                               eps: float = 1e-10, *, sync: bool = True, return_x: bool = True,
-                              config: DispatchConfig | None = None) -> tuple[torch.Tensor | None, ...]:
+                              return_m_total: bool = False, config: DispatchConfig | None = None
+                              ) -> tuple[torch.Tensor | None, ...]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous``, ordered so the host
     sync costs no GPU idle time: the routing kernels run first and ``M_total`` goes to pinned host
     memory before the copying is enqueued, so the host waits only for the routing and returns while the
@@ -1032,8 +1041,9 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     (``config.sparse`` False) also takes the two kernels.
 
     Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
-    bit-identical to the two calls; ``return_x=False``: ``(None, None, ...)``. ``x``: contiguous
-    ``[T, K]`` bf16 / fp16 / fp32; the rest as ``dispatch_contiguous``.
+    bit-identical to the two calls; ``return_x=False``: ``(None, None, ...)``; ``return_m_total``: and
+    ``M_total`` (int32 ``[1]``, device). ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
+    ``dispatch_contiguous``.
     """
     from moe_fp8.kernels.triton.quant import per_token_group_quant
 
@@ -1048,12 +1058,14 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     if has_map and not (fuse and cfg.sparse):
         x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
         routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
-        return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
-    x_fp8 = torch.empty((num_tokens, k), dtype=FP8_DTYPE, device=device) if return_x else None
-    x_scale = empty_scale_tma(num_tokens, ceil_div(k, 128), device=device) if return_x else None
-    quant = _Quant(ue8m0, eps, x_fp8, x_scale)
-    return x_fp8, x_scale, *_dispatch_contiguous(x, None, topk_ids, num_experts, expert_map, align_m, sync, cfg,
-                                                 plan, quant)
+        if not return_x:
+            x_fp8 = x_scale = None
+    else:
+        x_fp8 = torch.empty((num_tokens, k), dtype=FP8_DTYPE, device=device) if return_x else None
+        x_scale = empty_scale_tma(num_tokens, ceil_div(k, 128), device=device) if return_x else None
+        quant = _Quant(ue8m0, eps, x_fp8, x_scale)
+        routed = _dispatch_contiguous(x, None, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan, quant)
+    return (x_fp8, x_scale, *routed, *((_m_total(plan),) if return_m_total else ()))
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,

@@ -142,6 +142,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     const float* __restrict__ w_scale,        // [groups, ceil(N/128), Kb]
                     uint16_t* __restrict__ out,               // bf16 [rows, N]
                     const int32_t* __restrict__ grouped_layout,  // m_indices / masked_m / unused
+                    const int32_t* __restrict__ m_rows,        // contiguous: rows holding data (device), or null
                     uint32_t shape_m,                          // rows of A (per group when masked)
                     uint32_t num_groups,
                     float* __restrict__ out_scale,  // kActQuant only
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
     if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
 
-    Scheduler scheduler(shape_m, grouped_layout, num_groups);
+    Scheduler scheduler(shape_m, grouped_layout, num_groups, m_rows);
     const bool k_split = k_split_workspace != nullptr;
     sched::Tile tile;
 

@@ -130,7 +130,8 @@ struct NormalScheduler {
     uint32_t shape_m, num_m_blocks, num_units_m, num_units_n, num_units;
     int32_t iter = -1;
 
-    __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/)
+    __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/,
+                                               const int32_t* /*m_rows*/)
         : shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
         num_units_m = kMulticastOnA ? num_m_blocks : ceil_div(num_m_blocks, kMulticast);
         num_units_n = kMulticastOnA ? ceil_div(kNumNBlocks, kMulticast) : kNumNBlocks;
@@ -173,7 +174,11 @@ struct NormalScheduler {
 // M-grouped contiguous: rows [0, shape_m) hold each group's segment, padded to a multiple of 128
 // (>= BLOCK_M, so no tile spans two groups). m_indices[row] is the group, -1 on padding rows, which
 // come at the end of a segment: a tile whose first row is padding is all padding and is skipped
-// (no loads, no math, no stores).
+// (no loads, no math, no stores). m_rows (optional, on the device): the rows from *m_rows on are all
+// padding. A sync-free dispatch sizes its layout by an upper bound (several times M_total under expert
+// parallelism); reading the real count at the start keeps those rows out of the tile count, so no CTA
+// walks them and the tail split sees the real last wave. (The kernel is not launched as a programmatic
+// dependent, so the producer of *m_rows has finished.)
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
           bool kTailSplit_ = false>
 struct ContiguousScheduler {
@@ -188,11 +193,14 @@ struct ContiguousScheduler {
     static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
     const int32_t* m_indices;
     uint32_t shape_m, num_m_blocks;
-    using Tail = TailSplit<kTailSplit, kNumKBlocks>;  // over every tile, padding included (few, and skipped)
+    using Tail = TailSplit<kTailSplit, kNumKBlocks>;  // over every tile below m_rows (padding ones are few)
     int32_t iter = -1;
 
-    __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/)
-        : m_indices(m_indices_), shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {}
+    __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/,
+                                                   const int32_t* m_rows)
+        : m_indices(m_indices_),
+          shape_m(m_rows == nullptr ? shape_m_ : min(shape_m_, static_cast<uint32_t>(max(ptx::ldg_s32(m_rows), 0)))),
+          num_m_blocks(ceil_div(shape_m, BLOCK_M)) {}
 
     __device__ __forceinline__ bool next(Tile& t, bool k_split) {
         while (true) {
@@ -240,7 +248,8 @@ struct MaskedScheduler {
     uint32_t num_tiles = kUncounted;  // counted for up to kMaxTailSplitGroups (kTailSplit only)
     int32_t iter = -1;
 
-    __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_)
+    __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_,
+                                               const int32_t* /*m_rows*/)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
         if (kTailSplit && num_groups <= kMaxTailSplitGroups) {
             num_tiles = 0;
