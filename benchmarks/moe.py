@@ -12,10 +12,14 @@ Plus, per path (``moe_layer_path`` rows: the whole layer; the masked-vs-contiguo
 dispatch, GEMM1, SiLU·mul + quant, GEMM2, combine; on the masked path the quantization is fused into the
 dispatch, so "quant" is ~0 there and "dispatch" holds both) measured inside one forward — CUDA events recorded
 between the stages by ``Fp8FusedMoE.stage_hook`` (``StageTimer``), L2 flushed before each forward,
-medians over ``SPLIT_REPS`` forwards — so the stages add up to the forward and a host sync or launch
-gap the GPU waits on counts in the stage that causes it (timing each step alone would hide both).
+medians over ``SPLIT_REPS`` forwards — so the stages add up to the forward and a host sync the GPU waits
+on counts in the stage that causes it (timing each step alone would hide it). The GPU sleeps before each
+forward (``SPLIT_HEAD_START_CYCLES``) so that the host has enqueued it by the time the GPU gets there: a
+launch gap of this host (~600 us of Python per forward) is not the layer's GPU time.
 The notes also give each grouped GEMM's kernel alone (``bench_us``) beside its stage, and the GEMMs'
-share of the forward.
+share of the forward. Prefill sizes also run from a captured CUDA graph (the contiguous path has no host
+sync): ``moe_layer_path`` rows with path ``contiguous_graph``, the GEMM kernels' share of a profiled
+replay, and the same layer with ``contiguous_sync=True`` (one host sync, exact layout) for comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
 PREFILL_TOKENS = (512, 2048, 8192, 16384)
 DECODE_TOKENS = (1, 8, 64, 128, 256)
 SPLIT_REPS = 20  # forwards whose per-stage events give the split's medians
+SPLIT_HEAD_START_CYCLES = 3_000_000  # GPU sleep before each split forward (~1.7 ms at H100 clocks)
 
 
 def build_layer(seed: int = 0):
@@ -124,6 +129,7 @@ def _stage_split(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -
         for _ in range(SPLIT_REPS):
             if flush is not None:
                 flush.zero_()  # enqueued before the forward's first event: not timed
+                torch.cuda._sleep(SPLIT_HEAD_START_CYCLES)  # the host's head start
             layer(hidden, logits, path=path)
     finally:
         layer.stage_hook = None
@@ -171,17 +177,42 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
     return (bench_us(gemm1), bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
-def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str = "masked") -> float:
-    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches.
-    Decode: the masked path, what an engine replays every step. Prefill: the contiguous path (no host sync,
-    so it captures too)."""
+def _capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> torch.cuda.CUDAGraph:
     for _ in range(2):
         layer(hidden, logits, path=path)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layer(hidden, logits, path=path)
-    return bench_us(graph.replay)
+    return graph
+
+
+def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str = "masked") -> float:
+    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches.
+    Decode: the masked path, what an engine replays every step. Prefill: the contiguous path (no host sync,
+    so it captures too)."""
+    return bench_us(_capture(layer, hidden, logits, path).replay)
+
+
+def _graph_gemm_share(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str, reps: int = 5) -> float:
+    """The grouped GEMM kernels' share of one graph-replayed forward, both as the profiler sees them in it
+    (L2 flushed before each replay; median over ``reps``): the GEMMs in place, with no host gap anywhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = _capture(layer, hidden, logits, path)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=hidden.device)
+    shares = []
+    for _ in range(reps):
+        flush.zero_()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+        gemm = sum(e.time_range.end - e.time_range.start for e in kernels if "fp8_gemm_kernel" in e.name)
+        shares.append(gemm / span)
+    return statistics.median(shares)
 
 
 def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
@@ -234,10 +265,12 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
             synced = bench_us(lambda: layer(hidden, logits, path="contiguous"))
             layer.contiguous_sync = False
             g_us = _graph_us(layer, hidden, logits, "contiguous")
+            share = _graph_gemm_share(layer, hidden, logits, "contiguous")
             rows.append(row("moe_layer_path", {**shape, "path": "contiguous_graph"}, "moe_fp8", g_us, flops, nbytes))
             notes.append(f"tokens {t} contiguous: layer {full:.1f} us without a host sync (upper-bound layout), "
                          f"{synced:.1f} us with one (contiguous_sync=True); replayed from a CUDA graph (GPU time "
-                         f"alone) {g_us:.1f} us, GEMM kernels alone {100 * sum(kernels) / g_us:.0f}% of it")
+                         f"alone) {g_us:.1f} us: the GEMM kernels alone take {100 * sum(kernels) / g_us:.0f}% of "
+                         f"it, and {100 * share:.1f}% of its kernel span in place (profiled replay)")
         notes.append(f"tokens {t} {path}: layer {full:.1f} us; one forward by stage ({forward:.1f} us): "
                      + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
                      + f"; GEMM stages {100 * gemm / forward:.0f}% of the forward (GEMM kernels alone "
