@@ -194,13 +194,13 @@ def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str = "ma
     return bench_us(_capture(layer, hidden, logits, path).replay)
 
 
-def _graph_gemm_share(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str, reps: int = 5) -> float:
-    """The grouped GEMM kernels' share of one graph-replayed forward, both as the profiler sees them in it
-    (L2 flushed before each replay; median over ``reps``): the GEMMs in place, with no host gap anywhere."""
+def _graph_gemm_share(graph: torch.cuda.CUDAGraph, reps: int = 5) -> float:
+    """The grouped GEMM kernels' share of the kernel span of one replay of ``graph`` (a captured forward), as
+    the profiler sees them (L2 flushed before each replay; median over ``reps``): the GEMMs in place, with
+    no host gap anywhere."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = _capture(layer, hidden, logits, path)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=hidden.device)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     shares = []
     for _ in range(reps):
         flush.zero_()
@@ -262,10 +262,13 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
         gemm = stages["gemm1"] + stages["gemm2"]
         if path == "contiguous":  # the same layer with the exact layout and its host sync, same process
             layer.contiguous_sync = True
-            synced = bench_us(lambda: layer(hidden, logits, path="contiguous"))
-            layer.contiguous_sync = False
-            g_us = _graph_us(layer, hidden, logits, "contiguous")
-            share = _graph_gemm_share(layer, hidden, logits, "contiguous")
+            try:
+                synced = bench_us(lambda: layer(hidden, logits, path="contiguous"))
+            finally:
+                layer.contiguous_sync = False
+            graph = _capture(layer, hidden, logits, "contiguous")  # one capture (its pool) for both figures
+            g_us, share = bench_us(graph.replay), _graph_gemm_share(graph)
+            del graph
             rows.append(row("moe_layer_path", {**shape, "path": "contiguous_graph"}, "moe_fp8", g_us, flops, nbytes))
             notes.append(f"tokens {t} contiguous: layer {full:.1f} us without a host sync (upper-bound layout), "
                          f"{synced:.1f} us with one (contiguous_sync=True); replayed from a CUDA graph (GPU time "
