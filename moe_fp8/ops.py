@@ -23,7 +23,8 @@ Three layers per op:
                                         -> None (m_total passed only when given)
    fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
    fp8_grouped_gemm_silu_mul_quant   fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
-                                        ue8m0, out, out_scale) -> None (one of m_indices / masked_m)
+                                        ue8m0, out, out_scale, *, m_total=None) -> None (one of
+                                        m_indices / masked_m; m_total passed only when given)
    per_token_group_quant             fn(x, group_size, ue8m0, eps) -> (x_fp8, x_scale[TMA layout])
    per_block_quant                   fn(w, block, ue8m0, eps) -> (w_fp8, w_scale)
    silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps, *, out=None, out_scale=None)
@@ -161,7 +162,19 @@ def _into(res: tuple[Tensor, ...], out: Tensor | None, out_scale: Tensor | None)
 
 def _ref_silu_mul_quant(h: Tensor, group_size: int, ue8m0: bool, masked_m: Tensor | None, eps: float, *,
                         out: Tensor | None = None, out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    return _into(reference.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps=eps), out, out_scale)
+    res = reference.silu_mul_per_token_group_quant(h, group_size, ue8m0, masked_m, eps=eps)
+    if masked_m is not None:
+        # rows from masked_m on keep what the caller's destinations hold (selected on the device: no sync)
+        valid = (torch.arange(h.shape[-2], device=h.device) < masked_m[:, None]).view(*h.shape[:-2], -1, 1)
+
+        def keep_past(r: Tensor, dst: Tensor | None) -> Tensor:
+            if dst is None:
+                return r
+            bits = torch.uint8 if r.dtype == _FP8 else r.dtype  # (no torch.where on FP8)
+            return torch.where(valid, r.view(bits), dst.view(bits)).view(r.dtype)
+
+        res = (keep_past(res[0], out), keep_past(res[1], out_scale))
+    return _into(res, out, out_scale)
 
 
 def _ref_select_experts(router_logits: Tensor, top_k: int, scoring_func: str, renormalize: bool,
@@ -221,10 +234,11 @@ def _ref_quant_dispatch_contiguous(x: Tensor, topk_ids: Tensor, num_experts: int
 
 def _composed_grouped_silu_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
                                  m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
-                                 out: Tensor, out_scale: Tensor) -> None:
+                                 out: Tensor, out_scale: Tensor, *, m_total: Tensor | None = None) -> None:
     # no fused kernel: the grouped GEMM (bf16 h) then SiLU·mul + quant, each on its own backend
     if masked_m is None:
-        h = fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices)
+        h = fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total)
+        masked_m = m_total  # (None, or the 2-D row count: rows from it on stay untouched)
     else:
         h = fp8_grouped_gemm_masked(x_fp8, x_scale, w13, w13_scale, masked_m, expected_m)
     silu_mul_per_token_group_quant(h, GROUP_K, ue8m0, masked_m, out=out, out_scale=out_scale)
@@ -432,31 +446,36 @@ def fp8_grouped_gemm_masked(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: 
 
 def _grouped_silu_quant_impl(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
                              m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
-                             out: Tensor, out_scale: Tensor) -> None:
+                             out: Tensor, out_scale: Tensor, m_total: Tensor | None = None) -> None:
     if out.numel() == 0:
         return
-    backends.select("fp8_grouped_gemm_silu_mul_quant", x_fp8.device)[1](
-        x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
+    fn = backends.select("fp8_grouped_gemm_silu_mul_quant", x_fp8.device)[1]
+    if m_total is None:
+        fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
+    else:
+        fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale, m_total=m_total)
 
 
 @torch.library.custom_op("moe_fp8::fp8_grouped_gemm_silu_mul_quant", mutates_args=("out", "out_scale"))
 def _grouped_silu_quant_op(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor,
                            m_indices: Tensor | None, masked_m: Tensor | None, expected_m: int, ue8m0: bool,
-                           out: Tensor, out_scale: Tensor) -> None:
-    _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
+                           out: Tensor, out_scale: Tensor, m_total: Tensor | None = None) -> None:
+    _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale,
+                             m_total)
 
 
 @_grouped_silu_quant_op.register_fake
 def _(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, m_indices: Tensor | None,
-      masked_m: Tensor | None, expected_m: int, ue8m0: bool, out: Tensor, out_scale: Tensor) -> None:
+      masked_m: Tensor | None, expected_m: int, ue8m0: bool, out: Tensor, out_scale: Tensor,
+      m_total: Tensor | None = None) -> None:
     return None
 
 
 def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_scale: Tensor, *,
                                     m_indices: Tensor | None = None, masked_m: Tensor | None = None,
                                     expected_m: int | None = None, ue8m0: bool = False,
-                                    out: Tensor | None = None,
-                                    out_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                    out: Tensor | None = None, out_scale: Tensor | None = None,
+                                    m_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """An expert's first GEMM and its activation: ``silu_mul_per_token_group_quant`` of the grouped GEMM
     ``h = x @ w13[g]ᵀ``, fused on Hopper (the quantisation runs in the GEMM's epilogue on the FP32
     product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn.
@@ -470,12 +489,15 @@ def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor,
         ue8m0: power-of-two activation scales.
         out, out_scale: optional destinations, ``float8_e4m3fn [..., I]`` contiguous and ``float32
             [..., I/128]`` in the TMA layout.
+        m_total: contiguous layout only, as ``fp8_grouped_gemm_contiguous``'s: every row from ``m_total[0]``
+            on is padding (the row count of a sync-free dispatch, read on the device); those output rows
+            are not written.
 
     Returns ``(act_fp8 [..., I], act_scale [..., I/128])`` (``out`` / ``out_scale`` when given): what the
     second GEMM reads. Padding rows (contiguous) and rows past ``masked_m`` are unspecified.
     """
     _, i = V.check_fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
-                                                   ue8m0, out, out_scale)
+                                                   ue8m0, out, out_scale, m_total)
     shape = (*x_fp8.shape[:-1], i)
     if out is None or out_scale is None:
         alloc = _alloc_act_quant(shape, GROUP_K, x_fp8.device)
@@ -483,9 +505,10 @@ def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor,
     hint = 0 if expected_m is None else expected_m
     if _compiling():
         torch.ops.moe_fp8.fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, hint,
-                                                          ue8m0, out, out_scale)
+                                                          ue8m0, out, out_scale, m_total)
     else:
-        _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, hint, ue8m0, out, out_scale)
+        _grouped_silu_quant_impl(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, hint, ue8m0, out, out_scale,
+                                 m_total)
     return out, out_scale
 
 

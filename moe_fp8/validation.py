@@ -427,18 +427,21 @@ def check_fp8_grouped_gemm_masked(x_fp8: object, x_scale: object, w: object, w_s
 
 def check_fp8_grouped_gemm_silu_mul_quant(x_fp8: object, x_scale: object, w13: object, w13_scale: object,
                                           m_indices: object, masked_m: object, expected_m: object, ue8m0: object,
-                                          out: object, out_scale: object) -> tuple[int, int]:
+                                          out: object, out_scale: object, m_total: object = None) -> tuple[int, int]:
     """Validate ``ops.fp8_grouped_gemm_silu_mul_quant``; returns ``(G, I)``.
 
-    The contiguous (``m_indices``) or masked (``masked_m``, ``expected_m``) grouped GEMM's operands with
+    The contiguous (``m_indices``, optional ``m_total``) or masked (``masked_m``, ``expected_m``) grouped
+    GEMM's operands with
     ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256 (each output block of 128 columns pairs a
     gate block with its up block); ``out`` / ``out_scale`` as ``check_act_quant_out`` for ``[..., I]``.
     """
     if (m_indices is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indices (contiguous layout) and masked_m (masked layout)")
     if masked_m is None:
-        g, m, n, _ = check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices)
+        g, m, n, _ = check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total)
         rows: tuple[int, ...] = (m,)
+    elif m_total is not None:
+        raise ValueError("m_total ends a contiguous layout (with m_indices); the masked layout has masked_m")
     else:
         g, max_m, n, _ = check_fp8_grouped_gemm_masked(x_fp8, x_scale, w13, w13_scale, masked_m, expected_m)
         rows = (g, max_m)

@@ -66,6 +66,7 @@ DISPATCH_CASES = [  # tokens, hidden, global experts, local experts (None: no ma
     (5, 128, 4, None, 4, 2, 0.0),  # every expert overflows
     (20, 272, 16, None, 3, 20, 0.0),  # hidden not a multiple of 128: partial scale group
     (1, 128, 64, 8, 8, 4, 0.0),  # most pairs not local, most experts empty
+    (40, 128, 96, None, 2, 8, 0.0),  # > 32 experts: several one-hot slices in the count kernel
     (0, 128, 4, None, 2, 3, 0.0),  # no tokens
     (6, 128, 4, None, 2, 0, 0.0),  # max_m = 0
 ]

@@ -331,6 +331,27 @@ def test_contiguous_silu_mul_quant(num_groups: int, expected_m: int, num_empty: 
     _check_act(inp, act, scale, inp.m_indices >= 0, ue8m0)
 
 
+def test_contiguous_silu_mul_quant_m_total() -> None:
+    """The fused GEMM1 with ``m_total`` (the layer's sync-free prefill): rows below it as the reference,
+    every row from it on unwritten although ``m_indices`` names real groups there."""
+    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+
+    inp = make_contiguous_inputs(6, 150, 512, 2048, seed=17, device="cuda", num_empty=1)
+    rows = inp.x_fp8.shape[0]
+    for m_total in (0, inp.group_starts[3], rows // 2 // 128 * 128, rows):
+        act, scale = _poisoned_act((rows, 256))
+        fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, None, 0,
+                                               False, act, scale,
+                                               m_total=torch.tensor([m_total], dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
+        valid = inp.m_indices >= 0
+        valid[m_total:] = False
+        if valid.any():
+            _check_act(inp, act, scale, valid, False)
+        assert (act[m_total:].view(torch.uint8) == POISON_CODE).all(), "rows past m_total were written"
+        assert scale[m_total:].isnan().all(), "scales past m_total were written"
+
+
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("n,k", [(4096, 7168), (512, 2048)])
 @pytest.mark.parametrize("num_groups,max_m,expected_m,num_empty", [(4, 256, 100, 1), (32, 128, 8, 4), (3, 100, 33, 1)])

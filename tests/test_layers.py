@@ -210,18 +210,19 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
     moe(x, logits, path="contiguous")
     # Quantization fused into the dispatch op; the shared experts go after the dispatch, so its host sync
     # (contiguous_sync=True) would not wait for them.
-    # GEMM1 and SiLU·mul + quant run as two ops (moe.FUSE_GEMM1_ACT is off: the fused kernel measured
-    # slower on the H100).
+    # The layer asks whether fp8_grouped_gemm_silu_mul_quant runs on Hopper (moe.FUSE_GEMM1_ACT); on CPU
+    # it does not, so GEMM1 and SiLU·mul + quant run as two ops.
+    gemm1 = ["fp8_grouped_gemm_silu_mul_quant", "fp8_grouped_gemm_{}", "silu_mul_per_token_group_quant"]
     assert selected == ["select_experts", "quant_dispatch_contiguous", "fp8_gemm",
                         "silu_mul_per_token_group_quant", "fp8_gemm",
-                        "fp8_grouped_gemm_contiguous", "silu_mul_per_token_group_quant",
-                        "fp8_grouped_gemm_contiguous", "combine"]
+                        *(s.format("contiguous") for s in gemm1), "fp8_grouped_gemm_contiguous", "combine"]
     selected.clear()
     moe(x, logits, path="masked")
-    # masked: the quantization is fused into the dispatch (one op), the shared experts read its x_fp8
-    assert selected == ["select_experts", "quant_dispatch_masked", "fp8_gemm", "silu_mul_per_token_group_quant",
-                        "fp8_gemm", "fp8_grouped_gemm_masked",
-                        "silu_mul_per_token_group_quant", "fp8_grouped_gemm_masked", "combine"]
+    # masked: the quantization is fused into the dispatch (one op), the shared experts read its x_fp8; the
+    # decode workspace's layout depends on the GEMM1 form too (asked first)
+    assert selected == ["select_experts", "fp8_grouped_gemm_silu_mul_quant", "quant_dispatch_masked", "fp8_gemm",
+                        "silu_mul_per_token_group_quant", "fp8_gemm",
+                        *(s.format("masked") for s in gemm1), "fp8_grouped_gemm_masked", "combine"]
 
 
 def test_fused_moe_auto_path_crossover(monkeypatch):

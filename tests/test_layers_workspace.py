@@ -197,6 +197,33 @@ def test_workspace_views_layout_and_ping_pong():
         ws.views(11)
 
 
+def test_workspace_for_the_fused_gemm1_never_aliases_its_input_and_output():
+    """The fused GEMM1 reads a_fp8 / a_scale while it writes y_fp8 / y_scale: separate bytes; no h."""
+    e, h, i, max_m = 4, 384, 256, 10
+    ws = MaskedWorkspace(e, h, i, max_m, "cpu", fused_gemm1=True)
+    assert ws.nbytes < MaskedWorkspace(e, h, i, max_m, "cpu").nbytes
+    for m in (max_m, 7, 1):
+        b = ws.views(m)
+        assert b.h is None
+        assert b.a_fp8.shape == (e, m, h) and b.y_fp8.shape == (e, m, i) and b.y_fp8.dtype == FP8
+        assert b.y.shape == (e, m, h) and b.y.dtype == torch.bfloat16 and b.y.is_contiguous()
+        assert is_scale_tma_layout(b.a_scale) and is_scale_tma_layout(b.y_scale)
+        # a -> [GEMM1 + SiLU·mul + quant] -> y_fp8 -> [GEMM2] -> y: each step reads one region, writes another
+        assert _storage(b.a_fp8) == _storage(b.y) != _storage(b.y_fp8)
+        assert _storage(b.a_scale) != _storage(b.y_scale)
+
+
+def test_grouped_experts_masked_refuses_a_workspace_of_the_other_gemm1_form():
+    """On CPU GEMM1 is unfused: a fused-form workspace (no h, y aliasing a) must be refused, not used."""
+    e, h, i, m = 2, 128, 128, 3
+    bufs = MaskedWorkspace(e, h, i, m, "cpu", fused_gemm1=True).views(m)
+    w13 = torch.zeros(e, 2 * i, h, dtype=FP8)
+    w2 = torch.zeros(e, h, i, dtype=FP8)
+    with pytest.raises(ValueError, match="built for fused_gemm1=True"):
+        moe_module.grouped_experts_masked(bufs.a_fp8, bufs.a_scale, torch.zeros(e, dtype=torch.int32), 1, w13,
+                                          torch.ones(e, 2, 1), w2, torch.ones(e, 1, 1), bufs=bufs)
+
+
 def _spy_outs(monkeypatch) -> list[tuple[str, torch.Tensor]]:
     """Record every destination the layer passes to the masked path's ops."""
     seen: list[tuple[str, torch.Tensor]] = []
@@ -225,8 +252,9 @@ def test_masked_path_reuses_one_workspace(monkeypatch, shared):
         out = moe(x, logits)
         assert torch.equal(out, fresh(x, logits, path="masked"))
         assert torch.equal(out, moe(x, logits, path="contiguous"))
-    assert list(moe._workspaces) == [(torch.device("cpu"), torch.bfloat16, 12)]
-    ws = moe._workspaces[(torch.device("cpu"), torch.bfloat16, 12)]
+    # (on CPU GEMM1 and SiLU·mul + quant are two ops: the unfused workspace)
+    assert list(moe._workspaces) == [(torch.device("cpu"), torch.bfloat16, 12, False)]
+    ws = moe._workspaces[(torch.device("cpu"), torch.bfloat16, 12, False)]
     regions = {_storage(ws._p), _storage(ws._q), _storage(ws._s)}
     # every masked forward (4 of them, with contiguous ones between) passed all six destinations, all
     # inside the workspace: dispatch (a, a_scale), GEMM1 (h), SiLU·mul (y_fp8, y_scale), GEMM2 (y)

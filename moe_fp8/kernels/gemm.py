@@ -243,18 +243,20 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
                                            w13_scale: torch.Tensor, m_indices: torch.Tensor | None,
                                            masked_m: torch.Tensor | None, expected_m: int, ue8m0: bool,
                                            out_fp8: torch.Tensor, out_scale: torch.Tensor,
+                                           m_total: torch.Tensor | None = None,
                                            config: GemmConfig | None = None) -> None:
     """An expert's first GEMM with SiLU·mul + FP8 quantisation in its epilogue: with
     ``h = x @ w13[g]ᵀ`` in FP32 and ``w13 [G, 2I, K] = [gate; up]``, ``out_fp8 [..., I]`` /
     ``out_scale`` (TMA layout) get ``per_token_group_quant(silu(h[:, :I]) · h[:, I:])``; the bf16 ``h``
     is never written. Contiguous (``m_indices``, x ``[M_total, K]``) or masked (``masked_m`` and
-    ``expected_m``, x ``[G, max_m, K]``: rows past masked_m are not written). Inputs already validated.
+    ``expected_m``, x ``[G, max_m, K]``: rows past masked_m are not written); contiguous with ``m_total``
+    (int32 [1] on the device): rows from ``m_total[0]`` on are not visited. Inputs already validated.
     """
     act_quant = 2 if ue8m0 else 1
     if masked_m is None:
         if x_fp8.shape[0]:
             launch_fp8_gemm("contiguous", x_fp8, x_scale, w13, w13_scale, out_fp8, m_indices, x_fp8.shape[0],
-                            w13.shape[0], config=config, act_quant=act_quant, out_scale=out_scale)
+                            w13.shape[0], config=config, act_quant=act_quant, out_scale=out_scale, m_rows=m_total)
     elif x_fp8.shape[0] and x_fp8.shape[1]:
         launch_fp8_gemm("masked", x_fp8, x_scale, w13, w13_scale, out_fp8, masked_m, x_fp8.shape[1], x_fp8.shape[0],
                         expected_m=expected_m, config=config, act_quant=act_quant, out_scale=out_scale)

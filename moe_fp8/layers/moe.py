@@ -7,23 +7,24 @@ Forward of ``hidden [T, H]`` with ``router_logits [T, E]``::
       x_fp8, x_scale, [M_bound, H], m_indices, |   x_fp8, x_scale, [E_local, T, H], masked_m, row_map =
         row_map, m_total =                     |     quant_dispatch_masked(hidden)  # one launch at decode
         quant_dispatch_contiguous(h, sync=False)
-      fp8_grouped_gemm_contiguous (w13, m_total) |   fp8_grouped_gemm_masked (w13)
-      silu_mul_per_token_group(masked_m=m_total) |   silu_mul_per_token_group(masked_m=...)
+      fp8_grouped_gemm_silu_mul_quant          |   fp8_grouped_gemm_silu_mul_quant
+        (w13, m_indices, m_total)              |     (w13, masked_m)
       fp8_grouped_gemm_contiguous (w2, m_total)  |   fp8_grouped_gemm_masked (w2)
     combine(y, row_map, topk_weights, shared_output)             # + shared experts (Fp8MLP on x_fp8)
 
 One quantization of ``hidden`` per forward, shared by the routed and the shared experts. Neither path
 syncs with the host: the contiguous layout is sized by its upper bound and its real row count
 ``m_total`` stays on the device (``contiguous_sync=True`` sizes it exactly, with one sync).
-``fp8_grouped_gemm_silu_mul_quant`` (GEMM1 with SiLU·mul + quant in its epilogue) exists but measured
-slower than the two kernels, so the layer leaves it off (``FUSE_GEMM1_ACT``).
+GEMM1 runs with SiLU·mul + quant in its epilogue (``fp8_grouped_gemm_silu_mul_quant``) where that op
+has its Hopper kernel (``FUSE_GEMM1_ACT``); elsewhere, and with the flag off, GEMM1 writes the bf16
+``h`` and ``silu_mul_per_token_group`` quantizes it.
 
 Every step is a public ``moe_fp8`` op, so the layer runs on the Hopper kernels where they exist and on
 the PyTorch reference elsewhere (CPU included).
 
-Decode workspace. The masked path writes its four ``[E_local, T, ·]`` intermediates into a
+Decode workspace. The masked path writes its ``[E_local, T, ·]`` intermediates into a
 ``MaskedWorkspace`` the layer owns: allocated once per (device, GEMM output dtype, max_m =
-``masked_max_tokens``) on first use, then reused by every masked forward of at most ``max_m`` tokens
+``masked_max_tokens``, fused GEMM1 or not) on first use, then reused by every masked forward of at most ``max_m`` tokens
 (eager calls and every captured CUDA graph alike), so a graph captures no allocation of those buffers
 and all graphs share one copy. Warm up once before capturing so the workspace comes from the ordinary
 allocator pool rather than the first graph's. Larger masked batches (only under capture or an explicit
@@ -113,7 +114,7 @@ class MaskedBuffers(NamedTuple):
 
     a_fp8: Tensor  # dispatch output, float8_e4m3fn [E, m, H]
     a_scale: Tensor  # its scales, float32 [E, m, ceil(H/128)], 3-D TMA layout
-    h: Tensor  # GEMM1 output, [E, m, 2I]
+    h: Tensor | None  # GEMM1 output, [E, m, 2I] (None in a workspace for the fused GEMM1, which writes no h)
     y_fp8: Tensor  # SiLU·mul + quant output, float8_e4m3fn [E, m, I]
     y_scale: Tensor  # its scales, float32 [E, m, I/128], 3-D TMA layout
     y: Tensor  # GEMM2 output, [E, m, H]
@@ -123,7 +124,8 @@ class MaskedWorkspace:
     """Persistent buffers of ``Fp8FusedMoE``'s masked path for batches of up to ``max_m`` tokens.
 
     Each step of the path reads one buffer and writes another, and no intermediate is read two steps
-    later, so two byte regions used in turn hold all four (a ping-pong):
+    later, so two byte regions used in turn hold them all (a ping-pong). With GEMM1 and SiLU·mul + quant
+    as two kernels (``fused_gemm1=False``):
 
     - region P: dispatch output ``a_fp8 [E, m, H]`` (dead once GEMM1 has read it), then the SiLU·mul
       output ``y_fp8 [E, m, I]``;
@@ -131,35 +133,47 @@ class MaskedWorkspace:
       ``y [E, m, H]``;
     - scales: ``a_scale`` then ``y_scale``, in the 3-D TMA layout.
 
-    For a DeepSeek-V3 EP rank (E 32, H 7168, I 2048, max_m 512) that is 340 MiB instead of the 501 MiB
-    of four separate buffers. ``views(m)`` gives the tensors of an ``m``-token batch (``m <= max_m``):
+    The fused GEMM1 (``fused_gemm1=True``) reads ``a_*`` while it writes ``y_fp8`` / ``y_scale``, so those
+    get their own bytes: P holds ``a_fp8`` then ``y``, Q ``y_fp8``, and the scales two regions; no ``h``.
+
+    For a DeepSeek-V3 EP rank (E 32, H 7168, I 2048, max_m 512) that is 340 MiB (fused: 260 MiB) instead
+    of the 501 MiB of four separate buffers. ``views(m)`` gives the tensors of an ``m``-token batch (``m <= max_m``):
     contiguous ``[E, m, ·]`` views from the start of each region (cached per ``m``), so the GEMMs see
     the same shapes and pointers every time ``m`` repeats.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, max_m: int,
-                 device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> None:
+                 device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16, *,
+                 fused_gemm1: bool = False) -> None:
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.max_m, self.device, self.out_dtype = max_m, torch.device(device), out_dtype
+        self.fused_gemm1 = fused_gemm1
         e, h, i = num_experts, hidden_size, intermediate_size
         out_bytes = torch.empty((), dtype=out_dtype).element_size()
-        self._p = torch.empty(e * max_m * max(h, i), dtype=torch.uint8, device=self.device)
-        self._q = torch.empty(e * max_m * max(2 * i, h) * out_bytes, dtype=torch.uint8, device=self.device)
-        kg = max(ceil_div(h, GROUP_K), ceil_div(i, GROUP_K))
-        self._s = torch.empty(e * kg * get_tma_aligned_m(max_m), dtype=torch.float32, device=self.device)
+        p_row, q_row = (h * out_bytes, i) if fused_gemm1 else (max(h, i), max(2 * i, h) * out_bytes)
+        self._p = torch.empty(e * max_m * p_row, dtype=torch.uint8, device=self.device)
+        self._q = torch.empty(e * max_m * q_row, dtype=torch.uint8, device=self.device)
+        m_pad = get_tma_aligned_m(max_m)
+        kg_h, kg_i = ceil_div(h, GROUP_K), ceil_div(i, GROUP_K)
+        if fused_gemm1:
+            self._s = torch.empty(e * kg_h * m_pad, dtype=torch.float32, device=self.device)
+            self._s_y = torch.empty(e * kg_i * m_pad, dtype=torch.float32, device=self.device)
+        else:
+            self._s = self._s_y = torch.empty(e * max(kg_h, kg_i) * m_pad, dtype=torch.float32, device=self.device)
         self._views: dict[int, MaskedBuffers] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._p, self._q, self._s))
+        regions = {t.data_ptr(): t for t in (self._p, self._q, self._s, self._s_y)}.values()
+        return sum(t.numel() * t.element_size() for t in regions)
 
     def _rows(self, region: Tensor, dtype: torch.dtype, m: int, cols: int) -> Tensor:
         n = self.num_experts * m * cols
         return region.view(dtype)[:n].view(self.num_experts, m, cols)
 
-    def _scales(self, m: int, cols: int) -> Tensor:
+    def _scales(self, region: Tensor, m: int, cols: int) -> Tensor:
         kg, m_pad = ceil_div(cols, GROUP_K), get_tma_aligned_m(m)
-        grid = self._s[:self.num_experts * kg * m_pad].view(self.num_experts, kg, m_pad)
+        grid = region[:self.num_experts * kg * m_pad].view(self.num_experts, kg, m_pad)
         return grid[:, :, :m].transpose(1, 2)  # the layout of empty_scale_tma(m, kg, groups=E)
 
     def views(self, m: int) -> MaskedBuffers:
@@ -169,11 +183,16 @@ class MaskedWorkspace:
             if not 0 <= m <= self.max_m:
                 raise ValueError(f"MaskedWorkspace holds batches of up to {self.max_m} tokens, got {m}")
             h, i, fp8 = self.hidden_size, self.intermediate_size, torch.float8_e4m3fn
-            bufs = self._views[m] = MaskedBuffers(
-                a_fp8=self._rows(self._p, fp8, m, h), a_scale=self._scales(m, h),
-                h=self._rows(self._q, self.out_dtype, m, 2 * i),
-                y_fp8=self._rows(self._p, fp8, m, i), y_scale=self._scales(m, i),
-                y=self._rows(self._q, self.out_dtype, m, h))
+            a_fp8, a_scale = self._rows(self._p, fp8, m, h), self._scales(self._s, m, h)
+            y_scale = self._scales(self._s_y, m, i)
+            if self.fused_gemm1:
+                bufs = MaskedBuffers(a_fp8=a_fp8, a_scale=a_scale, h=None, y_fp8=self._rows(self._q, fp8, m, i),
+                                     y_scale=y_scale, y=self._rows(self._p, self.out_dtype, m, h))
+            else:
+                bufs = MaskedBuffers(a_fp8=a_fp8, a_scale=a_scale, h=self._rows(self._q, self.out_dtype, m, 2 * i),
+                                     y_fp8=self._rows(self._p, fp8, m, i), y_scale=y_scale,
+                                     y=self._rows(self._q, self.out_dtype, m, h))
+            self._views[m] = bufs
         return bufs
 
 
@@ -271,13 +290,13 @@ def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return max(1, ceil_div(num_tokens * top_k, num_experts))
 
 
-# NOTE: off. On an H100 (session 8, DeepSeek-V3 EP-rank layer) the fused kernel alone took longer than
-# the plain GEMM1 plus the separate SiLU·mul + quant: 814 vs 556 + 51 us at 8192 tokens, 356 vs 309 + 6 us
-# at 64 (docs/kernels/gemm.md, session 8; its epilogue needs 256-wide tiles, while the plain GEMM's heuristic
-# streams small batches on narrower ones). Re-measured in session 15 (CUDA-graph timed): 607-843 vs ~600 us
-# at 8192 tokens, 1382-1447 vs ~1040 at 16384 (its time varies with inputs or order), and the layer 14-25%
-# slower fused (docs/kernels/gemm.md). The op stays public and tested; set True to measure it again.
-FUSE_GEMM1_ACT = False
+# On since session 17, when the fused epilogue moved to MUFU exp2 / reciprocal and a multiply by the scale's
+# reciprocal (it had run ~2k instructions of IEEE divisions and expf per thread per tile on the math
+# warpgroups). H100, DeepSeek-V3 EP rank, CUDA-graph timed, fused vs plain GEMM1 + SiLU·mul + quant:
+# 362 vs 376 + 20 us at 2048 tokens, 560-582 vs 552-558 + 50-54 at 8192, 991 vs 947 + 77 at 16384; masked
+# 300 / 330 / 331 vs 306 / 338 / 340 at 64 / 256 / 512 tokens (docs/kernels/gemm.md). Before, the fused
+# kernel lost by up to 45%. False restores the two kernels (for A/B measurements).
+FUSE_GEMM1_ACT = True
 
 
 def _fused_gemm1(w13: Tensor) -> bool:
@@ -298,9 +317,9 @@ def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor
     dispatch's upper-bound layout (every op then stops there). Returns ``y [M_total, H]`` bf16 (rows past
     ``m_total`` unspecified). ``mark(stage)`` is called after each stage (``StageTimer``).
     """
-    if _fused_gemm1(w13):  # (walks every row of a sync-free layout: it takes no m_total)
+    if _fused_gemm1(w13):
         y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, m_indices=m_indices,
-                                                         ue8m0=ue8m0)
+                                                         ue8m0=ue8m0, m_total=m_total)
         if mark is not None:
             mark("gemm1")
     else:
@@ -329,7 +348,11 @@ def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, exp
     all-to-all delivers this layout (vLLM's batched format) call it directly.
     """
     y_dst = {} if bufs is None else {"out": bufs.y_fp8, "out_scale": bufs.y_scale}
-    if _fused_gemm1(w13):
+    fused = _fused_gemm1(w13)
+    if bufs is not None and fused != (bufs.h is None):  # its regions would alias GEMM1's input and output
+        raise ValueError(f"grouped_experts_masked: the workspace was built for fused_gemm1={not fused}, this "
+                         f"call runs fused_gemm1={fused} (FUSE_GEMM1_ACT changed?)")
+    if fused:
         y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, masked_m=masked_m,
                                                          expected_m=expected_m, ue8m0=ue8m0, **y_dst)
         if mark is not None:
@@ -474,8 +497,8 @@ class Fp8FusedMoE(nn.Module):
             raise ValueError(f"Fp8FusedMoE: contiguous_sync must be a bool, got {contiguous_sync!r}")
         self.contiguous_sync = contiguous_sync
         self.stage_hook: Callable[[str], None] | None = None
-        # (device, GEMM output dtype, max_m) -> MaskedWorkspace; see the module doc and _workspace.
-        self._workspaces: dict[tuple[torch.device, torch.dtype, int], MaskedWorkspace] = {}
+        # (device, GEMM output dtype, max_m, fused GEMM1) -> MaskedWorkspace; see the module doc and _workspace.
+        self._workspaces: dict[tuple[torch.device, torch.dtype, int, bool], MaskedWorkspace] = {}
 
         self._expert_map_host = _parse_expert_map(expert_map, num_experts)
         if self._expert_map_host is None:
@@ -602,14 +625,15 @@ class Fp8FusedMoE(nn.Module):
         max_m = self.masked_max_tokens
         if num_tokens > max_m or num_tokens == 0 or torch.compiler.is_compiling():
             return None
-        key = (device, torch.bfloat16, max_m)
+        fused = _fused_gemm1(self.w13_weight)
+        key = (device, torch.bfloat16, max_m, fused)
         ws = self._workspaces.get(key)
         if ws is None:
             # Workspaces of another device belong to weights that have moved: drop them. Same-device ones
             # (another max_m) are kept, since a CUDA graph captured earlier may still write into them.
             self._workspaces = {k: v for k, v in self._workspaces.items() if k[0] == device}
             ws = self._workspaces[key] = MaskedWorkspace(self.num_local_experts, self.hidden_size,
-                                                         self.intermediate_size, max_m, device)
+                                                         self.intermediate_size, max_m, device, fused_gemm1=fused)
         return ws
 
     def release_workspaces(self) -> None:

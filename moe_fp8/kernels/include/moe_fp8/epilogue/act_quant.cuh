@@ -5,7 +5,12 @@
 // store warps (128 bytes a row, pitch of a 64-column bf16 tile) and the row's scale is written here.
 // Numerics as moe_fp8.reference.per_token_group_quant: scale = max(amax, eps) / 448 correctly
 // rounded (UE8M0: the next power of two), NaN in the group -> NaN scale, a non-finite scale -> every
-// code NaN (0x7F), codes = e4m3(clamp(act / scale, +-448)) rounded to nearest even.
+// code NaN (0x7F), codes = e4m3(clamp(act · (1 / scale), +-448)) rounded to nearest even.
+// Fast math on purpose: silu uses the MUFU exp2 / reciprocal, and the codes multiply by the rounded
+// reciprocal of the scale (exact for UE8M0; otherwise within 1.5 ulp of act / scale, so a code moves
+// one step only when act lies that close to a rounding boundary). The accumulators already differ
+// from the reference's by the tensor cores' ~1e-4, so IEEE divisions and expf bought nothing here; they
+// made the epilogue ~2k instructions per thread per tile, on the math warpgroups' critical path.
 #pragma once
 
 #include "../common/types.cuh"
@@ -16,6 +21,19 @@ namespace moe_fp8::epi {
 
 constexpr float kFp8Max = 448.0f;
 constexpr float kActQuantEps = 1e-10f;  // moe_fp8.reference.DEFAULT_EPS
+constexpr float kLog2e = 1.4426950408889634f;
+
+// MUFU approximations (~2 ulp): 2^x and 1 / x (1 / +-Inf = +-0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // Smallest power of two >= s for a positive normal s (the scales here are >= 1e-10 / 448); +Inf stays.
 __device__ __forceinline__ float round_up_pow2(float s) {
@@ -47,12 +65,13 @@ __device__ __forceinline__ void silu_mul_quant_to_smem(uint8_t* smem_d, float* t
 #pragma unroll
     for (uint32_t i = 0; i < 64; ++i) {
         const float gate = total[i], up = total[64 + i];
-        const float act = __fdiv_rn(gate, 1.0f + expf(-gate)) * up;
+        // silu(g) = g / (1 + e^-g); for g < -88 e^-g is +Inf and the reciprocal 0: act = -0 (reference: ~0)
+        const float act = gate * rcp_approx(1.0f + exp2_approx(-gate * kLog2e)) * up;
         total[i] = act;
         amax[(i / 2) % 2] = fmaxf(amax[(i / 2) % 2], fabsf(act));
         has_nan[(i / 2) % 2] |= act != act;
     }
-    float scale[2];
+    float scale[2], inv_scale[2];
 #pragma unroll
     for (uint32_t h = 0; h < 2; ++h) {
 #pragma unroll
@@ -63,6 +82,7 @@ __device__ __forceinline__ void silu_mul_quant_to_smem(uint8_t* smem_d, float* t
         scale[h] = __fdiv_rn(fmaxf(amax[h], kActQuantEps), kFp8Max);
         if constexpr (kUe8m0) scale[h] = round_up_pow2(scale[h]);
         if (has_nan[h]) scale[h] = __uint_as_float(0x7FC00000u);
+        inv_scale[h] = __frcp_rn(scale[h]);
     }
 
     uint8_t* base = smem_d + row * kPitch + quad_lane * 2;
@@ -72,9 +92,8 @@ __device__ __forceinline__ void silu_mul_quant_to_smem(uint8_t* smem_d, float* t
         for (uint32_t h = 0; h < 2; ++h) {
             uint16_t codes = 0x7F7F;  // a non-finite scale: every code NaN
             if (fabsf(scale[h]) < __uint_as_float(0x7F800000u)) {
-                const float q0 = fminf(fmaxf(__fdiv_rn(total[4 * c + 2 * h], scale[h]), -kFp8Max), kFp8Max);
-                const float q1 = fminf(fmaxf(__fdiv_rn(total[4 * c + 2 * h + 1], scale[h]), -kFp8Max), kFp8Max);
-                codes = pack_e4m3x2(q0, q1);
+                // (cvt .satfinite clamps to +-448 itself)
+                codes = pack_e4m3x2(total[4 * c + 2 * h] * inv_scale[h], total[4 * c + 2 * h + 1] * inv_scale[h]);
             }
             ptx::st_shared_u16(base + h * 8 * kPitch + c * 8, codes);
         }
