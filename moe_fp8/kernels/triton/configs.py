@@ -280,8 +280,8 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     if fused is None:
         fused = pairs <= DISPATCH_FUSED_MAX_PAIRS
     # Chunked path: 128 pairs per chunk, the within-chunk rank and the chunk histogram built 32 experts
-    # at a time (128 × 32 one-hot tiles).
-    chunk, hist_experts, scan_experts, scan_chunks = 128, min(e_p2, 32), min(e_p2, 16), 256
+    # at a time (128 × 32 one-hot tiles); the scan in slices of 4 experts, 1024 chunks (131072 pairs) a step.
+    chunk, hist_experts, scan_experts, scan_chunks = 128, min(e_p2, 32), min(e_p2, 4), 1024
     k_p2 = _pow2_ceil(top_k)
     if fused:
         block_t = block_t or 1

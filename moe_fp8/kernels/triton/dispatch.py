@@ -358,14 +358,17 @@ def _scan_kernel(
 ):
     """Per slice of ``SCAN_E`` experts: exclusive prefix of the chunk histograms (``base``). Masked:
     ``masked_m`` of the slice. Contiguous: the slice's aligned segment starts from every expert's total
-    (the count kernel's atomic sums), and program 0 writes ``status = [M_total, min id, max id, max
-    mapped id]`` — so the layout needs no separate segments launch."""
+    (the count kernel's atomic sums), and one more program, after the slices', writes ``status =
+    [M_total, min id, max id, max mapped id]`` — so the layout needs no separate segments launch. (Small
+    slices and a program of its own for the status: the kernel is a chain of dependent loads, ~6 us in
+    two programs of 16 experts with the status in the first.)"""
     pdl_start(PDL)
     pid = tl.program_id(0)
+    num_slices = tl.cdiv(num_experts, SCAN_E)
     e = pid * SCAN_E + tl.arange(0, SCAN_E)
     e_ok = e < num_experts
     carry = tl.zeros([SCAN_E], dtype=tl.int32)
-    for c0 in range(0, num_chunks, SCAN_C):
+    for c0 in range(0, tl.where(pid < num_slices, num_chunks, 0), SCAN_C):
         c = c0 + tl.arange(0, SCAN_C)
         offs = c.to(tl.int64)[:, None] * num_experts + e[None, :]
         m = (c[:, None] < num_chunks) & e_ok[None, :]
@@ -380,7 +383,7 @@ def _scan_kernel(
         seg_len = (count + align_m - 1) // align_m * align_m
         seg_start = tl.cumsum(seg_len, axis=0) - seg_len
         tl.store(seg_ptr + ea, seg_start, mask=(ea < num_experts) & (ea // SCAN_E == pid))
-        if pid == 0:
+        if pid == num_slices:
             lo = tl.full([STAT_C], 2**62, tl.int64)
             hi = tl.full([STAT_C], -(2**62), tl.int64)
             top = tl.full([STAT_C], -1, tl.int64)
@@ -704,11 +707,11 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
             ids, emap if emap is not None else ids, local, rank, hist, stats, count, num_pairs, num_experts,
             num_global, CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
             ADD_COUNT=not masked, num_warps=cfg.route_warps, **pdl_args(device))
-    _scan_kernel[(ceil_div(num_experts, cfg.scan_experts),)](
+    _scan_kernel[(ceil_div(num_experts, cfg.scan_experts) + (0 if masked else 1),)](
         hist, base, count, seg_start, stats, status, masked_m if masked else count, num_chunks, num_experts,
         max_m, align_m, E_P2=cfg.e_p2,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
-        SCAN_E=cfg.scan_experts, STAT_C=256, MASKED=masked, num_warps=cfg.route_warps,
+        SCAN_E=cfg.scan_experts, STAT_C=cfg.scan_chunks, MASKED=masked, num_warps=cfg.route_warps,
         **pdl_args(device))
     return _Routing(local, rank, base, seg_start, count, status, emap is not None)
 
