@@ -19,7 +19,7 @@ destination row of every pair, or -1), written by the programs that copy the row
      zero-filled per-expert totals — integer sums, so the order of the additions does not matter).
   2. ``_scan_kernel``: per expert slice, exclusive prefix of the histograms over chunks (masked:
      ``masked_m = min(count, max_m)``); contiguous: the slice's aligned segment starts (from the
-     totals), and program 0 writes ``M_total`` and the id range (for the reference's errors).
+     totals), and a program of its own writes ``M_total`` and the id range (for the reference's errors).
   3. ``_scatter_kernel`` — one program per ``BLOCK_T`` tokens × ``BLOCK_K`` bytes: computes its pairs'
      destinations (rank + earlier chunks' count + segment start), reads each token row once and
      stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales into the TMA
