@@ -341,15 +341,19 @@ def fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, out: Te
     return out
 
 
+def _changed(**values: tuple[object, object]) -> dict[str, object]:
+    """The keywords whose value differs from its default (``name=(value, default)``; a None default: any
+    value given): a backend that does not know an option still serves every call that leaves it alone."""
+    return {k: v for k, (v, default) in values.items()
+            if not (v is default or (default is not None and v == default))}
+
+
 def _grouped_contiguous_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
                              out: Tensor, m_total: Tensor | None = None) -> None:
     if out.numel() == 0:
         return
-    fn = backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1]
-    if m_total is None:
-        fn(x_fp8, x_scale, w, w_scale, m_indices, out)
-    else:
-        fn(x_fp8, x_scale, w, w_scale, m_indices, out, m_total=m_total)
+    backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1](
+        x_fp8, x_scale, w, w_scale, m_indices, out, **_changed(m_total=(m_total, None)))
 
 
 @torch.library.custom_op("moe_fp8::fp8_grouped_gemm_contiguous", mutates_args=("out",))
@@ -449,11 +453,9 @@ def _grouped_silu_quant_impl(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w13_sc
                              out: Tensor, out_scale: Tensor, m_total: Tensor | None = None) -> None:
     if out.numel() == 0:
         return
-    fn = backends.select("fp8_grouped_gemm_silu_mul_quant", x_fp8.device)[1]
-    if m_total is None:
-        fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale)
-    else:
-        fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale, m_total=m_total)
+    backends.select("fp8_grouped_gemm_silu_mul_quant", x_fp8.device)[1](
+        x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m, ue8m0, out, out_scale,
+        **_changed(m_total=(m_total, None)))
 
 
 @torch.library.custom_op("moe_fp8::fp8_grouped_gemm_silu_mul_quant", mutates_args=("out", "out_scale"))
@@ -733,12 +735,6 @@ def _dispatch_contiguous_eager_only(x_fp8: Tensor, x_scale: Tensor, topk_ids: Te
     fn = backends.select("dispatch_contiguous", x_fp8.device)[1]
     return fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
               **_changed(sync=(sync, True), return_m_total=(return_m_total, False)))
-
-
-def _changed(**values: tuple[object, object]) -> dict[str, object]:
-    """The keywords whose value differs from its default (``name=(value, default)``): a backend that
-    does not know an option still serves every call that leaves it alone."""
-    return {k: v for k, (v, default) in values.items() if v != default}
 
 
 # Hidden from dynamo: a graph break under torch.compile, an error naming this function under

@@ -200,8 +200,7 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
     if workspace is not None:
         grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,
-                                num_groups,
-                                out_scale, get_tma_aligned_m(rows_per_group), workspace],
+                                num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace],
                   smem_bytes=smem, cluster=cluster)
     return cfg
 

@@ -27,8 +27,8 @@ Decode workspace. The masked path writes its ``[E_local, T, ·]`` intermediates 
 ``masked_max_tokens``, fused GEMM1 or not) on first use, then reused by every masked forward of at
 most ``max_m`` tokens (eager calls and every captured CUDA graph alike), so a graph captures no
 allocation of those buffers and all graphs share one copy. Warm up once before capturing so the
-workspace comes from the ordinary allocator pool rather than the first graph's. Larger masked batches (only under capture or an explicit
-``path="masked"``) allocate per call, as the ops do.
+workspace comes from the ordinary allocator pool rather than the first graph's. Larger masked batches
+(only under capture or an explicit ``path="masked"``) allocate per call, as the ops do.
 
 UE8M0. ``ue8m0=True`` (DeepSeek-V3.1 checkpoints, ``quantization_config.scale_fmt = "ue8m0"``) quantizes
 the activations with power-of-two scales (both quantizations of the forward, shared experts included);
@@ -138,8 +138,8 @@ class MaskedWorkspace:
 
     For a DeepSeek-V3 EP rank (E 32, H 7168, I 2048, max_m 512) that is 340 MiB (fused: 260 MiB) instead
     of the 501 MiB of four separate buffers. ``views(m)`` gives the tensors of an ``m``-token batch
-    (``m <= max_m``): contiguous ``[E, m, ·]`` views from the start of each region (cached per ``m``), so the GEMMs see
-    the same shapes and pointers every time ``m`` repeats.
+    (``m <= max_m``): contiguous ``[E, m, ·]`` views from the start of each region (cached per ``m``), so
+    the GEMMs see the same shapes and pointers every time ``m`` repeats.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, max_m: int,
