@@ -91,10 +91,11 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     assert (p.block_t, p.block_k, p.num_warps) == (1, 8192, 4)
     p = C.dispatch_config(4096, 8, 7168, 256, quant=True)
     assert (p.block_t, p.block_k, p.num_warps) == (1, 4096, 4)
-    # under an expert_map the scatter branches per slot (session 15): copying a whole row, quantizing 4096
+    # under an expert_map the scatter branches per slot (session 15): copying a whole row / 4 warps,
+    # quantizing a whole row / 8 warps (session 18)
     assert not p.sparse and C.dispatch_config(4096, 8, 7168, 32, has_map=True).sparse
     p = C.dispatch_config(4096, 8, 7168, 32, has_map=True, quant=True)
-    assert (p.sparse, p.block_t, p.block_k, p.num_warps) == (True, 1, 4096, 4)
+    assert (p.sparse, p.block_t, p.block_k, p.num_warps) == (True, 1, 8192, 8)
     p = C.dispatch_config(4096, 8, 7168, 32, has_map=True, quant=True, sparse=False)  # quant kernel + FP8 copy
     assert (p.sparse, p.block_k, p.num_warps) == (False, 8192, 4)
     assert not C.dispatch_config(4096, 8, 7168, 32, has_map=True, block_t=2).sparse

@@ -127,6 +127,19 @@ def test_per_token_group_quant_non_finite_and_tiny_groups():
     check_quant(got, ref.per_token_group_quant(x, 128, False, eps=1e-30))
 
 
+def test_per_token_group_quant_tiny_scales():
+    """Scales below 2**-64 (a tiny eps) divide lifted values (common.quantize_exact): codes still exact, also
+    for elements far below the group's amax and subnormal ones (FP32: the interpreter widens subnormal bf16
+    wrongly)."""
+    x = randn((5, 512), seed=5, device=DEVICE, dtype=torch.float32)
+    for i, mag in enumerate((1e-12, 1e-19, 1e-25, 1e-33, 1e-37)):
+        x[i] *= mag
+    x[:, ::7] *= 1e-6
+    for ue8m0 in (False, True):
+        got = quant.per_token_group_quant(x, 128, ue8m0, 1e-44)
+        check_quant(got, ref.per_token_group_quant(x, 128, ue8m0, eps=1e-44))
+
+
 def test_per_token_group_quant_writes_into_given_buffers_and_handles_m0():
     x = randn((5, 256), seed=1, device=DEVICE)
     out = torch.empty((5, 256), dtype=torch.float8_e4m3fn, device=DEVICE)

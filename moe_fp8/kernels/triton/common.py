@@ -186,15 +186,35 @@ def scale_from_amax(amax, has_nan, eps, UE8M0: tl.constexpr):
 
 @triton.jit
 def quantize_exact(y, scale, NATIVE: tl.constexpr):
-    """FP8 codes of float32 ``y`` with (broadcast) ``scale``: ``fp8(clamp(y / scale, ±448))``.
+    """FP8 codes of float32 ``y [..., group]`` with one ``scale [...]`` per group (``scale > 0`` or not
+    finite): ``fp8(clamp(y / scale, ±448))``.
 
+    ``y / scale`` is correctly rounded without a division per element (an IEEE division is ~10
+    instructions and bound the quantizing kernels: the EP-rank scatter at 8192 tokens took 98.7 us
+    with it, 77.0 without): ``r = RN(1 / scale)`` once per group, ``q0 = RN(y·r)`` is within an ulp of
+    the quotient, and one FMA correction ``q0 + (y - q0·scale)·r`` (the residual is exact) rounds it
+    correctly (Markstein's theorem; checked against numpy's division on every FP32 mantissa of the
+    scale). A zero ``q0`` is kept as it is, so ``-0.0`` stays negative. Scales below 2**-64 (a tiny
+    ``eps``) divide ``y·2**64`` by ``scale·2**64`` (exact scalings, the same quotient): their reciprocal
+    could overflow, and the residual underflow where it decides a code.
     A non-finite scale (the group held NaN or ±Inf) makes every code NaN (0x7F), as the reference.
     """
-    q = tl.div_rn(y, scale)
+    lift = tl.where(scale < 5.421010862427522e-20, 18446744073709551616.0, 1.0)
+    s = scale * lift
+    r = tl.expand_dims(tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), s), -1)
+    s = tl.expand_dims(s, -1)
+    y = y * tl.expand_dims(lift, -1)
+    q0 = y * r
+    q = tl.where(q0 == 0.0, q0, tl.fma(tl.fma(-q0, s, y), r, q0))
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    finite = tl.abs(scale) < float("inf")
+    finite = tl.abs(s) < float("inf")
     q = tl.where(finite, q, 0.0)  # keep the encoder's input finite; overwritten just below
     return tl.where(finite, fp8_e4m3_code(q, NATIVE), 0x7F).to(tl.uint8)
+
+
+@triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -202,10 +222,10 @@ def quantize_groups(x, eps, UE8M0: tl.constexpr, NATIVE: tl.constexpr):
     """``(codes uint8, scales)`` of float32 ``x [..., group]`` (a group along the last axis), one scale
     per group, exactly as the reference's per-token-group quantization. Masked-off lanes must hold 0:
     they never raise amax nor flag NaN."""
-    amax = tl.max(tl.abs(x), axis=-1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=-1) > 0
-    scale = scale_from_amax(amax, has_nan, eps, UE8M0)
-    return quantize_exact(x, tl.expand_dims(scale, -1), NATIVE), scale
+    LAST: tl.constexpr = len(x.shape) - 1  # (the interpreter's tl.reduce mis-shapes axis -1)
+    amax = tl.reduce(tl.abs(x), LAST, _max_propagating_nan)  # NaN exactly when the group holds one
+    scale = scale_from_amax(amax, amax != amax, eps, UE8M0)
+    return quantize_exact(x, scale, NATIVE), scale
 
 
 @triton.jit

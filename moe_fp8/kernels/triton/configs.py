@@ -112,8 +112,10 @@ DISPATCH_QUANT_WARPS = 4
 # Session 15 (H100, 32 of 256 experts local, CUDA-graph timed), 8192 / 16384 tokens: 98.2 / 190.1 us at
 # 4096 / 4 against 105.6 / 206.0 at 4096 / 8, 109.6 / 212.6 at 8192 / 8 and 125.4 / 254.7 at 2048 / 4; the
 # quant kernel plus the sparse FP8 scatter took 70.9 + 43.9 / 139.8 + 83.8.
-DISPATCH_SPARSE_QUANT_BLOCK_K = 4096
-DISPATCH_SPARSE_QUANT_WARPS = 4
+# Session 18, after the quantization lost its per-element division (common.quantize_exact): 70.6 / 137.7 us
+# at 4096 / 4 against 67.7 / 131.1 at 8192 / 8 and 96.0 / 195.6 at 2048 / 4 (same process, 3 rounds).
+DISPATCH_SPARSE_QUANT_BLOCK_K = 8192
+DISPATCH_SPARSE_QUANT_WARPS = 8
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
 # ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
 M_INDICES_E_CHUNK = 32

@@ -551,7 +551,6 @@ def _scatter_sparse_kernel(
     p = t64 * TOP_K + jk
     p_ok = jk < tl.where(pid_t < T, TOP_K, 0)  # (programs past T only write m_indices)
     local = tl.load(local_ptr + p, mask=p_ok, other=-1)
-    dests = _pair_dests(local, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
     used = tl.max(local, axis=0) >= 0
     if WRITE_X:
         used = pid_t < T
@@ -562,21 +561,27 @@ def _scatter_sparse_kernel(
         col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
         col_ok = col < K
         offs = t64 * K + col
+        # the row's loads go out before the destinations' dependent gathers, which they then overlap
+        # (session 18: 98.7 -> 94.7 us at 8192 tokens, EP rank)
         if QUANT:
-            row, sc = quantize_groups(tl.load(x_ptr + offs, mask=col_ok, other=0.0).to(tl.float32), eps, UE8M0,
-                                      NATIVE_FP8)
-            if WRITE_X:
-                tl.store(xq_ptr + offs, row, mask=col_ok)
-                tl.store(xqs_ptr + t64 + g.to(tl.int64) * t_pad, sc, mask=g_ok)
+            xv = tl.load(x_ptr + offs, mask=col_ok, other=0.0).to(tl.float32)
         else:
             row = tl.load(x_ptr + offs, mask=col_ok)
             sc = tl.load(xs_ptr + t64 * xs_stride_t + g * xs_stride_g, mask=g_ok)
+        dests = _pair_dests(local, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
+        if QUANT:
+            row, sc = quantize_groups(xv, eps, UE8M0, NATIVE_FP8)
+            if WRITE_X:
+                tl.store(xq_ptr + offs, row, mask=col_ok)
+                tl.store(xqs_ptr + t64 + g.to(tl.int64) * t_pad, sc, mask=g_ok)
         for j in tl.static_range(TOP_K):
             dest = tl.max(tl.where(jk == j, dests, -1), axis=0)
             if dest >= 0:
                 tl.store(out_ptr + dest * K + col, row, mask=col_ok)
                 tl.store(out_s_ptr + _scale_offsets(dest, max_m, KG, m_pad, MASKED) + g.to(tl.int64) * m_pad, sc,
                          mask=g_ok)
+    else:  # no local slot: every destination is -1
+        dests = tl.full([K_P2], -1, tl.int64)
     if pid_k == 0:
         _publish(row_map_ptr, m_idx_ptr, count_ptr, seg_ptr, p, p_ok, dests, pid_t, num_experts, m_rows, M_BLOCK,
                  E_CHUNK, MASKED)
