@@ -127,6 +127,23 @@ def test_small_m_uses_one_math_warpgroup() -> None:
         assert get_config(GemmDesc(64, n, k)).block_m == 64
 
 
+def test_measured_small_m_tiles_apply_only_where_measured() -> None:
+    """SMALL_M_BLOCK_N decides normal GEMMs of up to 128 rows on 132 SMs (where the model picks another
+    tile); other layouts, machines and row counts stay with the cost model."""
+    from moe_fp8.kernels.heuristics import SMALL_M_BLOCK_N, candidates, config_key, modelled_config
+
+    for (n, k), by_blocks in SMALL_M_BLOCK_N.items():
+        for m_blocks, block_n in by_blocks.items():
+            for m in range(64 * m_blocks - 63, 64 * m_blocks + 1, 21):
+                desc = GemmDesc(m, n, k)
+                cfg = get_config(desc)
+                assert (cfg.block_m, cfg.block_n) == (64, block_n) and (64, block_n, 1, False) in candidates(desc)
+                assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+        for desc in (GemmDesc(129, n, k), GemmDesc(64, n, k, num_sms=114),
+                     GemmDesc(64, n, k, num_groups=2, layout="masked", expected_m=64)):
+            assert get_config(desc) == modelled_config(config_key(desc)), desc
+
+
 def test_large_m_fills_the_machine() -> None:
     cfg = get_config(GemmDesc(4096, 7168, 16384))
     _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n, cfg.multicast,

@@ -14,6 +14,7 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
 - a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
 - ties go to fewer tiles, then to the wider BLOCK_N.
+Normal GEMMs of at most 128 rows on 132 SMs whose tile was measured (``SMALL_M_BLOCK_N``) skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -78,6 +79,19 @@ MASKED_TAIL_SPLIT_MAX_GROUPS = 8
 K_SPLIT_MAX_PIECES = 4
 K_SPLIT_MIN_PIECE_BLOCKS = 12
 K_SPLIT_FIXUP_NS = 3000.0
+# Measured small-M tiles, not modelled: normal layout, 132 SMs, keyed by (N, K) and then by m-blocks of 64
+# rows (1: M <= 64, 2: M <= 128) -> BLOCK_N of a 64-row tile (as many stages as fit). Session 18 sweep (H100
+# SXM, 64 x {16..256} and 128 x {128, 256} tiles, one process, do_bench, two rounds; docs/kernels/gemm.md):
+# only the shapes where the model's pick ran > 3% behind the best tile. At small M every 64-row tile of one
+# wave walks a 128-K block in ~270-320 ns whatever its width (the model charges 250 ns + 1 ns per row,
+# + 100 ns when it straddles scale blocks), so the model cannot rank them; it stays in charge elsewhere.
+SMALL_M_BLOCK_N: dict[tuple[int, int], dict[int, int]] = {
+    (2112, 7168): {1: 48, 2: 48},  # 64x32 20.5 / 21.1 us -> 19.3 / 18.8
+    (24576, 1536): {1: 96, 2: 128},  # 64x256 24.9 -> 23.5; 128x256 26.2 -> 24.3
+    (32768, 512): {1: 128, 2: 128},  # 64x256 15.1 / 16.1 -> 14.3 / 15.5
+    (4096, 7168): {1: 48, 2: 96},  # 64x64 23.9 / 24.5 -> 21.2 / 22.6
+}
+SMALL_M_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,15 +364,29 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """Pick the cheapest candidate under the cost model; then as many pipeline stages as fit."""
+    """A measured small-M tile (``SMALL_M_BLOCK_N``) where one applies, else the cost model's pick."""
     cfg = _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
     return cfg
 
 
+def _measured_small_m(desc: GemmDesc) -> GemmConfig | None:
+    """The ``SMALL_M_BLOCK_N`` tile of a normal small-M GEMM on the machine it was measured on, if any."""
+    if desc.layout != "normal" or desc.num_sms != SMALL_M_SMS or desc.act_quant:
+        return None
+    block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
+    return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
+
+
 @functools.cache
 def _best_config(desc: GemmDesc) -> GemmConfig:
+    measured = _measured_small_m(desc)
+    return modelled_config(desc) if measured is None else measured
+
+
+def modelled_config(desc: GemmDesc) -> GemmConfig:
+    """The cost model's cheapest candidate, with as many pipeline stages as fit."""
     best = None
     for cand in candidates(desc):
         ns, tiles = estimate_ns(desc, *cand)
