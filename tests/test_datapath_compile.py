@@ -51,6 +51,8 @@ def test_every_datapath_kernel_compiles_for_sm90(tmp_path):
     assert all(r["constexprs"]["PDL"] == "True" for r in summary["results"])
     scatter = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scatter_kernel"]
     assert {(c["QUANT"], c["WRITE_X"]) for c in scatter} >= {("True", "True"), ("True", "False"), ("False", "False")}
+    count = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_count_kernel"]
+    assert {c["RANK_SUB"] for c in count} >= {"0", "32"}, "ranks from column prefixes and from comparisons"
     sparse = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scatter_sparse_kernel"]
     assert {(c["QUANT"], c["WRITE_X"], c["MASKED"]) for c in sparse} >= {
         ("True", "True", "False"), ("True", "False", "False"), ("False", "False", "False"), ("False", "False", "True")}

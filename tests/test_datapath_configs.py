@@ -99,6 +99,9 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     p = C.dispatch_config(4096, 8, 7168, 32, has_map=True, quant=True, sparse=False)  # quant kernel + FP8 copy
     assert (p.sparse, p.block_k, p.num_warps) == (False, 8192, 4)
     assert not C.dispatch_config(4096, 8, 7168, 32, has_map=True, block_t=2).sparse
+    # count kernel ranks (session 18): one-hot column prefixes for one slice of 32 experts, comparisons above
+    assert C.dispatch_config(4096, 8, 7168, 32).rank_sub == 0
+    assert C.dispatch_config(4096, 8, 7168, 64).rank_sub == C.dispatch_config(4096, 8, 7168, 256).rank_sub == 32
     assert not C.dispatch_config(128, 8, 7168, 256, sparse=True).sparse  # the fused decode launch
     with pytest.raises(ValueError, match="one token per program"):
         C.dispatch_config(4096, 8, 7168, 32, sparse=True, block_t=2)

@@ -121,6 +121,7 @@ DISPATCH_SPARSE_QUANT_WARPS = 8
 M_INDICES_E_CHUNK = 32
 # Routing kernels of the chunked path (count / scan).
 DISPATCH_ROUTE_WARPS = 4
+DISPATCH_RANK_SUB = 32  # (16: 29.8 us where 32 took 24.5)
 
 # ---- combine ----
 # Sweep: one token per program wins at every size (16384: 97% of copy BW; 128 tokens 14.5 vs 22.6 us).
@@ -265,6 +266,8 @@ class DispatchConfig:
     rank_chunk: int
     e_block: int
     sparse: bool = False  # the chunked scatter: one token per program, a branch per slot (``_scatter_sparse_kernel``)
+    # count kernel: pairs compared this many at a time for their ranks in the chunk (0: one-hot column prefixes)
+    rank_sub: int = 0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -284,6 +287,10 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     # Chunked path: 128 pairs per chunk, the within-chunk rank and the chunk histogram built 32 experts
     # at a time (128 × 32 one-hot tiles); the scan in slices of 4 experts, 1024 chunks (131072 pairs) a step.
     chunk, hist_experts, scan_experts, scan_chunks = 128, min(e_p2, 32), min(e_p2, 4), 1024
+    # With more than one slice of experts the ranks come from comparing the chunk's pairs 32 at a time
+    # (session 18, H100, count + scan at 16384 tokens x top-8, CUDA-graph timed: 256 experts local 61.1 ->
+    # 24.5 us; 32 local, one slice, 13.3 us with column prefixes against 15.6 comparing).
+    rank_sub = DISPATCH_RANK_SUB if e_p2 > hist_experts else 0
     k_p2 = _pow2_ceil(top_k)
     if fused:
         block_t = block_t or 1
@@ -305,7 +312,7 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
     e_block = min(e_p2, DISPATCH_COUNT_EXPERTS)
     return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
-                          block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused)
+                          block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused, rank_sub)
 
 
 @dataclasses.dataclass(frozen=True)

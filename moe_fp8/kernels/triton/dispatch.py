@@ -310,7 +310,7 @@ def _count_kernel(
     ids_ptr, map_ptr, local_ptr, rank_ptr, hist_ptr, stats_ptr, count_ptr,
     num_pairs, num_experts, num_global,
     CHUNK: tl.constexpr, E_P2: tl.constexpr, HIST_E: tl.constexpr, HAS_MAP: tl.constexpr,
-    ADD_COUNT: tl.constexpr,
+    ADD_COUNT: tl.constexpr, RANK_SUB: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -328,16 +328,27 @@ def _count_kernel(
 
     # Per slice of HIST_E experts, from one [CHUNK, HIST_E] one-hot tile: the chunk's histogram (zeros
     # included: nothing needs a memset) and each local pair's rank_i = #{j < i in the chunk : local_j ==
-    # local_i} (its column's inclusive prefix - 1; a non-local pair gets 0, never read). NOTE: the rank was
+    # local_i} (its column's inclusive prefix - 1; a non-local pair's rank is never read). NOTE: the rank was
     # a [CHUNK, CHUNK] comparison: 252 registers a thread, 1/8 occupancy, 12-17 us at 8192 tokens.
+    # With more than one slice the column prefixes cost more than comparing the pairs RANK_SUB at a time
+    # ([CHUNK, RANK_SUB] tiles, the earlier pairs' ids reloaded; RANK_SUB 0: prefixes).
     # The contiguous layout also adds the histogram to the zero-filled totals, so the scan knows every
     # segment's start at once.
     rank = tl.zeros([CHUNK], dtype=tl.int32)
+    if RANK_SUB > 0:
+        ii = tl.arange(0, CHUNK)
+        for j0 in tl.static_range(0, CHUNK, RANK_SUB):
+            jj = j0 + tl.arange(0, RANK_SUB)
+            j = chunk * CHUNK + jj
+            local_j = _local_ids(ids_ptr, map_ptr, j, j < num_pairs, num_experts, num_global, HAS_MAP)[2]
+            earlier = (local[:, None] == local_j.to(tl.int32)[None, :]) & (jj[None, :] < ii[:, None])
+            rank += tl.sum(earlier.to(tl.int32), axis=1)
     for e0 in tl.static_range(0, E_P2, HIST_E):
         e = e0 + tl.arange(0, HIST_E)
         onehot = (local[:, None] == e[None, :]).to(tl.int32)
         hist = tl.sum(onehot, axis=0)
-        rank += tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
+        if RANK_SUB == 0:
+            rank += tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
         tl.store(hist_ptr + chunk.to(tl.int64) * num_experts + e, hist, mask=e < num_experts)
         if ADD_COUNT:
             tl.atomic_add(count_ptr + e, hist.to(tl.int64), mask=(e < num_experts) & (hist > 0), sem="relaxed")
@@ -711,7 +722,7 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
         _count_kernel[(num_chunks,)](
             ids, emap if emap is not None else ids, local, rank, hist, stats, count, num_pairs, num_experts,
             num_global, CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
-            ADD_COUNT=not masked, num_warps=cfg.route_warps, **pdl_args(device))
+            ADD_COUNT=not masked, RANK_SUB=cfg.rank_sub, num_warps=cfg.route_warps, **pdl_args(device))
     _scan_kernel[(ceil_div(num_experts, cfg.scan_experts) + (0 if masked else 1),)](
         hist, base, count, seg_start, stats, status, masked_m if masked else count, num_chunks, num_experts,
         max_m, align_m, E_P2=cfg.e_p2,
