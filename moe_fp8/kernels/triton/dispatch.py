@@ -1052,14 +1052,14 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     memory before the copying is enqueued, so the host waits only for the routing and returns while the
     GPU is still quantizing and copying rows.
 
-    Without an ``expert_map`` (every pair local: ``top_k`` copies per token) the scatter quantizes each
-    row itself and stores the codes to every destination, so the FP8 input is never read back (nor
-    written, without ``return_x``). With one (expert parallelism: about one copy per token, a third of
-    the tokens idle) the sparse scatter does the same without ``return_x``, reading only the rows it
-    stores; with ``return_x`` every row is quantized anyway, and the quant kernel then the FP8 scatter
-    is faster (session 15, H100, 8192 tokens, 32 of 256 experts local, CUDA-graph timed: 98.2 us fused
-    against 70.9 + 43.9 without ``x_fp8``, 120.6 against 114.8 with it). A dense config under a map
-    (``config.sparse`` False) also takes the two kernels.
+    The scatter quantizes each row itself and stores the codes to every destination, so the FP8 input is
+    never read back (nor written, without ``return_x``). Without an ``expert_map`` (every pair local:
+    ``top_k`` copies per token) that is the dense scatter; with one (expert parallelism: about one copy
+    per token, a third of the tokens idle) the sparse scatter, which without ``return_x`` reads only the
+    rows it stores. Session 18 (H100, 16384 tokens, 32 of 256 experts local, CUDA-graph timed, after the
+    quantization lost its division): sparse 133.5 us without ``x_fp8``, 186.1 with it, against 138.8 +
+    82.5 for the quant kernel then the FP8 scatter (session 15, before: the two kernels won with
+    ``x_fp8``). A dense config under a map (``config.sparse`` False) takes the two kernels.
 
     Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
     bit-identical to the two calls; ``return_x=False``: ``(None, None, ...)``; ``return_m_total``: and
@@ -1073,10 +1073,9 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     num_tokens, k = x.shape
     has_map = expert_map is not None
-    fuse = not has_map or not return_x
-    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map, quant=fuse)
+    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map, quant=True)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
-    if has_map and not (fuse and cfg.sparse):
+    if has_map and not cfg.sparse:
         x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
         routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
         if not return_x:
