@@ -136,8 +136,13 @@ COMBINE_GATHER_MAX_TOKENS = 512
 # slots skipped) 93.7 / 168.8 us at 8192 / 16384 tokens (best sparse 89.5 / 168.8) against 127.9 / 244.3
 # for session 9's per-slot 4096 / 4 warps, whose masked-off slots still issued their loads and math;
 # every slot local 366.5 / 718.4 us (2.88 / 2.94 TB/s, the best config) against 386.3 / 755.6. Fewer
-# tokens keep 1024 / 4 warps (more programs) and turn ``sparse`` on only when the layout has fewer rows
-# than half the pairs (the branches serialize the row loads of a dense token).
+# tokens keep 1024 / 4 warps (more programs).
+# Session 18 (H100, CUDA-graph timed, 1024-4096 tokens x 7168, top-8): a branch per slot is as fast as the
+# per-slot loads when every slot is used (1024 / 2048 / 3072 tokens: 39.6 / 71.5 / 107.1 us against 39.3 /
+# 71.0 / 106.6) and much faster when 7 of 8 are idle (11.1 / 23.4 / 33.8 against 19.8 / 37.5 / 54.6). It had
+# been taken below 4096 tokens only on the caller's hint (rows < half the pairs), which the layer's
+# sync-free layout (upper-bound rows) never gave.
+COMBINE_SPARSE = True
 COMBINE_BLOCK_H = 1024
 COMBINE_BLOCK_T = 1
 COMBINE_WARPS = 4
@@ -327,15 +332,15 @@ class CombineConfig:
 @functools.lru_cache(maxsize=1024)
 def combine_config(num_tokens: int, hidden: int, *, block_t: int | None = None, block_h: int | None = None,
                    num_warps: int | None = None, gather_all: bool | None = None,
-                   sparse: bool = False) -> CombineConfig:
-    """``sparse``: the caller's hint that most slots are idle (``combine`` passes it when the layout has
-    fewer rows than half the pairs); large batches branch per slot anyway (see ``COMBINE_LARGE_BLOCK_H``)."""
+                   sparse: bool | None = None) -> CombineConfig:
+    """``sparse``: a branch per slot (default wherever the rows are not gathered in one load: see
+    ``COMBINE_SPARSE``); False: one predicated load per slot."""
     # bf16 rows: 1024 columns = 2 KiB per gathered row, 8 columns (16 bytes) per thread at 4 warps.
     large = num_tokens >= COMBINE_LARGE_FROM and block_h is None and num_warps is None
     block_h = block_h or min(_pow2_ceil(hidden), COMBINE_LARGE_BLOCK_H if large else COMBINE_BLOCK_H)
     block_t = block_t or max(1, min(COMBINE_BLOCK_T, _pow2_floor(max(num_tokens, 1))))
     if gather_all is None:
         gather_all = num_tokens <= COMBINE_GATHER_MAX_TOKENS
-    sparse = (sparse or large) and block_t == 1 and not gather_all
+    sparse = (COMBINE_SPARSE if sparse is None else sparse) and block_t == 1 and not gather_all
     return CombineConfig(block_t, block_h, num_warps or (COMBINE_LARGE_WARPS if large else COMBINE_WARPS), gather_all,
                          sparse)

@@ -1104,8 +1104,7 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
     shared = shared_output
     if shared is not None and shared.stride(-1) != 1:
         shared = shared.contiguous()
-    # sparse: fewer rows than half the pairs (an expert-parallel rank's contiguous layout)
-    cfg = config or combine_config(num_tokens, h, sparse=2 * rows.shape[0] < num_tokens * top_k)
+    cfg = config or combine_config(num_tokens, h)
     if cfg.sparse and (cfg.block_t != 1 or cfg.gather_all):
         raise ValueError(f"a sparse combine needs block_t 1 and no gather_all, got {cfg}")
     col_blocks = ceil_div(h, cfg.block_h)
