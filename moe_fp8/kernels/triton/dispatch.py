@@ -15,8 +15,9 @@ destination row of every pair, or -1), written by the programs that copy the row
   1. ``_count_kernel``: local expert of each pair (``expert_map`` applied; ids outside the map or
      mapped outside ``[0, E)`` are "not local"), its rank among the chunk's earlier pairs of the
      same expert and the chunk's histogram (both from ``[CHUNK, 32]`` one-hot tiles, the rank their
-     column prefix; the histogram written in full; contiguous layout: also added atomically to the
-     zero-filled per-expert totals — integer sums, so the order of the additions does not matter).
+     column prefix; beyond 32 experts the rank from comparing the chunk's pairs ``RANK_SUB`` at a time;
+     the histogram written in full; contiguous layout: also added atomically to the zero-filled
+     per-expert totals — integer sums, so the order of the additions does not matter).
   2. ``_scan_kernel``: per expert slice, exclusive prefix of the histograms over chunks (masked:
      ``masked_m = min(count, max_m)``); contiguous: the slice's aligned segment starts (from the
      totals), and a program of its own writes ``M_total`` and the id range (for the reference's errors).
@@ -25,9 +26,10 @@ destination row of every pair, or -1), written by the programs that copy the row
      stores it to each of its ``top_k`` destinations (FP8 bytes and scales, scales into the TMA
      layout). Column block 0 writes ``row_map`` and (contiguous) 128 rows of ``m_indices``: each row's
      segment from the segment starts (expert id, or -1 for padding and rows past ``M_total``; only the
-     token blocks below ``M_total`` hold such rows). ``quant_dispatch_contiguous`` without an
-     ``expert_map`` (``QUANT``): the rows are bf16/fp16/fp32 and each program quantizes its slice
-     before storing it (``WRITE_X``: also to ``x_fp8`` / ``x_scale``, for the shared experts).
+     token blocks below ``M_total`` hold such rows). ``quant_dispatch_contiguous`` (``QUANT``): the rows
+     are bf16/fp16/fp32 and each program quantizes its slice before storing it (``WRITE_X``: also to
+     ``x_fp8`` / ``x_scale``, for the shared experts); under an ``expert_map`` the sparse variant
+     (``_scatter_sparse_kernel``, a branch per slot) does the same.
      Under an ``expert_map`` (``DispatchConfig.sparse``) ``_scatter_sparse_kernel`` does the same for one
      token per program with a branch per slot: idle slots issue no stores and idle tokens read nothing,
      so ``quant_dispatch_contiguous(return_x=False)`` quantizes inside it there too.
