@@ -27,9 +27,11 @@ VARIANTS = [
     ("normal", 2112, 7168, make_config(64, 24, 132, k=7168, multicast=2, multicast_on_a=True)),
     ("normal", 4096, 7168, make_config(64, 128, 132, k=7168, split_k=4)),
     ("normal", 7168, 2048, make_config(128, 256, 132, k=2048, split_k=2)),
-    # two-wave tiles with the tail split (the default there) on each layout, and one without
+    # two-wave tiles with the tail split (the default there) on each layout, and one without; K pieces
+    # (masked, K >= 24 blocks)
     ("masked", 7168, 2048, make_config(128, 256, 132, k=2048)),
     ("masked", 7168, 2048, make_config(128, 192, 132, k=2048)),
+    ("masked", 4096, 7168, make_config(128, 256, 132, k=7168)),  # with the K pieces compiled in
     ("normal", 2112, 7168, make_config(64, 192, 132, k=7168)),
     ("contiguous", 4096, 7168, make_config(64, 256, 132, k=7168)),
     ("normal", 4096, 7168, make_config(128, 256, 132, k=7168, tail_split=False)),

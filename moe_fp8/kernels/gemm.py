@@ -13,7 +13,16 @@ import os
 import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
-from .heuristics import BLOCK_K, GemmConfig, GemmDesc, Layout, get_config, num_tiles, tail_split_ok
+from .heuristics import (
+    BLOCK_K,
+    K_SPLIT_MIN_PIECE_BLOCKS,
+    GemmConfig,
+    GemmDesc,
+    Layout,
+    get_config,
+    num_tiles,
+    tail_split_ok,
+)
 from .jit import build, make_tma_2d
 from .jit.runtime import _current_stream
 
@@ -169,8 +178,9 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
         units = 2 * tiles if _tail_split(cfg, act_quant) else tiles
         grid, cluster = max(cfg.multicast, min(cfg.num_sms // cfg.multicast * cfg.multicast, units)), cfg.multicast
     # K-split last wave: its tiles' K pieces may take every CTA (under one wave, too), so it launches
-    # num_sms CTAs; the grid above is the fallback when no workspace can be had (_k_split_workspace)
-    k_split = cfg.k_split and _tail_split(cfg, act_quant)
+    # num_sms CTAs; the grid above is the fallback when no workspace can be had (_k_split_workspace).
+    # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
+    k_split = cfg.k_split and _tail_split(cfg, act_quant) and kb >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
     return kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 

@@ -44,10 +44,11 @@ struct Tile {
 // never get a workspace, the code alone cost 128x256 tiles 4-8% at long K, session 11 A/B).
 template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false>
 struct TailSplit {
-    static constexpr bool kKPieces = kEnabled && kKPieces_;
     // (heuristics.py: K_SPLIT_MAX_PIECES, K_SPLIT_MIN_PIECE_BLOCKS)
     static constexpr uint32_t kMaxPieces = 4;       // more would add partial-tile traffic for little
     static constexpr uint32_t kMinPieceBlocks = 12;  // shorter pieces lost to halves (K = 2048: 8 blocks)
+    // only where K holds two pieces: with fewer blocks the code could never run
+    static constexpr bool kKPieces = kEnabled && kKPieces_ && kNumKBlocks >= 2 * kMinPieceBlocks;
 
     // unit (= blockIdx.x + iter * gridDim.x) of `num_tiles` -> tile index, waves and K range; false past
     // this CTA's last unit.
