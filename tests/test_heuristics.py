@@ -144,6 +144,34 @@ def test_measured_small_m_tiles_apply_only_where_measured() -> None:
             assert get_config(desc) == modelled_config(config_key(desc)), desc
 
 
+def test_measured_masked_tiles_apply_only_where_measured() -> None:
+    """MASKED_MEASURED_TILES decides masked GEMMs of up to 4 groups of 256-1024 expected rows on 132 SMs at
+    the listed N x K (where the model picks another tile); more groups, fewer or more rows, other machines,
+    the fused epilogue and other layouts stay with the cost model."""
+    from moe_fp8.kernels.heuristics import (
+        MASKED_MEASURED_MAX_GROUPS,
+        MASKED_MEASURED_ROWS,
+        MASKED_MEASURED_TILES,
+        config_key,
+        modelled_config,
+    )
+
+    for (n, k), (block_n, stages) in MASKED_MEASURED_TILES.items():
+        lo, hi = MASKED_MEASURED_ROWS
+        for g, m in ((1, hi), (2, 512), (MASKED_MEASURED_MAX_GROUPS, lo)):
+            desc = GemmDesc(4096, n, k, num_groups=g, layout="masked", expected_m=m)
+            cfg = get_config(desc)
+            assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, block_n, stages), desc
+            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+        for desc in (GemmDesc(4096, n, k, num_groups=MASKED_MEASURED_MAX_GROUPS + 1, layout="masked", expected_m=512),
+                     GemmDesc(4096, n, k, num_groups=2, layout="masked", expected_m=lo - 64),
+                     GemmDesc(4096, n, k, num_groups=1, layout="masked", expected_m=hi + 64),
+                     GemmDesc(4096, n, k, num_groups=2, layout="masked", expected_m=512, num_sms=114),
+                     GemmDesc(4096, 2 * n, k, num_groups=2, layout="masked", expected_m=512, act_quant=1),
+                     GemmDesc(1024, n, k)):
+            assert get_config(desc) == modelled_config(config_key(desc)), desc
+
+
 def test_large_m_fills_the_machine() -> None:
     cfg = get_config(GemmDesc(4096, 7168, 16384))
     _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n, cfg.multicast,

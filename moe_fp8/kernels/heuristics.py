@@ -14,7 +14,8 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
 - a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
 - ties go to fewer tiles, then to the wider BLOCK_N.
-Normal GEMMs of at most 128 rows on 132 SMs whose tile was measured (``SMALL_M_BLOCK_N``) skip the model.
+Normal GEMMs of at most 128 rows, and few-group masked ones at K = 2048, on 132 SMs whose tile was measured
+(``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``) skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -92,6 +93,16 @@ SMALL_M_BLOCK_N: dict[tuple[int, int], dict[int, int]] = {
     (4096, 7168): {1: 48, 2: 96},  # 64x64 23.9 / 24.5 -> 21.2 / 22.6
 }
 SMALL_M_SMS = 132
+# Measured masked tiles, not modelled: (N, K) -> (BLOCK_N, stages) of a 128-row tile for masked GEMMs of up to
+# MASKED_MEASURED_MAX_GROUPS groups of MASKED_MEASURED_ROWS expected rows on 132 SMs. Session 19 sweep
+# (H100 SXM, one process, do_bench best of 3 rounds, 4 draws each of 1 x 1024, 2 x 512 and 4 x 256 rows,
+# docs/kernels/gemm.md): 128x128 with 5 stages took 1.6 / 2.2 / 5.3% less time over the draws than the
+# model's 128x256 (128x192 at 4 x 256). At K = 2048 a few waves of 128x128 tiles run at ~440 ns per 128-K
+# block, where the model, calibrated on long-running GEMMs, charges 506; at K = 7168 the model's 128x256
+# stays ahead (measured too).
+MASKED_MEASURED_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (128, 5)}
+MASKED_MEASURED_MAX_GROUPS = 4
+MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads at K = 2048: session 18)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,24 +375,32 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured small-M tile (``SMALL_M_BLOCK_N``) where one applies, else the cost model's pick."""
+    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``) where one applies, else the cost
+    model's pick."""
     cfg = _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
     return cfg
 
 
-def _measured_small_m(desc: GemmDesc) -> GemmConfig | None:
-    """The ``SMALL_M_BLOCK_N`` tile of a normal small-M GEMM on the machine it was measured on, if any."""
-    if desc.layout != "normal" or desc.num_sms != SMALL_M_SMS or desc.act_quant:
+def _measured_config(desc: GemmDesc) -> GemmConfig | None:
+    """The measured tile of this call on the machine it was measured on, if any: ``SMALL_M_BLOCK_N`` (normal
+    small-M GEMMs) or ``MASKED_MEASURED_TILES``."""
+    if desc.num_sms != SMALL_M_SMS or desc.act_quant:
         return None
-    block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
-    return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
+    if desc.layout == "normal":
+        block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
+        return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
+    tile = MASKED_MEASURED_TILES.get((desc.n, desc.k))
+    if (desc.layout != "masked" or tile is None or desc.num_groups > MASKED_MEASURED_MAX_GROUPS
+            or not MASKED_MEASURED_ROWS[0] <= (desc.expected_m or desc.m) <= MASKED_MEASURED_ROWS[1]):
+        return None
+    return make_config(128, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
 
 
 @functools.cache
 def _best_config(desc: GemmDesc) -> GemmConfig:
-    measured = _measured_small_m(desc)
+    measured = _measured_config(desc)
     return modelled_config(desc) if measured is None else measured
 
 
