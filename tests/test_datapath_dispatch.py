@@ -7,6 +7,7 @@ unspecified / untouched (checked on poisoned buffers). Combine: identical bf16 b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -103,12 +104,14 @@ def test_dispatch_matches_reference(t, h, e_global, e_local, k, max_m, skew, fus
     assert cfg.sparse == sparse
     got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, config=cfg)
     check_masked(got, ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap), max_m)
-    for align_m in (128, 16):
+    # the dense scatter also with its scales in a pass of their own (scales_apart)
+    for align_m, apart in ((128, False), (16, False), *(() if sparse else ((128, True),))):
+        cfg_c = dataclasses.replace(cfg, scales_apart=apart)
         want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m)
-        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, config=cfg)
+        got = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, config=cfg_c)
         check_contiguous(got, want)
         *got, m_total = dispatch.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, align_m, sync=False,
-                                                     return_m_total=True, config=cfg)
+                                                     return_m_total=True, config=cfg_c)
         assert got[0].shape[0] == dispatch.contiguous_rows_bound(t, k, e, align_m)
         check_contiguous_bound(got, want, align_m)
         check_m_total(m_total, want, d.x_fp8.device)
@@ -178,15 +181,17 @@ def test_quant_dispatch_contiguous_matches_quant_then_dispatch(t, h, e_global, e
     """``quant_dispatch_contiguous`` equals the reference's ``per_token_group_quant`` then
     ``dispatch_contiguous`` bit for bit, with the sync (exact rows) and without it (the bound), with
     and without the quantized input (``return_x=False``: with a map, idle tokens' rows are not read), by
-    the dense scatter (2 tokens per program; under a map: the quant kernel, then the FP8 scatter) and
-    the sparse one (a branch per slot)."""
+    the dense scatter (2 tokens per program; under a map: the quant kernel, then the FP8 scatter; its
+    scales inline or in a pass of their own) and the sparse one (a branch per slot)."""
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device=DEVICE, skew=skew)
     emap = make_expert_map(e_global, e_local, seed=t) if e_local else None
     e = e_local or e_global
     r_fp8, r_scale = ref.per_token_group_quant(d.x)
-    for (align_m, sync, return_x), sparse in itertools.product(
-            ((128, True, True), (16, True, False), (128, False, True), (128, False, False)), (False, True)):
-        cfg = dispatch_config(t, k, h, e, block_t=1 if sparse else 2, block_k=128, quant=True, sparse=sparse)
+    for (align_m, sync, return_x), (sparse, apart) in itertools.product(
+            ((128, True, True), (16, True, False), (128, False, True), (128, False, False)),
+            ((False, False), (False, True), (True, False))):
+        cfg = dispatch_config(t, k, h, e, block_t=1 if sparse else 2, block_k=128, quant=True, sparse=sparse,
+                              scales_apart=apart)
         x_fp8, x_scale, *got = dispatch.quant_dispatch_contiguous(d.x, d.topk_ids, e, emap, align_m, sync=sync,
                                                                   return_x=return_x, config=cfg)
         if not return_x:

@@ -119,6 +119,17 @@ DISPATCH_SPARSE_QUANT_WARPS = 8
 # Contiguous m_indices rows (in the scatter's column block 0): segment starts compared E_CHUNK at a time
 # ([128, E_CHUNK] tiles; a 256-wide tile spilled at 256 experts).
 M_INDICES_E_CHUNK = 32
+# The dense contiguous scatter quantizing its rows (``quant_dispatch_contiguous`` without an expert map, the
+# quantized input returned) writes the output scales in a pass of its own from this many pairs on: written
+# a token at a time each 4-byte scale lands in a 32-byte sector that other tokens fill later. Session 19
+# (H100, 7168 columns, top-8 of 256, CUDA-graph timed): 16384 / 8192 / 4096 tokens 617.7 -> 568.8, 313.2 ->
+# 295.1, 161.9 -> 157.3 us; 1024 tokens 46.8 -> 49.9 (the extra launch). The FP8 scatter gains nothing
+# (16384 tokens 505.2 -> 497.4 us, 4096 tokens 134.8 -> 137.7): it stays as it is.
+DISPATCH_SCALES_APART_MIN_PAIRS = 32768
+# _scale_rows_kernel: output rows and scale groups per program (a [64, 128] FP32 tile: 128 rows = 512 bytes
+# of each group's column, whole sectors)
+SCALE_ROWS_BLOCK_R = 128
+SCALE_ROWS_BLOCK_G = 64
 # Routing kernels of the chunked path (count / scan).
 DISPATCH_ROUTE_WARPS = 4
 DISPATCH_RANK_SUB = 32  # (16: 29.8 us where 32 took 24.5)
@@ -273,18 +284,24 @@ class DispatchConfig:
     sparse: bool = False  # the chunked scatter: one token per program, a branch per slot (``_scatter_sparse_kernel``)
     # count kernel: pairs compared this many at a time for their ranks in the chunk (0: one-hot column prefixes)
     rank_sub: int = 0
+    # the dense contiguous scatter leaves the scales to a pass of their own over the output rows
+    # (``_scale_rows_kernel``, see DISPATCH_SCALES_APART_MIN_PAIRS)
+    scales_apart: bool = False
 
 
 @functools.lru_cache(maxsize=1024)
 def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, *,
                     fused: bool | None = None, block_t: int | None = None,
                     block_k: int | None = None, num_warps: int | None = None, has_map: bool = False,
-                    quant: bool = False, sparse: bool | None = None) -> DispatchConfig:
+                    quant: bool = False, sparse: bool | None = None,
+                    scales_apart: bool | None = None) -> DispatchConfig:
     """``fused`` applies to ``dispatch_masked`` only (the contiguous layout needs every expert's count
     before any position: it always takes the chunked path). ``has_map``: an ``expert_map`` selects the
     local experts (the chunked scatter's own defaults; by default the sparse scatter). ``quant``: the
     chunked scatter quantizes the rows it copies (``quant_dispatch_contiguous``). ``sparse``: the chunked
-    scatter branches per slot (one token per program, so ``block_t`` must be 1)."""
+    scatter branches per slot (one token per program, so ``block_t`` must be 1). ``scales_apart``: the dense
+    contiguous scatter's scales in a pass of their own (default: quantizing, from
+    ``DISPATCH_SCALES_APART_MIN_PAIRS`` pairs on; it applies where the quantized input is returned)."""
     e_p2 = _pow2_ceil(num_experts)
     pairs = num_tokens * top_k
     if fused is None:
@@ -316,8 +333,11 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
         num_warps = num_warps or default_warps
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
     e_block = min(e_p2, DISPATCH_COUNT_EXPERTS)
+    if scales_apart is None:
+        scales_apart = quant and pairs >= DISPATCH_SCALES_APART_MIN_PAIRS
     return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
-                          block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused, rank_sub)
+                          block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused, rank_sub,
+                          scales_apart)
 
 
 @dataclasses.dataclass(frozen=True)

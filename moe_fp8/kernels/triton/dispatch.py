@@ -82,6 +82,8 @@ from moe_fp8.kernels.triton.common import (
 from moe_fp8.kernels.triton.configs import (
     M_INDICES_E_CHUNK,
     MAX_GRID_YZ,
+    SCALE_ROWS_BLOCK_G,
+    SCALE_ROWS_BLOCK_R,
     CombineConfig,
     DispatchConfig,
     combine_config,
@@ -486,12 +488,16 @@ def _scale_offsets(dest, max_m, KG, m_pad, MASKED: tl.constexpr):
 @triton.jit
 def _scatter_kernel(
     x_ptr, xs_ptr, local_ptr, rank_ptr, base_ptr, seg_ptr, count_ptr, status_ptr, row_map_ptr, m_idx_ptr, out_ptr,
-    out_s_ptr, xq_ptr, xqs_ptr, T, K, KG, num_experts, max_m, m_pad, m_rows, xs_stride_t, xs_stride_g, t_pad, eps,
+    out_s_ptr, xq_ptr, xqs_ptr, src_ptr, T, K, KG, num_experts, max_m, m_pad, m_rows, xs_stride_t, xs_stride_g,
+    t_pad, eps,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, M_BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, MASKED: tl.constexpr,
     SKIP_IDLE: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, M_ALIGN: tl.constexpr, QUANT: tl.constexpr,
-    WRITE_X: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr,
+    WRITE_X: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES_APART: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # SCALES_APART (contiguous): no scales here; column block 0 writes each destination row's token to
+    # ``src`` and ``_scale_rows_kernel`` copies the scales after (from ``xs``, or from ``xqs`` under QUANT)
     pdl_start(PDL)
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -521,7 +527,8 @@ def _scatter_kernel(
         xv = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         row = tl.load(x_ptr + offs, mask=mask)
-        sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=s_mask)
+        if not SCALES_APART:
+            sc = tl.load(xs_ptr + t64[:, None] * xs_stride_t + g[None, :] * xs_stride_g, mask=s_mask)
     # every destination of the block's pairs, from the routing state (column block 0 publishes them)
     dests = _pair_dests(local, rank_ptr, base_ptr, seg_ptr, p, p_ok, num_experts, max_m, CHUNK, MASKED)
     if QUANT:  # exactly as the quant kernel; WRITE_X: also the quantized input (TMA-layout scales, t_pad rows)
@@ -536,10 +543,36 @@ def _scatter_kernel(
         dest = tl.sum(tl.where(jk[None, :] == j, dests, 0), axis=1)  # column j (register work)
         keep = dest >= 0
         dest = tl.where(keep, dest, 0)
-        s_offs = _scale_offsets(dest, max_m, KG, m_pad, MASKED)
         tl.store(out_ptr + dest[:, None, None] * K + col, row, mask=keep[:, None, None] & col_ok)
-        tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc,
-                 mask=keep[:, None] & g_ok[None, :])
+        if SCALES_APART:
+            if pid_k == 0:
+                tl.store(src_ptr + dest, t, mask=keep)
+        else:
+            s_offs = _scale_offsets(dest, max_m, KG, m_pad, MASKED)
+            tl.store(out_s_ptr + s_offs[:, None] + g[None, :].to(tl.int64) * m_pad, sc,
+                     mask=keep[:, None] & g_ok[None, :])
+
+
+@triton.jit
+def _scale_rows_kernel(
+    src_ptr, m_idx_ptr, xs_ptr, out_s_ptr, status_ptr, m_rows, m_pad, KG, xs_stride_t, xs_stride_g,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, M_ALIGN: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The contiguous layout's scales, row by row (``SCALES_APART``): row ``r`` of expert ``m_indices[r] >= 0``
+    takes token ``src[r]``'s scales; padding rows stay unwritten. A [BLOCK_G, BLOCK_R] tile per program, its
+    stores along the rows (whole sectors)."""
+    pdl_start(PDL)
+    if ROWS_ON_DEVICE:
+        m_rows, m_pad = _layout_rows(status_ptr, M_ALIGN)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    r_ok = r < m_rows
+    ok = r_ok & (tl.load(m_idx_ptr + r, mask=r_ok, other=-1) >= 0)
+    tok = tl.load(src_ptr + r, mask=ok, other=0).to(tl.int64)
+    m = ok[None, :] & (g < KG)[:, None]
+    v = tl.load(xs_ptr + tok[None, :] * xs_stride_t + g[:, None].to(tl.int64) * xs_stride_g, mask=m)
+    tl.store(out_s_ptr + g[:, None].to(tl.int64) * m_pad + r[None, :], v, mask=m)
 
 
 @triton.jit
@@ -769,10 +802,11 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
     src, src_scale, xs_strides = (x.view(torch.uint8), x_scale, x_scale.stride()) if quant is None else \
         (x, out_scale, (0, 0))
     x_dst, x_dst_scale = (quant.x_fp8, quant.x_scale) if write_x else (out, out_scale)
-    args = (src, src_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count,
+    head = (src, src_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count,
             routing.status, row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
-            x_dst.view(torch.uint8), x_dst_scale, num_tokens, k, ceil_div(k, 128), num_experts, max_m, m_pad, m_rows,
-            *xs_strides, get_tma_aligned_m(num_tokens), float(quant.eps) if quant is not None else 0.0)
+            x_dst.view(torch.uint8), x_dst_scale)
+    tail = (num_tokens, k, ceil_div(k, 128), num_experts, max_m, m_pad, m_rows, *xs_strides,
+            get_tma_aligned_m(num_tokens), float(quant.eps) if quant is not None else 0.0)
     meta = dict(TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]), BLOCK_K=block_k,
                 CHUNK=cfg.chunk, M_BLOCK=m_block,
                 E_CHUNK=min(triton.next_power_of_2(max(num_experts, 1)), M_INDICES_E_CHUNK), MASKED=masked,
@@ -780,10 +814,21 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
                 UE8M0=quant is not None and bool(quant.ue8m0), NATIVE_FP8=quant is not None and native_fp8(x.device),
                 num_warps=cfg.num_warps, **pdl_args(x.device))
     if cfg.sparse:
-        _scatter_sparse_kernel[(t_blocks, col_blocks)](*args, **meta)
-    else:
-        _scatter_kernel[(t_blocks, col_blocks)](*args, BLOCK_T=cfg.block_t, SKIP_IDLE=routing.has_map and not write_x,
-                                                **meta)
+        _scatter_sparse_kernel[(t_blocks, col_blocks)](*head, *tail, **meta)
+        return
+    # scales in a pass of their own (contiguous; from x_scale, or from the quantized input's scales)
+    apart = cfg.scales_apart and not masked and (quant is None or write_x)
+    src_rows = torch.empty(m_rows, dtype=torch.int32, device=x.device) if apart else row_map  # (a stand-in)
+    _scatter_kernel[(t_blocks, col_blocks)](*head, src_rows, *tail, BLOCK_T=cfg.block_t,
+                                            SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
+    if apart and m_rows:
+        scales, strides = (x_scale, x_scale.stride()) if quant is None else (quant.x_scale, quant.x_scale.stride())
+        kg = ceil_div(k, 128)
+        block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
+        _scale_rows_kernel[(ceil_div(m_rows, SCALE_ROWS_BLOCK_R), ceil_div(kg, block_g))](
+            src_rows, m_indices, scales, out_scale, routing.status, m_rows, m_pad, kg, *strides,
+            BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device, M_ALIGN=SCALE_M_ALIGN,
+            num_warps=4, **pdl_args(x.device))
 
 
 def _fused_grid(num_tokens: int, num_experts: int, col_blocks: int, cfg: DispatchConfig) -> tuple[int, int]:
