@@ -33,6 +33,9 @@ destination row of every pair, or -1), written by the programs that copy the row
      Under an ``expert_map`` (``DispatchConfig.sparse``) ``_scatter_sparse_kernel`` does the same for one
      token per program with a branch per slot: idle slots issue no stores and idle tokens read nothing,
      so ``quant_dispatch_contiguous(return_x=False)`` quantizes inside it there too.
+     ``DispatchConfig.scales_apart`` (contiguous, the quantizing dense scatter from 4096 tokens × top-8):
+     column block 0 records each destination row's token instead, and a fourth launch,
+     ``_scale_rows_kernel``, writes the scales row by row (whole sectors, not a 4-byte store per token).
 
 Every data-path kernel starts with ``common.pdl_start`` (programmatic dependent launch on sm_90+).
 
