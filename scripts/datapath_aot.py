@@ -132,7 +132,8 @@ def _drive() -> None:
             D.dispatch_contiguous(x, xs, ids, e, m, 128, sync=False)
         for knobs in [{"fused": False}, {"fused": True}, {"block_t": 2, "block_k": 4096, "num_warps": 8},
                       {"block_t": 1, "block_k": 8192, "num_warps": 8}, {"block_k": 1024}, {"block_t": 8},
-                      {"fused": False, "sparse": True}, {"fused": False, "sparse": True, "block_k": 8192, "num_warps": 8}]:
+                      {"fused": False, "sparse": True}, {"fused": False, "sparse": True, "block_k": 8192, "num_warps": 8},
+                      {"fused": False, "scales_apart": True}]:
             cfg = C.dispatch_config(t, top_k, 7168, e, **knobs)
             if cfg.fused and t > 256:
                 continue  # the fused path's cost grows as pairs²: the sweep never tries it there
@@ -152,6 +153,10 @@ def _drive() -> None:
             cfg = C.dispatch_config(t, top_k, 7168, e, has_map=m is not None, quant=True, sparse=m is None)
             D.quant_dispatch_contiguous(xb, ids, e, m, 128, ue8m0, sync=sync, return_x=return_x, config=cfg)
         D.quant_dispatch_contiguous(torch.zeros(t, 200, dtype=torch.float32), ids, e, None, 16)
+        # the dense quantizing scatter with its scales in a pass of their own (the default from 4096 tokens)
+        for sync in (True, False):
+            D.quant_dispatch_contiguous(xb, ids, e, None, 128, False, sync=sync,
+                                        config=C.dispatch_config(t, top_k, 7168, e, quant=True, scales_apart=True))
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)
         w = torch.zeros(t, top_k)

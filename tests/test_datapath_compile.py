@@ -39,7 +39,7 @@ def test_every_datapath_kernel_compiles_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     kernels = {r["kernel"] for r in summary["results"]}
     assert {"_act_quant_kernel", "_select_experts_kernel", "_dispatch_fused_kernel", "_count_kernel", "_scan_kernel",
-            "_scatter_kernel", "_scatter_sparse_kernel", "_combine_kernel"} <= kernels
+            "_scatter_kernel", "_scatter_sparse_kernel", "_scale_rows_kernel", "_combine_kernel"} <= kernels
     # the branches that matter at decode and at prefill were compiled, hardware conversions included
     quant = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_act_quant_kernel"]
     assert {(c["FLAT"], c["HAS_MASK"]) for c in quant} >= {("True", "True"), ("False", "True"), ("False", "False")}
@@ -51,6 +51,9 @@ def test_every_datapath_kernel_compiles_for_sm90(tmp_path):
     assert all(r["constexprs"]["PDL"] == "True" for r in summary["results"])
     scatter = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scatter_kernel"]
     assert {(c["QUANT"], c["WRITE_X"]) for c in scatter} >= {("True", "True"), ("True", "False"), ("False", "False")}
+    assert {(c["QUANT"], c["SCALES_APART"]) for c in scatter} >= {("True", "True"), ("False", "True"), ("False", "False")}
+    scale_rows = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scale_rows_kernel"]
+    assert {c["ROWS_ON_DEVICE"] for c in scale_rows} == {"True", "False"}
     count = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_count_kernel"]
     assert {c["RANK_SUB"] for c in count} >= {"0", "32"}, "ranks from column prefixes and from comparisons"
     sparse = [r["constexprs"] for r in summary["results"] if r["kernel"] == "_scatter_sparse_kernel"]
