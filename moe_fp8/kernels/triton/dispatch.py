@@ -821,7 +821,8 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
         return
     # scales in a pass of their own (contiguous; from x_scale, or from the quantized input's scales)
     apart = cfg.scales_apart and not masked and (quant is None or write_x)
-    src_rows = torch.empty(m_rows, dtype=torch.int32, device=x.device) if apart else row_map  # (a stand-in)
+    # (row_map stands in where nothing is recorded: no pointer of an empty tensor reaches the launch)
+    src_rows = torch.empty(m_rows, dtype=torch.int32, device=x.device) if apart and m_rows else row_map
     _scatter_kernel[(t_blocks, col_blocks)](*head, src_rows, *tail, BLOCK_T=cfg.block_t,
                                             SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
     if apart and m_rows:
