@@ -15,11 +15,11 @@ import torch
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
 from .heuristics import (
     BLOCK_K,
-    K_SPLIT_MIN_PIECE_BLOCKS,
     GemmConfig,
     GemmDesc,
     Layout,
     get_config,
+    k_pieces_fit,
     num_tiles,
     tail_split_ok,
 )
@@ -180,7 +180,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # K-split last wave: its tiles' K pieces may take every CTA (under one wave, too), so it launches
     # num_sms CTAs; the grid above is the fallback when no workspace can be had (_k_split_workspace).
     # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
-    k_split = cfg.k_split and _tail_split(cfg, act_quant) and kb >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
+    k_split = cfg.k_split and _tail_split(cfg, act_quant) and k_pieces_fit(k)
     return kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
 
 

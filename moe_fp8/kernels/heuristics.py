@@ -260,7 +260,13 @@ def masked_k_split(desc: GemmDesc, block_n: int, multicast: int = 1) -> bool:
     long enough for two pieces."""
     return (desc.layout == "masked" and desc.num_groups <= MASKED_TAIL_SPLIT_MAX_GROUPS and not desc.act_quant
             and tail_split_ok(block_n, multicast)
-            and ceil_div(desc.k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS)
+            and k_pieces_fit(desc.k))
+
+
+def k_pieces_fit(k: int) -> bool:
+    """K holds two pieces of ``K_SPLIT_MIN_PIECE_BLOCKS``: only then does a masked kernel have K pieces
+    compiled in (sched::TailSplit::kKPieces); below, a K-split launch runs halves."""
+    return ceil_div(k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:

@@ -808,7 +808,8 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
     head = (src, src_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count,
             routing.status, row_map, row_map if masked else m_indices, out.view(torch.uint8), out_scale,
             x_dst.view(torch.uint8), x_dst_scale)
-    tail = (num_tokens, k, ceil_div(k, 128), num_experts, max_m, m_pad, m_rows, *xs_strides,
+    kg = ceil_div(k, 128)
+    tail = (num_tokens, k, kg, num_experts, max_m, m_pad, m_rows, *xs_strides,
             get_tma_aligned_m(num_tokens), float(quant.eps) if quant is not None else 0.0)
     meta = dict(TOP_K=row_map.shape[1], K_P2=triton.next_power_of_2(row_map.shape[1]), BLOCK_K=block_k,
                 CHUNK=cfg.chunk, M_BLOCK=m_block,
@@ -827,7 +828,6 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
                                             SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
     if apart and m_rows:
         scales, strides = (x_scale, x_scale.stride()) if quant is None else (quant.x_scale, quant.x_scale.stride())
-        kg = ceil_div(k, 128)
         block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
         _scale_rows_kernel[(ceil_div(m_rows, SCALE_ROWS_BLOCK_R), ceil_div(kg, block_g))](
             src_rows, m_indices, scales, out_scale, routing.status, m_rows, m_pad, kg, *strides,
