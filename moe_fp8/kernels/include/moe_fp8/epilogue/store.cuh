@@ -36,12 +36,25 @@ __device__ __forceinline__ void write_chunk_to_smem(uint8_t* base, uint32_t j, f
 }
 
 // `acc` is one warpgroup's m64nBLOCK_N D-fragment (BLOCK_N / 2 floats), rows `wg_row0`..+63 of the tile.
+// Two 8-column chunks per stmatrix (a quarter of the store instructions of 4-byte stores): matrices
+// 0 / 1 are chunk j's upper / lower 8 rows, 2 / 3 chunk j + 1's; lane i addresses row i % 8 of matrix i / 8.
 template <uint32_t BLOCK_N>
 __device__ __forceinline__ void write_fragment_to_smem(uint8_t* smem_d, const float* acc, uint32_t wg_row0) {
-    uint8_t* base = fragment_smem_base<BLOCK_N>(smem_d, wg_row0);
+    constexpr uint32_t kPitch = StagingTile<BLOCK_N>::kPitchBytes;
+    constexpr uint32_t kChunks = BLOCK_N / 8;
+    const uint32_t lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x / 32) % 4;
+    uint8_t* base = smem_d + (wg_row0 + warp_in_wg * 16 + lane % 8 + (lane / 8) % 2 * 8) * kPitch + lane / 16 * 16;
 #pragma unroll
-    for (uint32_t j = 0; j < BLOCK_N / 8; ++j)
-        write_chunk_to_smem<BLOCK_N>(base, j, acc[4 * j + 0], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    for (uint32_t j = 0; j + 1 < kChunks; j += 2)
+        ptx::stmatrix_x4(base + j * 16, ptx::pack_bf16x2(acc[4 * j], acc[4 * j + 1]),
+                         ptx::pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]),
+                         ptx::pack_bf16x2(acc[4 * j + 4], acc[4 * j + 5]),
+                         ptx::pack_bf16x2(acc[4 * j + 6], acc[4 * j + 7]));
+    if constexpr (kChunks % 2) {
+        constexpr uint32_t j = kChunks - 1;
+        write_chunk_to_smem<BLOCK_N>(fragment_smem_base<BLOCK_N>(smem_d, wg_row0), j, acc[4 * j], acc[4 * j + 1],
+                                     acc[4 * j + 2], acc[4 * j + 3]);
+    }
 }
 
 // All `kNumThreads` epilogue threads copy the staged tile out; row r of the tile goes to global row

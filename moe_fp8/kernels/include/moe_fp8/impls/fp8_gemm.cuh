@@ -24,14 +24,15 @@ namespace moe_fp8 {
 
 constexpr uint32_t kBlockK = 128;  // == scale granularity: one promotion per K block
 constexpr uint32_t kWgmmaK = 32;   // K of one fp8 wgmma
-// Named barriers (0 is __syncthreads) between the math warpgroups and the store warps: the staging
-// tile is full (math -> store warps) / has been copied out (store warps -> math).
-constexpr uint32_t kBarStagingFull = 1;
-constexpr uint32_t kBarStagingEmpty = 2;
-// The store warps have staged a tile's weight scales (store warps -> math), one barrier per buffer.
-constexpr uint32_t kBarScalesFull = 3;  // and 4
+// Named barriers (0 is __syncthreads) between each math warpgroup and the store warps, one per
+// warpgroup so the two never wait for each other at a tile's ends: its 64 rows of the staging tile
+// are full (math -> store warps) / have been copied out (store warps -> math) ...
+constexpr uint32_t kBarStagingFull = 1;   // + warpgroup
+constexpr uint32_t kBarStagingEmpty = 3;  // + warpgroup
+// ... and the store warps have staged a tile's weight scales (store warps -> math), per buffer.
+constexpr uint32_t kBarScalesFull = 5;  // + 2 * buffer + warpgroup
 // The math warpgroups' partial tile is published (a K piece): every math thread has written it.
-constexpr uint32_t kBarPartial = 5;
+constexpr uint32_t kBarPartial = 9;
 constexpr uint32_t kNumStoreThreads = 96;  // warps 1-3 of the producer warpgroup
 
 // Shared-memory layout of one kernel variant; the host passes the total it computed as
@@ -226,7 +227,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // NOTE: the epilogue is split: math warpgroups write the bf16 tile into shared memory and go on
     // to the next tile's mainloop; warps 1-3 of the producer warpgroup (idle otherwise) copy it out
     // with the bounded stores, so global-store time leaves the tensor cores' critical path.
-    constexpr uint32_t kNumStagingThreads = kNumMathThreads + kNumStoreThreads;
+    // Each math warpgroup hands its own 64 rows over (kBarStagingFull / Empty + warpgroup) and waits only
+    // for its own scales, so neither waits for the other at a tile's start or end (the store warps take
+    // both halves before storing the tile, which keeps their code, and registers, as for one handshake).
+    constexpr uint32_t kNumStagingThreads = 128 + kNumStoreThreads;
     if (warpgroup == kNumMathWGs) {
         ptx::setmaxnreg_dec<kProducerRegs>();
         if (threadIdx.x % 128 >= 32) {
@@ -247,15 +251,20 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 const uint32_t sb1 = kActQuant ? kNumNScales / 2 + j : min(sb0 + 1, kNumNScales - 1);
                 stage_w_scales<kNumKBlocks, kNumNScales, Smem::kSBPitch, kNumStoreThreads>(
                     smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, sb0, sb1, store_idx);
-                ptx::named_barrier_arrive(kBarScalesFull + scale_buf, kNumStagingThreads);
+#pragma unroll
+                for (uint32_t g = 0; g < kNumMathWGs; ++g)
+                    ptx::named_barrier_arrive(kBarScalesFull + 2 * scale_buf + g, kNumStagingThreads);
                 scale_buf ^= 1;
             };
             stage_next_scales();
-            ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);  // the staging tile starts empty
+#pragma unroll
+            for (uint32_t g = 0; g < kNumMathWGs; ++g)  // the staging tile starts empty
+                ptx::named_barrier_arrive(kBarStagingEmpty + g, kNumStagingThreads);
             while (scheduler.next(tile, k_split)) {
                 stage_next_scales();
                 // (a published K piece still signals here: the math warpgroups are done with its scales)
-                ptx::named_barrier_sync(kBarStagingFull, kNumStagingThreads);
+#pragma unroll
+                for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
                 if (Tail::publishes(tile)) {  // a partial tile, stored by another CTA
                 } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
@@ -270,7 +279,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
                         smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
                 }
-                ptx::named_barrier_arrive(kBarStagingEmpty, kNumStagingThreads);
+#pragma unroll
+                for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_arrive(kBarStagingEmpty + g, kNumStagingThreads);
             }
         } else if (threadIdx.x % 128 == 0) {
             // ---- producer: one thread issues every TMA load ----
@@ -348,7 +358,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // The tile's weight scales, staged by the store warps: row 0 holds its first scale block,
         // row 1 the next (a straddling wave's upper columns or the second wave's).
         const float* tile_w_scale = smem_sb + scale_buf * 2 * Smem::kSBPitch;
-        ptx::named_barrier_sync(kBarScalesFull + scale_buf, kNumStagingThreads);
+        ptx::named_barrier_sync(kBarScalesFull + 2 * scale_buf + warpgroup, kNumStagingThreads);
         scale_buf ^= 1;
         // the tile's K blocks (a split's share with split-K; a K piece's has its own mainloop below);
         // the i-th issue's block, as the producer walks them
@@ -494,7 +504,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             epi::gather_partials<kNumAccum, kNumMathThreads>(k_split_workspace, total, tile.last_piece_cta,
                                                              kBarPartial);
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
-        ptx::named_barrier_sync(kBarStagingEmpty, kNumStagingThreads);
+        ptx::named_barrier_sync(kBarStagingEmpty + warpgroup, kNumStagingThreads);
         if (Tail::publishes(tile)) {  // nothing to stage; the handshake keeps the store warps in step
         } else if constexpr (kSplitK > 1) {
             // one tile per CTA: its stage buffers are drained and hold the partial sums
@@ -510,7 +520,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
         }
-        ptx::named_barrier_arrive(kBarStagingFull, kNumStagingThreads);
+        ptx::named_barrier_arrive(kBarStagingFull + warpgroup, kNumStagingThreads);
     }
     }
     // no CTA may exit while its peer can still multicast into it, arrive on its barriers or (split-K)

@@ -42,6 +42,13 @@ __device__ __forceinline__ void st_shared_u32(void* ptr, uint32_t v) {
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(v));
 }
 
+// Four 8x8 b16 matrices to shared memory: lane i gives row i % 8 of matrix i / 8; register j holds
+// this lane's two elements (row lane / 4, columns 2 * (lane % 4) ..+1) of matrix j.
+__device__ __forceinline__ void stmatrix_x4(void* ptr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(r0), "r"(r1), "r"(r2), "r"(r3));
+}
+
 // The shared::cluster address of `ptr`'s counterpart in CTA `cta_id` of the cluster (DSMEM).
 __device__ __forceinline__ uint32_t map_shared_to_cta(const void* ptr, uint32_t cta_id) {
     uint32_t remote;
