@@ -126,6 +126,33 @@ def test_ties_nan_inf_and_strided_logits(seed):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_near_ties_below_the_estimates_resolution(seed):
+    """Choices closer together than the kernel's float32 estimates can tell apart (2^-21): only exact
+    scores order them, in groups, at the group cut and at the top-k cut; some rows make more than 32
+    candidates (every score exact, the per-lane sort)."""
+    from moe_fp8.kernels.routing import select_experts_hopper
+
+    g = torch.Generator().manual_seed(seed)
+    t, e = 512, 256
+    steps = torch.randint(-40, 40, (t, e), generator=g).float() * 2.0**-22  # sigmoid' ~1/4: 2^-24 apart
+    spread = torch.randn(t, e, generator=g)
+    narrow = torch.rand(t, e, generator=g) < torch.linspace(0.0, 1.0, t)[:, None]  # from no row to all of it
+    logits = torch.where(narrow, 0.3 + steps, spread)
+    logits[: t // 4] = 0.3 + steps[: t // 4]  # a quarter: every expert within the margin
+    bias = (torch.randint(-2, 3, (e,), generator=g).float() * 2.0**-23).cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype).cuda()
+        for n_group, topk_group, k in ((8, 4, 8), (8, 8, 8), (32, 3, 6), (4, 2, 8), (8, 1, 8)):
+            for b in (None, bias):
+                got = select_experts_hopper(x, k, "sigmoid", True, n_group, topk_group, b, 2.5)
+                want = ref.select_experts(x, k, scoring_func="sigmoid", renormalize=True, n_group=n_group,
+                                          topk_group=topk_group, e_score_correction_bias=b, routed_scaling_factor=2.5)
+                check_routing(got, want, True)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 def test_uncovered_calls_run_the_triton_kernel():
     from moe_fp8.kernels.routing import select_experts_hopper
 
