@@ -241,6 +241,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             Scheduler ahead = scheduler;
             sched::Tile next_tile;
             uint32_t scale_buf = 0;
+            // a handshake with every math warpgroup: barrier `bar` + warpgroup
+            auto arrive_each = [&](uint32_t bar) {
+#pragma unroll
+                for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_arrive(bar + g, kNumStagingThreads);
+            };
             auto stage_next_scales = [&]() {
                 if (!ahead.next(next_tile, k_split)) return;
                 // the tile's two weight-scale blocks: its gate and up blocks (kActQuant), or its first
@@ -251,20 +256,17 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 const uint32_t sb1 = kActQuant ? kNumNScales / 2 + j : min(sb0 + 1, kNumNScales - 1);
                 stage_w_scales<kNumKBlocks, kNumNScales, Smem::kSBPitch, kNumStoreThreads>(
                     smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, sb0, sb1, store_idx);
-#pragma unroll
-                for (uint32_t g = 0; g < kNumMathWGs; ++g)
-                    ptx::named_barrier_arrive(kBarScalesFull + 2 * scale_buf + g, kNumStagingThreads);
+                arrive_each(kBarScalesFull + 2 * scale_buf);
                 scale_buf ^= 1;
             };
             stage_next_scales();
-#pragma unroll
-            for (uint32_t g = 0; g < kNumMathWGs; ++g)  // the staging tile starts empty
-                ptx::named_barrier_arrive(kBarStagingEmpty + g, kNumStagingThreads);
+            arrive_each(kBarStagingEmpty);  // the staging tile starts empty
             while (scheduler.next(tile, k_split)) {
                 stage_next_scales();
                 // (a published K piece still signals here: the math warpgroups are done with its scales)
 #pragma unroll
-                for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
+                for (uint32_t g = 0; g < kNumMathWGs; ++g)
+                    ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
                 if (Tail::publishes(tile)) {  // a partial tile, stored by another CTA
                 } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
@@ -279,8 +281,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
                         smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
                 }
-#pragma unroll
-                for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_arrive(kBarStagingEmpty + g, kNumStagingThreads);
+                arrive_each(kBarStagingEmpty);
             }
         } else if (threadIdx.x % 128 == 0) {
             // ---- producer: one thread issues every TMA load ----
