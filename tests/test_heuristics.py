@@ -172,6 +172,32 @@ def test_measured_masked_tiles_apply_only_where_measured() -> None:
             assert get_config(desc) == modelled_config(config_key(desc)), desc
 
 
+def test_measured_decode_tiles_apply_only_where_measured() -> None:
+    """MASKED_DECODE_TILES decides masked GEMMs of at least 32 groups of at most 64 expected rows on 132 SMs
+    at the listed N x K (where the model picks another tile); fewer groups, more rows, other machines, the
+    fused epilogue and other layouts stay with the cost model."""
+    from moe_fp8.kernels.heuristics import (
+        MASKED_DECODE_MAX_ROWS,
+        MASKED_DECODE_MIN_GROUPS,
+        MASKED_DECODE_TILES,
+        config_key,
+        modelled_config,
+    )
+
+    for (n, k), (block_n, stages) in MASKED_DECODE_TILES.items():
+        for g, m in ((MASKED_DECODE_MIN_GROUPS, 4), (MASKED_DECODE_MIN_GROUPS, MASKED_DECODE_MAX_ROWS), (256, 32)):
+            desc = GemmDesc(256, n, k, num_groups=g, layout="masked", expected_m=m)
+            cfg = get_config(desc)
+            assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (64, block_n, stages), desc
+            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+        for desc in (GemmDesc(256, n, k, num_groups=MASKED_DECODE_MIN_GROUPS // 2, layout="masked", expected_m=8),
+                     GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=MASKED_DECODE_MAX_ROWS + 1),
+                     GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=8, num_sms=114),
+                     GemmDesc(256, 2 * n, k, num_groups=32, layout="masked", expected_m=8, act_quant=1),
+                     GemmDesc(256, n, k, num_groups=32, layout="contiguous")):
+            assert get_config(desc) == modelled_config(config_key(desc)), desc
+
+
 def test_large_m_fills_the_machine() -> None:
     cfg = get_config(GemmDesc(4096, 7168, 16384))
     _, tiles = estimate_ns(GemmDesc(4096, 7168, 16384), cfg.block_m, cfg.block_n, cfg.multicast,

@@ -15,7 +15,7 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
 - a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
 - ties go to fewer tiles, then to the wider BLOCK_N.
 Normal GEMMs of at most 128 rows, and few-group masked ones at K = 2048, on 132 SMs whose tile was measured
-(``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``) skip the model.
+(``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES``, ``MASKED_MEASURED_TILES``) skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -103,6 +103,16 @@ SMALL_M_SMS = 132
 MASKED_MEASURED_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (128, 5)}
 MASKED_MEASURED_MAX_GROUPS = 4
 MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads at K = 2048: session 18)
+# Measured decode tiles: (N, K) -> (BLOCK_N, stages) of a 64-row tile for masked GEMMs of at least
+# MASKED_DECODE_MIN_GROUPS groups of at most 64 expected rows on 132 SMs (an EP rank's experts at decode).
+# Session 20 sweep (H100 SXM, one process, do_bench best of 5 rounds, docs/kernels/gemm.md): 64x128 with 4
+# stages streamed the weights 1.5-3.0% faster than the model's 64x256 at 4-64 expected rows of 32 groups and
+# 1.1-3.1% at 4 and 32 rows of 64-256 groups, within 1% either way at 64 rows of 64-256 groups; with 8-16
+# groups of 64 rows it lost up to 8.6%, hence the group floor. Memory-bound tiles of one wave's worth of
+# weights each: the model cannot rank their streaming.
+MASKED_DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
+MASKED_DECODE_MIN_GROUPS = 32
+MASKED_DECODE_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,8 +391,8 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``) where one applies, else the cost
-    model's pick."""
+    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES``, ``MASKED_MEASURED_TILES``) where one
+    applies, else the cost model's pick."""
     cfg = _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
@@ -391,12 +401,16 @@ def get_config(desc: GemmDesc) -> GemmConfig:
 
 def _measured_config(desc: GemmDesc) -> GemmConfig | None:
     """The measured tile of this call on the machine it was measured on, if any: ``SMALL_M_BLOCK_N`` (normal
-    small-M GEMMs) or ``MASKED_MEASURED_TILES``."""
+    small-M GEMMs), ``MASKED_DECODE_TILES`` or ``MASKED_MEASURED_TILES``."""
     if desc.num_sms != SMALL_M_SMS or desc.act_quant:
         return None
     if desc.layout == "normal":
         block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
         return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
+    decode = MASKED_DECODE_TILES.get((desc.n, desc.k))
+    if (desc.layout == "masked" and decode is not None and desc.num_groups >= MASKED_DECODE_MIN_GROUPS
+            and (desc.expected_m or desc.m) <= MASKED_DECODE_MAX_ROWS):
+        return make_config(64, decode[0], desc.num_sms, k=desc.k, num_stages=decode[1])
     tile = MASKED_MEASURED_TILES.get((desc.n, desc.k))
     if (desc.layout != "masked" or tile is None or desc.num_groups > MASKED_MEASURED_MAX_GROUPS
             or not MASKED_MEASURED_ROWS[0] <= (desc.expected_m or desc.m) <= MASKED_MEASURED_ROWS[1]):
