@@ -108,8 +108,9 @@ MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads a
 # Session 20 sweep (H100 SXM, one process, do_bench best of 5 rounds, docs/kernels/gemm.md): 64x128 with 4
 # stages streamed the weights 1.5-3.0% faster than the model's 64x256 at 4-64 expected rows of 32 groups and
 # 1.1-3.1% at 4 and 32 rows of 64-256 groups, within 1% either way at 64 rows of 64-256 groups; with 8-16
-# groups of 64 rows it lost up to 8.6%, hence the group floor. Memory-bound tiles of one wave's worth of
-# weights each: the model cannot rank their streaming.
+# groups of 64 rows it lost up to 8.6%, hence the group floor. With only 1-24 of 32 groups holding rows (sparse
+# decode, which the rounded expected_m cannot tell apart) it was up to 18% faster in 7 of 10 grids and 4.4%
+# slower in one. Memory-bound tiles: the model cannot rank their streaming.
 MASKED_DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
 MASKED_DECODE_MIN_GROUPS = 32
 MASKED_DECODE_MAX_ROWS = 64
