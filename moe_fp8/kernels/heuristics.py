@@ -104,16 +104,17 @@ MASKED_MEASURED_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (
 MASKED_MEASURED_MAX_GROUPS = 4
 MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads at K = 2048: session 18)
 # Measured decode tiles: (N, K) -> (BLOCK_N, stages) of a 64-row tile for masked GEMMs of at least
-# MASKED_DECODE_MIN_GROUPS groups of at most 64 expected rows on 132 SMs (an EP rank's experts at decode).
-# Session 20 sweep (H100 SXM, one process, do_bench best of 5 rounds, docs/kernels/gemm.md): 64x128 with 4
-# stages streamed the weights 1.5-3.0% faster than the model's 64x256 at 4-64 expected rows of 32 groups and
-# 1.1-3.1% at 4 and 32 rows of 64-256 groups, within 1% either way at 64 rows of 64-256 groups; with 8-16
-# groups of 64 rows it lost up to 8.6%, hence the group floor. With only 1-24 of 32 groups holding rows (sparse
-# decode, which the rounded expected_m cannot tell apart) it was up to 18% faster in 7 of 10 grids and 4.4%
-# slower in one. Memory-bound tiles: the model cannot rank their streaming.
+# MASKED_DECODE_MIN_GROUPS groups of at most MASKED_DECODE_MAX_ROWS expected rows on 132 SMs (an EP rank's
+# experts at decode). Session 20 sweeps (H100 SXM, one process, do_bench best of 5-7 rounds,
+# docs/kernels/gemm.md): 64x128 with 4 stages streamed the weights 2.0-3.0% faster than the model's 64x256 at
+# 4-48 expected rows of 32 groups, 1.1-3.1% at 4 and 32 rows of 64-256 groups. At 64 expected rows, where the
+# draws (0.7-1.3x) put a third to two thirds of the groups over one 64-row block, it ran 0.5-2.7% slower on
+# the bench's draws, and with 8-16 groups up to 8.6% slower: hence both bounds (48 keeps every draw within one
+# block). With only 1-24 of 32 groups holding rows (sparse decode, which expected_m does not tell) it was up
+# to 18% faster in 7 of 10 grids and 4.4% slower in one. Memory-bound tiles: the model cannot rank them.
 MASKED_DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
 MASKED_DECODE_MIN_GROUPS = 32
-MASKED_DECODE_MAX_ROWS = 64
+MASKED_DECODE_MAX_ROWS = 48  # a boundary of representative_rows: the rule reads expected_m before config_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,8 +355,9 @@ def representative_rows(max_rows: int) -> list[int]:
 
     ``get_config`` sees the rows (per group) only through ``ceil_div(rows, block_m)`` for each
     ``block_m`` in ``BLOCK_MS`` (tile counts, the DRAM band, and the ``rows <= 64`` filter, which is
-    ``ceil_div(rows, 64) == 1``), so counts with equal quotients share a config and the largest count
-    of each such interval stands for it. ``moe-fp8 warmup`` enumerates a model's variants over these
+    ``ceil_div(rows, 64) == 1``), and through ``rows <= MASKED_DECODE_MAX_ROWS`` (the decode tiles), so
+    counts with equal quotients on the same side of that bound share a config and the largest count of
+    each such interval stands for it. ``moe-fp8 warmup`` enumerates a model's variants over these
     (a few hundred calls instead of one per token count); tests/test_cli_warmup.py checks the claim
     against an exhaustive scan, so a heuristic that starts to depend on rows otherwise fails there.
     """
@@ -364,6 +366,8 @@ def representative_rows(max_rows: int) -> list[int]:
     reps = {max_rows}
     for bm in BLOCK_MS:
         reps.update(range(bm, max_rows + 1, bm))
+    if max_rows > MASKED_DECODE_MAX_ROWS:  # the decode tiles' bound on expected_m (see _decode_config)
+        reps.add(MASKED_DECODE_MAX_ROWS)
     return sorted(reps)
 
 
@@ -394,7 +398,7 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 def get_config(desc: GemmDesc) -> GemmConfig:
     """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES``, ``MASKED_MEASURED_TILES``) where one
     applies, else the cost model's pick."""
-    cfg = _best_config(config_key(desc))
+    cfg = _decode_config(desc) or _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
     return cfg
@@ -402,21 +406,27 @@ def get_config(desc: GemmDesc) -> GemmConfig:
 
 def _measured_config(desc: GemmDesc) -> GemmConfig | None:
     """The measured tile of this call on the machine it was measured on, if any: ``SMALL_M_BLOCK_N`` (normal
-    small-M GEMMs), ``MASKED_DECODE_TILES`` or ``MASKED_MEASURED_TILES``."""
+    small-M GEMMs) or ``MASKED_MEASURED_TILES``."""
     if desc.num_sms != SMALL_M_SMS or desc.act_quant:
         return None
     if desc.layout == "normal":
         block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
         return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
-    decode = MASKED_DECODE_TILES.get((desc.n, desc.k))
-    if (desc.layout == "masked" and decode is not None and desc.num_groups >= MASKED_DECODE_MIN_GROUPS
-            and (desc.expected_m or desc.m) <= MASKED_DECODE_MAX_ROWS):
-        return make_config(64, decode[0], desc.num_sms, k=desc.k, num_stages=decode[1])
     tile = MASKED_MEASURED_TILES.get((desc.n, desc.k))
     if (desc.layout != "masked" or tile is None or desc.num_groups > MASKED_MEASURED_MAX_GROUPS
             or not MASKED_MEASURED_ROWS[0] <= (desc.expected_m or desc.m) <= MASKED_MEASURED_ROWS[1]):
         return None
     return make_config(128, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
+
+
+def _decode_config(desc: GemmDesc) -> GemmConfig | None:
+    """``MASKED_DECODE_TILES`` where they apply. Decided on the caller's ``expected_m``, which ``config_key``
+    would round up to 64 (past the rule's bound)."""
+    tile = MASKED_DECODE_TILES.get((desc.n, desc.k))
+    if (desc.layout != "masked" or tile is None or desc.num_sms != SMALL_M_SMS or desc.act_quant
+            or desc.num_groups < MASKED_DECODE_MIN_GROUPS or (desc.expected_m or desc.m) > MASKED_DECODE_MAX_ROWS):
+        return None
+    return make_config(64, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
 
 
 @functools.cache
