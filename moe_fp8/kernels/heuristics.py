@@ -14,8 +14,9 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
 - a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
 - ties go to fewer tiles, then to the wider BLOCK_N.
-Normal GEMMs of at most 128 rows, and few-group masked ones at K = 2048, on 132 SMs whose tile was measured
-(``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES``, ``MASKED_MEASURED_TILES``) skip the model.
+Normal GEMMs of at most 128 rows, few-group masked ones at K = 2048 and many-group decode ones, on 132 SMs
+whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``), skip the
+model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -106,7 +107,7 @@ MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads a
 # Measured decode tiles: (N, K) -> (BLOCK_N, stages) of a 64-row tile for masked GEMMs of at least
 # MASKED_DECODE_MIN_GROUPS groups of at most MASKED_DECODE_MAX_ROWS expected rows on 132 SMs (an EP rank's
 # experts at decode). Session 20 sweeps (H100 SXM, one process, do_bench best of 5-7 rounds,
-# docs/kernels/gemm.md): 64x128 with 4 stages streamed the weights 2.0-3.0% faster than the model's 64x256 at
+# docs/kernels/gemm.md): 64x128 with 4 stages streamed the weights 1.5-3.0% faster than the model's 64x256 at
 # 4-48 expected rows of 32 groups, 1.1-3.1% at 4 and 32 rows of 64-256 groups. At 64 expected rows, where the
 # draws (0.7-1.3x) put a third to two thirds of the groups over one 64-row block, it ran 0.5-2.7% slower on
 # the bench's draws, and with 8-16 groups up to 8.6% slower: hence both bounds (48 keeps every draw within one
