@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import BenchKind, Step, parse_ints
-from .harness import bench_us, row
+from .harness import bench_chilled_us, bench_us, row
 from .shapes import CONTIGUOUS_SHAPES, MASKED_DECODE_GBPS, MASKED_SHAPES
 
 
@@ -42,12 +42,12 @@ def bench_contiguous(g: int, m: int, n: int, k: int, seed: int) -> list[dict[str
     rows = sum(inp.group_sizes)
     shape = {"groups": g, "m_per_group": m, "n": n, "k": k}
     flops, nbytes = 2 * rows * n * k, _bytes(rows, sum(1 for s in inp.group_sizes if s), n, k)
-    ours = bench_us(lambda: moe_fp8.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
-                                                                 inp.m_indices, out=out))
+    def ours():
+        moe_fp8.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out=out)
     loop = _blockwise_loop(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
                            list(zip(range(g), inp.group_starts, inp.group_sizes, strict=True)))
-    return [row("grouped_contiguous", shape, "moe_fp8", ours, flops, nbytes),
-            row("grouped_contiguous", shape, "torch_blockwise_loop", bench_us(loop), flops, nbytes)]
+    return [row("grouped_contiguous", shape, impl, bench_us(fn), flops, nbytes, bench_chilled_us(fn))
+            for impl, fn in (("moe_fp8", ours), ("torch_blockwise_loop", loop))]
 
 
 def bench_masked(g: int, max_m: int, m: int, n: int, k: int, seed: int) -> list[dict[str, Any]]:
@@ -60,13 +60,13 @@ def bench_masked(g: int, max_m: int, m: int, n: int, k: int, seed: int) -> list[
     rows = sum(counts)
     shape = {"groups": g, "max_m": max_m, "expected_m": m, "n": n, "k": k}
     flops, nbytes = 2 * rows * n * k, _bytes(rows, sum(1 for c in counts if c), n, k)
-    ours = bench_us(lambda: moe_fp8.fp8_grouped_gemm_masked(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
-                                                             inp.masked_m, m, out=out))
+    def ours():
+        moe_fp8.fp8_grouped_gemm_masked(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, m, out=out)
     x2 = inp.x_fp8.view(g * max_m, k)
     s2 = torch.cat([inp.x_scale[i] for i in range(g)])  # loop baseline takes any layout; built once
     loop = _blockwise_loop(x2, s2, inp.w_fp8, inp.w_scale, [(i, i * max_m, c) for i, c in enumerate(counts)])
-    return [row("grouped_masked", shape, "moe_fp8", ours, flops, nbytes),
-            row("grouped_masked", shape, "torch_blockwise_loop", bench_us(loop), flops, nbytes)]
+    return [row("grouped_masked", shape, impl, bench_us(fn), flops, nbytes, bench_chilled_us(fn))
+            for impl, fn in (("moe_fp8", ours), ("torch_blockwise_loop", loop))]
 
 
 def default_shapes() -> list[tuple[int, ...]]:
@@ -96,15 +96,15 @@ def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
             rows += bench_contiguous(g, m, n, k, seed=g + n)
             dg = CONTIGUOUS_SHAPES.get(shape)
             notes.append(f"contiguous {g}x{m} {n}x{k}: ours {rows[-2]['tflops']} TF"
-                         + (f", DeepGEMM {dg} TF" if dg else ""))
+                         f" ({rows[-2]['chilled_tflops']} TF chilled)" + (f", DeepGEMM {dg} TF" if dg else ""))
             label = f"contiguous {g}x{m} {n}x{k}"
         else:
             rows += bench_masked(*shape, seed=sum(shape))
             decode = shape in MASKED_DECODE_GBPS
-            unit = "GB/s" if decode else "TF"
-            mine = rows[-2]["gbps"] if decode else rows[-2]["tflops"]
+            unit, metric = ("GB/s", "gbps") if decode else ("TF", "tflops")
             dg = MASKED_DECODE_GBPS.get(shape) if decode else MASKED_SHAPES.get(shape)
-            notes.append(f"masked {shape}: ours {mine} {unit}" + (f", DeepGEMM {dg} {unit}" if dg else ""))
+            notes.append(f"masked {shape}: ours {rows[-2][metric]} {unit} ({rows[-2]['chilled_' + metric]} {unit}"
+                         " chilled)" + (f", DeepGEMM {dg} {unit}" if dg else ""))
             label = f"masked {'x'.join(map(str, shape))}"
         if step is not None:
             step(label)

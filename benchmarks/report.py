@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OURS", "geomean", "group_by_shape", "load_record", "memory_bound", "merge_records",
+__all__ = ["OURS", "chilled_view", "geomean", "group_by_shape", "load_record", "memory_bound", "merge_records",
            "shape_label", "speedups", "write_csv"]
 
 OURS = "moe_fp8"
@@ -97,6 +97,14 @@ def memory_bound(row: Row, ceilings: dict[str, float]) -> bool:
     peak, bw = ceilings.get("fp8_pertensor_tflops"), ceilings.get("copy_gbps")
     ridge = peak * 1e3 / bw if peak and bw else 400.0  # FLOP/B; 400 when the record has no ceilings
     return tflops * 1e3 / gbps < ridge
+
+
+def chilled_view(rows: list[Row]) -> list[Row]:
+    """The rows that carry a chilled timing (``harness.bench_chilled_us``), with it as their
+    ``us`` / ``tflops`` / ``gbps``: the ratio tables and speed-ups of DeepGEMM's timing method."""
+    return [{**{k: v for k, v in r.items() if not k.startswith("chilled_")},
+             "us": r["chilled_us"], "tflops": r.get("chilled_tflops"), "gbps": r.get("chilled_gbps")}
+            for r in rows if r.get("chilled_us") is not None]
 
 
 def geomean(values: list[float]) -> float:

@@ -125,8 +125,9 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
 # the whole bench pipeline on a fake kind (CPU)
 # --------------------------------------------------------------------------------------------
 
-def _fake_kind(monkeypatch) -> list[tuple]:
-    """Register kind 'fake' (two row kinds, two baselines) and make the GPU-only parts CPU-safe."""
+def _fake_kind(monkeypatch, chilled: dict[str, float] | None = None) -> list[tuple]:
+    """Register kind 'fake' (two row kinds, two baselines) and make the GPU-only parts CPU-safe;
+    ``chilled``: impl -> its chilled time (``harness.bench_chilled_us``) at M = 64."""
     seen: list[tuple] = []
 
     def run(shapes, args, step):
@@ -135,8 +136,9 @@ def _fake_kind(monkeypatch) -> list[tuple]:
             seen.append((m, n))
             shape = {"m": m, "n": n}
             for impl, us in (("moe_fp8", 10.0), ("torch_a", 20.0), ("torch_b", 5.0)):
+                cold = chilled[impl] * m / 64 if chilled else None
                 rows.append(harness.row("fake_compute" if m > 1000 else "fake_memory", shape, impl, us * m / 64,
-                                        flops=2 * m * n * 4096, nbytes=n * 4096))
+                                        flops=2 * m * n * 4096, nbytes=n * 4096, chilled_us=cold))
             step(f"{m}x{n}")
         return rows, [f"note {len(shapes)}"]
 
@@ -168,6 +170,7 @@ def test_bench_pipeline_writes_tables_json_csv_plot(tmp_path, capsys, monkeypatc
     assert "## fake_memory (hopper backend; x B = B's time / ours)" in out
     assert "| 64×4096 | 10.0 |" in out and "| 2.00 |" in out and "| 0.50 |" in out  # x torch_a, x torch_b
     assert "## fake_compute" not in out  # no rows of that kind for these shapes
+    assert "chilled" not in out  # no chilled timings, no chilled table
     assert "note 2" in out
     # progress on stderr, one plain line per step (stderr is not a TTY here)
     assert err.splitlines() == ["[1/3] bench: ceilings (copy, FP8 and bf16 matmul)", "[2/3] bench: fake 64x4096",
@@ -183,6 +186,21 @@ def test_bench_pipeline_writes_tables_json_csv_plot(tmp_path, capsys, monkeypatc
     assert [r["moe_fp8_speedup"] for r in rows[:3]] == ["", "2.0", "0.5"]
     if "--plot" in argv:
         _png(tmp_path / "all.png")
+
+
+def test_bench_prints_the_chilled_timings_as_a_table_of_their_own(tmp_path, capsys, monkeypatch):
+    _fake_kind(monkeypatch, chilled={"moe_fp8": 8.0, "torch_a": 12.0, "torch_b": 4.0})
+    assert cli.main(["bench", "fake", "--shapes", "64,4096", "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    sustained, _, chilled = out.partition("## fake_memory, chilled (DeepGEMM's timing")
+    assert "| 64×4096 | 10.0 |" in sustained and "| 2.00 |" in sustained
+    assert "| 64×4096 | 8.0 |" in chilled and "| 1.50 |" in chilled and "| 0.50 |" in chilled
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    ours = next(r for r in rows if r["impl"] == "moe_fp8")
+    assert ours["us"] == 10.0 and ours["chilled_us"] == 8.0
+    assert ours["chilled_tflops"] == round(2 * 64 * 4096 * 4096 / 8.0 / 1e6, 1)
+    assert report.chilled_view(rows)[0] == {**{k: v for k, v in ours.items() if not k.startswith("chilled_")},
+                                            "us": 8.0, "tflops": ours["chilled_tflops"], "gbps": ours["chilled_gbps"]}
 
 
 def test_bench_all_runs_every_kind_with_default_shapes(tmp_path, capsys, monkeypatch):
