@@ -177,9 +177,10 @@ def test_masked_full_and_empty_groups() -> None:
 @pytest.mark.parametrize("block_n", [192, 256])
 @pytest.mark.parametrize("masked_m", [[200, 77, 0, 129], [256, 1, 90, 255, 3, 64, 128, 0, 17]])
 def test_masked_tail_split(block_m: int, block_n: int, masked_m: list[int]) -> None:
-    """Two-wave tiles with the last wave as tile halves: the scheduler counts the tiles of up to 8 groups
-    on the device (9 groups: whole tiles only). Right, rows past masked_m unwritten, bit-identical to whole
-    tiles. N = 7168 leaves the last 192-wide tile's second wave wholly past N (the next group's rows)."""
+    """Two-wave tiles with the last wave as tile halves: the scheduler counts the tiles on the device (of up
+    to 8 groups of 128-row tiles, 9 groups: whole tiles only; any number of 64-row ones). Right, rows past
+    masked_m unwritten, bit-identical to whole tiles. N = 7168 leaves the last 192-wide tile's second wave
+    wholly past N (the next group's rows)."""
     g, max_m, n, k = len(masked_m), 256, 7168, 576
     inp = make_masked_inputs(g, max_m, 100, n, k, seed=block_m + g, device="cuda", masked_m=masked_m)
     sms = tail_split_sms(sum(-(-c // block_m) for c in masked_m) * -(-n // block_n))
@@ -199,8 +200,8 @@ def test_masked_tail_split(block_m: int, block_n: int, masked_m: list[int]) -> N
                                       [256, 1, 90, 255, 3, 64, 128, 0, 17]])
 def test_masked_k_split(block_n: int, masked_m: list[int]) -> None:
     """A K-split last wave (the heuristic's default for masked two-wave tiles at long K): right, rows past
-    masked_m unwritten, deterministic. 9 groups: the scheduler does not count their tiles and runs them
-    whole."""
+    masked_m unwritten, deterministic. 9 groups of 128-row tiles: the scheduler does not count their tiles
+    and runs them whole."""
     g, max_m, n, k = len(masked_m), 1280, 4096, 3072
     inp = make_masked_inputs(g, max_m, 100, n, k, seed=block_n + g, device="cuda", masked_m=masked_m)
     cfg = make_config(128, block_n, get_num_sms(), k=k, k_split=True)
@@ -240,7 +241,8 @@ def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) ->
 @pytest.mark.parametrize("warm", [True, False])
 def test_masked_k_split_cuda_graph(warm: bool) -> None:
     """Under a CUDA graph the K-split tail uses the workspace of an earlier launch on the capturing stream;
-    without one it runs halves. Both replay right with other counts."""
+    without one the capture makes it (its flags zeroed by a node of the graph). Both replay right with other
+    counts."""
     g, max_m, n, k = 2, 1024, 4096, 3072
     buf = _clone_operands(make_masked_inputs(g, max_m, 512, n, k, seed=5, device="cuda"))
     out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
@@ -257,7 +259,7 @@ def test_masked_k_split_cuda_graph(warm: bool) -> None:
         with torch.cuda.graph(graph, stream=stream):
             run()
     torch.cuda.current_stream().wait_stream(stream)
-    assert ((stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES) == warm
+    assert (stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES
     for seed, counts in [(6, [1024, 1023]), (7, [0, 700]), (8, [129, 3])]:
         _replay_masked(graph, buf, out, make_masked_inputs(g, max_m, 512, n, k, seed=seed, device="cuda",
                                                            masked_m=counts))
@@ -366,3 +368,68 @@ def test_masked_silu_mul_quant(num_groups: int, max_m: int, expected_m: int, num
     torch.cuda.synchronize()
     valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
     _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)
+
+
+# Sparse decode: a few of an EP rank's 32 experts hold a token or two, so 64 x 256 tiles leave most SMs idle
+# unless each tile's K runs as pieces on several CTAs (the fused GEMM1's only split).
+DECODE_COUNTS = [[0] * 31 + [1], [0] * 9 + [2] + [0] * 11 + [1, 3] + [0] * 9, [1, 0, 2, 4, 0, 1, 0, 0] * 4,
+                 [64] * 32]
+
+
+@pytest.mark.parametrize("masked_m", DECODE_COUNTS)
+@pytest.mark.parametrize("block_m,sms", [(64, 132), (64, 13), (128, 132)])
+def test_masked_silu_mul_quant_k_pieces(masked_m: list[int], block_m: int, sms: int) -> None:
+    """The fused GEMM1 with its last wave (under one wave: every tile) as K pieces: right against the
+    reference, rows past masked_m untouched, and deterministic (pieces added in order). 128-row tiles count
+    the tiles of up to 8 groups only: with 32 they run whole."""
+    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+
+    g, max_m, n, k = len(masked_m), 64, 4096, 7168
+    inp = make_masked_inputs(g, max_m, 2, n, k, seed=sum(masked_m) + sms, device="cuda", masked_m=masked_m)
+    cfg = make_config(block_m, 256, sms, k=k, k_split=True)
+    runs = []
+    for _ in range(2):
+        act, scale = _poisoned_act((g, max_m, n // 2), groups=g)
+        fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, None, inp.masked_m,
+                                               2, False, act, scale, config=cfg)
+        runs.append((act, scale))
+    torch.cuda.synchronize()
+    valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
+    _check_act(inp, *runs[0], valid, False, masked_m=inp.masked_m)
+    assert torch.equal(runs[0][0].view(torch.uint8), runs[1][0].view(torch.uint8)), "K pieces are not deterministic"
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_masked_silu_mul_quant_k_pieces_cuda_graph() -> None:
+    """The layer's decode GEMM1 captured on a fresh stream (no workspace yet: the capture makes it), then
+    replayed with other counts, from one touched expert to all of them; every replay against the reference."""
+    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+
+    g, max_m, n, k = 32, 64, 4096, 7168
+    buf = _clone_operands(make_masked_inputs(g, max_m, 2, n, k, seed=9, device="cuda", masked_m=DECODE_COUNTS[0]))
+    act, scale = _poisoned_act((g, max_m, n // 2), groups=g)
+
+    def run() -> None:
+        fp8_grouped_gemm_silu_mul_quant_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, None, buf.masked_m,
+                                               1, False, act, scale)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    assert (stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES
+    for seed, counts in enumerate(DECODE_COUNTS[1:] + DECODE_COUNTS[:1] + [[0] * 32]):
+        new = make_masked_inputs(g, max_m, 2, n, k, seed=10 + seed, device="cuda", masked_m=counts)
+        for f in _OPERANDS:
+            getattr(buf, f).copy_(getattr(new, f))
+        act.view(torch.uint8).fill_(POISON_CODE)
+        scale.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        valid = torch.arange(max_m, device="cuda")[None, :] < new.masked_m[:, None]
+        if valid.any():
+            _check_act(new, act, scale, valid, False, masked_m=new.masked_m)
+        else:
+            assert (act.view(torch.uint8) == POISON_CODE).all() and scale.isnan().all()

@@ -39,8 +39,9 @@ def _valid(cfg, k: int) -> None:
 
 def test_k_split_where_it_applies() -> None:
     """The K-split last wave: a launch option of tail-split kernels (refused elsewhere), which the heuristic
-    turns on for masked two-wave tiles of up to 8 groups at K of two 12-block pieces, never at K = 2048 (8-block
-    pieces lost to halves), with 9+ groups (tiles not counted), on other layouts or under the fused epilogue."""
+    turns on for masked two-wave tiles at K of two 12-block pieces (the fused epilogue included: its only
+    split), never at K = 2048 (8-block pieces lost to halves), with 9+ groups of 128-row tiles (not counted)
+    or on other layouts; 64-row tiles of any group count (the decode tiles) split too."""
     assert make_config(128, 256, 132, k=7168, k_split=True).k_split
     with pytest.raises(ValueError, match="needs tail_split"):
         make_config(128, 256, 132, k=7168, k_split=True, tail_split=False)
@@ -53,8 +54,12 @@ def test_k_split_where_it_applies() -> None:
     assert cfg().k_split and cfg().block_n in WAVE_BLOCK_NS
     assert cfg(k=3072).k_split == (cfg(k=3072).block_n in WAVE_BLOCK_NS)
     assert not cfg(k=2048).k_split
-    assert not cfg(num_groups=9).k_split
-    assert not cfg(act_quant=1).k_split
+    assert not cfg(num_groups=9).k_split and cfg(num_groups=9).block_m == 128
+    assert cfg(act_quant=1).k_split
+    decode = cfg(num_groups=32, m=256, expected_m=1, act_quant=1)
+    assert decode.k_split and decode.block_m == 64
+    assert cfg(num_groups=32, m=256, expected_m=64).k_split == (cfg(num_groups=32, m=256, expected_m=64).block_n
+                                                                in WAVE_BLOCK_NS)
     assert not get_config(GemmDesc(4096, 4096, 7168)).k_split
     assert not get_config(GemmDesc(8192, 4096, 7168, num_groups=8, layout="contiguous")).k_split
     for layout in ("normal", "contiguous"):

@@ -65,12 +65,14 @@ def test_variant_compiles_to_qgmma(compiler, layout, n, k, cfg, tmp_path) -> Non
 
 @pytest.mark.parametrize("layout,act_quant", [("contiguous", 1), ("masked", 2)])
 def test_silu_mul_quant_variant_compiles(layout, act_quant, tmp_path) -> None:
-    """The fused SiLU·mul + quant epilogue: 64-column FP8 wgmmas of the two waves, no local memory."""
+    """The fused SiLU·mul + quant epilogue: 64-column FP8 wgmmas of the two waves, no local memory; masked
+    with the K pieces of a short last wave compiled in (the heuristic's default there)."""
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
     compiler = get_compiler(COMPILERS[-1])
     for block_m in (64, 128):
-        cfg = make_config(block_m, 256, 132, k=7168)
+        cfg = make_config(block_m, 256, 132, k=7168, k_split=layout == "masked")
+        assert "kTailHalves=*/false" in generate_source(layout, 4096, 7168, cfg, act_quant) or layout != "masked"
         res = compiler.compile_ex(generate_source(layout, 4096, 7168, cfg, act_quant), "t", [include_dir()],
                                   tmp_path / str(block_m))
         sass = dump_sass(res.cubin)

@@ -46,36 +46,39 @@ SCHEDULERS: dict[Layout, str] = {
 
 
 def _tail_split(cfg: GemmConfig, act_quant: int) -> bool:
-    """Whether the variant splits a short last wave into tile halves: as configured, except under the fused
-    SiLU·mul + quant epilogue, which needs both halves of a tile."""
-    return cfg.tail_split and not act_quant
+    """Whether the variant splits a short last wave: as configured, except that under the fused SiLU·mul +
+    quant epilogue, which needs both halves of a tile, it splits only into K pieces (``k_split``)."""
+    return cfg.tail_split and (not act_quant or cfg.k_split)
 
 
 # K-split workspace (epilogue/k_split.cuh): a flag per CTA, then one FP32 tile (up to 128 x 256) per CTA.
 K_SPLIT_FLAG_WORDS = 1024
 K_SPLIT_SLOT_WORDS = 128 * 256
 _K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
+_K_SPLIT_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones; a captured graph may still use them
 
 
 def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     """The K-split workspace of the current stream on ``device_index``, or None (run the tail as halves).
 
     One per stream: launches on one stream run in order and share it; two streams could run at once, so
-    they never do. Its flags start at zero and every launch leaves them at zero. A workspace is never
-    created while the stream is being captured into a CUDA graph (the zeroing would be a node of the
-    graph, not done before it): a capture uses the workspace of an earlier launch on the capturing stream
-    (a warm-up on that stream), and runs halves otherwise.
+    they never do. Its flags start at zero and every launch leaves them at zero; its slots need no zeroing.
+    Made during a CUDA-graph capture (the capture's side stream has none yet), the zeroing of its flags is a
+    node of the graph and runs before the GEMM at every replay (redundant, and harmless); later launches and
+    captures on that stream reuse it. (Replays run on the replaying stream: a graph that shares a
+    workspace must not be replayed beside other launches on its capture stream.)
     """
     if num_ctas > K_SPLIT_FLAG_WORDS:
         return None
     key = (device_index, _current_stream(device_index))
     workspace = _K_SPLIT_WORKSPACES.get(key)
-    if workspace is None or workspace.numel() < K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        workspace = _K_SPLIT_WORKSPACES[key] = torch.zeros(
-            K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS, dtype=torch.int32,
-            device=torch.device("cuda", device_index))
+    size = K_SPLIT_FLAG_WORDS + num_ctas * K_SPLIT_SLOT_WORDS
+    if workspace is None or workspace.numel() < size:
+        if workspace is not None:
+            _K_SPLIT_OUTGROWN.append(workspace)
+        workspace = _K_SPLIT_WORKSPACES[key] = torch.empty(size, dtype=torch.int32,
+                                                           device=torch.device("cuda", device_index))
+        workspace[:K_SPLIT_FLAG_WORDS].zero_()
     return workspace
 
 
@@ -91,6 +94,8 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
     if cfg.k_split and layout != "masked":
         raise ValueError(f"a K-split last wave is only compiled into the masked layout, not {layout}")
     sched_args = f", /*kTailSplit=*/{str(_tail_split(cfg, act_quant)).lower()}"
+    if act_quant and _tail_split(cfg, act_quant):
+        sched_args += ", /*kTailHalves=*/false"
     if cfg.multicast > 1 or cfg.split_k > 1:
         sched_args += f", /*kMulticast=*/{cfg.multicast}, /*kMulticastOnA=*/{str(cfg.multicast_on_a).lower()}"
     if cfg.split_k > 1:

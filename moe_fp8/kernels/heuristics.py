@@ -71,9 +71,6 @@ WAVE_BLOCK_NS = (192, 256)
 # docs/kernels/gemm.md) no split beat the best unsplit tile by more than 2%, and a cost model that
 # offered it under one wave lost up to 41% (128x7168x2048 on 128x256k4).
 SPLIT_KS = (1, 2, 4)
-# The masked scheduler counts its tiles (for the tail split) only up to this many groups
-# (sched::MaskedScheduler::kMaxTailSplitGroups): each thread reads every group's count once.
-MASKED_TAIL_SPLIT_MAX_GROUPS = 8
 # A last wave split into K pieces (sched::TailSplit, epilogue/k_split.cuh): pieces per tile at most
 # (kMaxPieces), 128-K blocks per piece at least (kMinPieceBlocks: at K = 2048, 8-block pieces ran 8% slower
 # than tile halves, at K = 7168 14-block pieces up to 11% faster), and the cost of publishing and
@@ -81,6 +78,13 @@ MASKED_TAIL_SPLIT_MAX_GROUPS = 8
 K_SPLIT_MAX_PIECES = 4
 K_SPLIT_MIN_PIECE_BLOCKS = 12
 K_SPLIT_FIXUP_NS = 3000.0
+# The masked scheduler counts its tiles (which the last wave's split needs) for up to this many groups of
+# 128-row tiles and for any number of 64-row ones (sched::MaskedScheduler::kMaxCountedGroups).
+MASKED_COUNTED_GROUPS_128 = 8
+# The cost model counts the K pieces where they were calibrated (session 11: up to 8 groups, plain epilogue);
+# the kernels split wherever a last wave fits them (the fused epilogue and 64-row tiles of any group count
+# too), leaving the tile choices elsewhere as measured.
+K_SPLIT_MODEL_MAX_GROUPS = 8
 # Measured small-M tiles, not modelled: normal layout, 132 SMs, keyed by (N, K) and then by m-blocks of 64
 # rows (1: M <= 64, 2: M <= 128) -> BLOCK_N of a 64-row tile (as many stages as fit). Session 18 sweep (H100
 # SXM, 64 x {16..256} and 128 x {128, 256} tiles, one process, do_bench, two rounds; docs/kernels/gemm.md):
@@ -148,7 +152,7 @@ class GemmConfig:
     multicast_on_a: bool = False  # share A (same m-block, n-block pair) instead of B
     split_k: int = 1  # CTAs per cluster splitting one tile's K, reduced through DSMEM (normal layout only)
     # 256-wide tiles of single CTAs: a last wave of at most half as many tiles as CTAs runs as tile halves
-    # (sched::TailSplit); not with the fused SiLU·mul + quant epilogue (needs both halves)
+    # (sched::TailSplit); with the fused SiLU·mul + quant epilogue (needs both halves) only as K pieces
     tail_split: bool = False
     # with tail_split: the last wave's tiles run as K pieces on up to 4 CTAs each instead of halves (FP32
     # partial tiles in a workspace, see epilogue/k_split.cuh). A launch option of the same kernel, not a
@@ -261,19 +265,20 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
     # depends on rows drawn at run time. Normal and contiguous kernels split their tail into halves and
     # their choices are left as calibrated.
     parts = min(K_SPLIT_MAX_PIECES, k_blocks // K_SPLIT_MIN_PIECE_BLOCKS, desc.num_sms // max(last, 1))
-    if desc.layout == "masked" and last and parts >= 2 and masked_k_split(desc, block_n, multicast):
+    if (desc.layout == "masked" and last and parts >= 2 and masked_k_split(desc, block_m, block_n, multicast)
+            and desc.num_groups <= K_SPLIT_MODEL_MAX_GROUPS and not desc.act_quant):
         piece_ns = ceil_div(k_blocks, parts) * block_ns(parts * last, block_n) + TILE_FIXED_NS + K_SPLIT_FIXUP_NS
         return full * wave_ns(desc.num_sms, block_n) + piece_ns
     return full * wave_ns(desc.num_sms, block_n) + (wave_ns(last, block_n) if last else 0.0)
 
 
-def masked_k_split(desc: GemmDesc, block_n: int, multicast: int = 1) -> bool:
+def masked_k_split(desc: GemmDesc, block_m: int, block_n: int, multicast: int = 1) -> bool:
     """Whether a masked GEMM may run its last wave as K pieces (``GemmConfig.k_split``): two-wave tiles of
-    single CTAs without the fused epilogue, few enough groups that the kernel counts their tiles, and K
-    long enough for two pieces."""
-    return (desc.layout == "masked" and desc.num_groups <= MASKED_TAIL_SPLIT_MAX_GROUPS and not desc.act_quant
-            and tail_split_ok(block_n, multicast)
-            and k_pieces_fit(desc.k))
+    single CTAs, K long enough for two pieces, and a tile count the kernel counts (any number of groups with
+    64-row tiles, up to ``MASKED_COUNTED_GROUPS_128`` with 128-row ones). Under the fused SiLU·mul + quant
+    epilogue these are the only split of its last wave (a tile's gate and up halves belong together)."""
+    return (desc.layout == "masked" and tail_split_ok(block_n, multicast) and k_pieces_fit(desc.k)
+            and (block_m == 64 or desc.num_groups <= MASKED_COUNTED_GROUPS_128))
 
 
 def k_pieces_fit(k: int) -> bool:
@@ -449,4 +454,4 @@ def modelled_config(desc: GemmDesc) -> GemmConfig:
     bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
     return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
-                       k_split=masked_k_split(desc, bn, mc))
+                       k_split=masked_k_split(desc, bm, bn, mc))

@@ -195,7 +195,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                   "split-K: the drained stages hold the FP32 partial tile; each CTA stores whole 8-column chunks");
     static_assert(kActQuant == 0 || (BLOCK_N == 256 && SHAPE_N % 256 == 0 && !kCluster),
                   "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
-    static_assert(!kTailSplit || (kTwoBoxB && kActQuant == 0), "tail halves: plain two-wave tiles");
+    static_assert(!kTailSplit || (kTwoBoxB && (kActQuant == 0 || (kKPieces && !Tail::kHalves))),
+                  "tail halves: plain two-wave tiles; under the fused epilogue, K pieces only");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -488,7 +489,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // NOTE: each split tail half, and a K piece, gets its own copy of the loop. Testing the wave inside
             // one shared loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never
             // split; a run-time K range in the whole tiles' loop cost 4-13% at long K (session 11 record).
-            if (kTailSplit && tile.num_waves == 1) {
+            if (kTailSplit && Tail::kHalves && tile.num_waves == 1) {
                 if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, kb0, num_kb);
                 else mainloop(Count<1>{}, Count<1>{}, kb0, num_kb);
             } else if (kKPieces && tile.num_k_blocks != kNumKBlocks) {

@@ -27,7 +27,8 @@ struct Tile {
 };
 
 // NOTE: a persistent grid whose last wave holds few tiles idles most SMs for a whole tile (a masked
-// 1206-row group at 4096x7168: 160 tiles of 128x256 on 132 SMs, the last 28 alone for a whole tile).
+// 1206-row group at 4096x7168: 160 tiles of 128x256 on 132 SMs, the last 28 alone for a whole tile; a
+// decode step touching one local expert: 16 tiles of 64x256, one wave on 16 SMs).
 // Two ways out, for two-wave (192 / 256-wide) tiles; units 0 .. full-1 are whole tiles either way:
 // - halves: when the last wave holds at most half as many tiles as there are CTAs, its tiles are handed
 //   out as halves, one 96 / 128-column wave each, to twice as many CTAs: unit full + h is the half h % 2
@@ -42,11 +43,18 @@ struct Tile {
 // 256-wide tiles and the store warps (two schedulers in 40 registers) have no registers to spare.
 // kKPieces: K pieces compiled in (the masked scheduler only: in the normal and contiguous kernels, which
 // never get a workspace, the code alone cost 128x256 tiles 4-8% at long K, session 11 A/B).
-template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false>
+// kHalves: halves allowed (not under the fused SiLU·mul + quant epilogue, which needs a tile's gate and up
+// waves together: there the last wave runs as K pieces or not split at all).
+template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false, bool kHalves_ = true>
 struct TailSplit {
+    static constexpr bool kHalves = kHalves_;
     // (heuristics.py: K_SPLIT_MAX_PIECES, K_SPLIT_MIN_PIECE_BLOCKS)
-    static constexpr uint32_t kMaxPieces = 4;       // more would add partial-tile traffic for little
-    static constexpr uint32_t kMinPieceBlocks = 12;  // shorter pieces lost to halves (K = 2048: 8 blocks)
+#ifndef MOE_FP8_K_MAX_PIECES  // (measurement switches)
+#define MOE_FP8_K_MAX_PIECES 4
+#define MOE_FP8_K_MIN_PIECE_BLOCKS 12
+#endif
+    static constexpr uint32_t kMaxPieces = MOE_FP8_K_MAX_PIECES;  // more would add partial-tile traffic for little
+    static constexpr uint32_t kMinPieceBlocks = MOE_FP8_K_MIN_PIECE_BLOCKS;  // shorter pieces lost to halves (K = 2048: 8 blocks)
     // only where K holds two pieces: with fewer blocks the code could never run
     static constexpr bool kKPieces = kEnabled && kKPieces_ && kNumKBlocks >= 2 * kMinPieceBlocks;
 
@@ -59,7 +67,7 @@ struct TailSplit {
         const uint32_t k_parts = kKPieces && k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
         const bool pieces = k_parts >= 2;  // else halves, where they apply
         const uint32_t parts = pieces ? k_parts : 2;
-        const bool split = kEnabled && last > 0 && (pieces || 2 * last <= num_ctas);
+        const bool split = kEnabled && last > 0 && (pieces || (kHalves && 2 * last <= num_ctas));
         const uint32_t full = split ? num_tiles - last : num_tiles;
         if (unit < full) {
             tile_idx = unit;
@@ -224,9 +232,9 @@ struct ContiguousScheduler {
 // M-grouped masked: group g owns rows [g * max_m, g * max_m + masked_m[g]) of a [G, max_m] buffer;
 // masked_m lives on the device (no host sync, CUDA-graph safe). Tiles are numbered group by group,
 // each group contributing ceil(masked_m[g] / BLOCK_M) m-blocks; rows past masked_m[g] are never
-// written.
+// written. kTailHalves: see TailSplit::kHalves.
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kGroupM,
-          bool kTailSplit_ = false>
+          bool kTailSplit_ = false, bool kTailHalves = true>
 struct MaskedScheduler {
     static constexpr bool kTailSplit = kTailSplit_;
     static constexpr uint32_t kMulticast = 1;
@@ -236,25 +244,29 @@ struct MaskedScheduler {
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
-    // The tail split needs the tile count: every thread sums the groups' counts once, so only for
-    // a few groups (the large-row shapes whose tail matters; decode's 32+ groups run small tiles).
-    static constexpr uint32_t kMaxTailSplitGroups = 8;
     const int32_t* masked_m;
     uint32_t max_m, num_groups;
     // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
     // needed rather than held (the store warps run two schedulers in 40 registers)
     uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
-    using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true>;
+    using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true, kTailHalves>;
+    // The tail split needs the tile count. 128-row tiles count up to 8 groups (the large-row shapes whose
+    // tail matters): their store warps run two schedulers in 40 registers, where counting any number spilled
+    // one (ptxas, session 21). 64-row tiles (96 registers there; the decode tiles, where a few touched experts
+    // leave most SMs idle) count any number.
+    static constexpr uint32_t kMaxCountedGroups = BLOCK_M == 64 ? 0xffffffffu : 8;
     static constexpr uint32_t kUncounted = 0xffffffffu;
-    uint32_t num_tiles = kUncounted;  // counted for up to kMaxTailSplitGroups (kTailSplit only)
+    uint32_t num_tiles = kUncounted;  // kTailSplit only
     int32_t iter = -1;
 
+    // Every thread of the CTA constructs it (converged warps): each warp counts the tiles, a group per lane.
     __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_,
                                                const int32_t* /*m_rows*/)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
-        if (kTailSplit && num_groups <= kMaxTailSplitGroups) {
-            num_tiles = 0;
-            for (uint32_t g = 0; g < num_groups; ++g) num_tiles += ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
+        if (kTailSplit && num_groups <= kMaxCountedGroups) {
+            uint32_t m_blocks = 0;
+            for (uint32_t g = threadIdx.x % 32; g < num_groups; g += 32) m_blocks += ceil_div(rows_of(g), BLOCK_M);
+            num_tiles = __reduce_add_sync(0xffffffffu, m_blocks) * kNumNBlocks;
         }
         load_group();
     }
