@@ -250,20 +250,21 @@ struct MaskedScheduler {
     // needed rather than held (the store warps run two schedulers in 40 registers)
     uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
     using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true, kTailHalves>;
-    // The tail split needs the tile count. 128-row tiles count up to 8 groups (the large-row shapes whose
-    // tail matters): their store warps run two schedulers in 40 registers, where counting any number spilled
-    // one (ptxas, session 21). 64-row tiles (96 registers there; the decode tiles, where a few touched experts
-    // leave most SMs idle) count any number.
+    // The tile count: the tail split needs it, and past it a CTA is done without walking the remaining groups
+    // (at decode most of them are empty: the walk, a dependent load per group, took ~15 us at 32 groups).
+    // 128-row tiles count up to 8 groups (the large-row shapes whose tail matters): their store warps run two
+    // schedulers in 40 registers, where counting any number spilled one (ptxas, session 21). 64-row tiles
+    // (96 registers there; the decode tiles) count any number.
     static constexpr uint32_t kMaxCountedGroups = BLOCK_M == 64 ? 0xffffffffu : 8;
-    static constexpr uint32_t kUncounted = 0xffffffffu;
-    uint32_t num_tiles = kUncounted;  // kTailSplit only
+    static constexpr uint32_t kUncounted = 0xffffffffu;  // (a unit index never reaches it)
+    uint32_t num_tiles = kUncounted;
     int32_t iter = -1;
 
     // Every thread of the CTA constructs it (converged warps): each warp counts the tiles, a group per lane.
     __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_,
                                                const int32_t* /*m_rows*/)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
-        if (kTailSplit && num_groups <= kMaxCountedGroups) {
+        if (num_groups <= kMaxCountedGroups) {
             uint32_t m_blocks = 0;
             for (uint32_t g = threadIdx.x % 32; g < num_groups; g += 32) m_blocks += ceil_div(rows_of(g), BLOCK_M);
             num_tiles = __reduce_add_sync(0xffffffffu, m_blocks) * kNumNBlocks;
@@ -283,13 +284,24 @@ struct MaskedScheduler {
         uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
         if (kTailSplit && num_tiles != kUncounted) {
             if (!Tail::map(num_tiles, k_split, idx, idx, t)) return false;
-        } else {  // whole tiles only; the group walk ends the schedule
+        } else {  // whole tiles only
+            if (idx >= num_tiles) return false;
             t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         }
+        // to the tile's group, reading kWalk groups' counts at once (independent loads: one round trip); one
+        // at a time with 128-row tiles (more spilled in their 40-register store warps)
+        constexpr uint32_t kWalk = BLOCK_M == 64 ? 4 : 1;
         while (idx >= group_end_tile) {
-            if (++group >= num_groups) return false;
-            group_first_tile = group_end_tile;
-            load_group();
+            uint32_t rows[kWalk];
+#pragma unroll
+            for (uint32_t j = 0; j < kWalk; ++j) rows[j] = group + 1 + j < num_groups ? rows_of(group + 1 + j) : 0;
+#pragma unroll
+            for (uint32_t j = 0; j < kWalk; ++j) {
+                if (idx < group_end_tile) break;
+                if (++group >= num_groups) return false;
+                group_first_tile = group_end_tile;
+                group_end_tile += ceil_div(rows[j], BLOCK_M) * kNumNBlocks;
+            }
         }
         const uint32_t group_rows = rows_of(group);
         swizzle_tile<kGroupM>(idx - group_first_tile, ceil_div(group_rows, BLOCK_M), kNumNBlocks, t.m_block,
