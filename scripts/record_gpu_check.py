@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         table = _strip_progress((run / f"bench_{kind}.txt").read_text())
         (docs / f"{slug}-{kind}.md").write_text(
             _header(title, device, commit, date, f"bash scripts/gpu_check.sh {kind}",
-                    " (timings: `triton.testing.do_bench` medians, L2 flushed)") + figure + table)
+                    " (timings: `triton.testing.do_bench` medians, L2 flushed"
+                    + ("; the *chilled* tables time each call as DeepGEMM's `bench_kineto`, the method of "
+                       "ANCHORS.md's DeepGEMM figures: an 8 GB memset before every call, median of 30"
+                       if kind in ("gemm", "grouped") else "") + ")") + figure + table)
         print("wrote", docs / f"{slug}-{kind}.md")
     parts = [_header("GPU check: tests and JIT timings", device, commit, date,
                      "bash scripts/gpu_check.sh tests smoke demo"),

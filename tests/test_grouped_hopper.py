@@ -376,10 +376,12 @@ DECODE_COUNTS = [[0] * 31 + [1], [0] * 9 + [2] + [0] * 11 + [1, 3] + [0] * 9, [1
                  [64] * 32]
 
 
-@pytest.mark.parametrize("masked_m", DECODE_COUNTS)
-@pytest.mark.parametrize("block_m,sms", [(64, 132), (64, 13), (128, 132)])
+@pytest.mark.parametrize("block_m,sms,masked_m", [
+    *((64, sms, counts) for counts in DECODE_COUNTS for sms in (132, 13)),
+    (128, 132, [60, 0, 3, 0]), (128, 132, [64] * 8), (128, 132, DECODE_COUNTS[0])])
 def test_masked_silu_mul_quant_k_pieces(masked_m: list[int], block_m: int, sms: int) -> None:
-    """The fused GEMM1 with its last wave (under one wave: every tile) as K pieces: right against the
+    """The fused GEMM1 with its last wave (under one wave: every tile) as K pieces where four fit (1 touched
+    expert: 16 tiles on 132 CTAs; on 13, a wave and 3 tiles), whole tiles otherwise: right against the
     reference, rows past masked_m untouched, and deterministic (pieces added in order). 128-row tiles count
     the tiles of up to 8 groups only: with 32 they run whole."""
     from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper

@@ -45,16 +45,16 @@ struct Tile {
 // never get a workspace, the code alone cost 128x256 tiles 4-8% at long K, session 11 A/B).
 // kHalves: halves allowed (not under the fused SiLU·mul + quant epilogue, which needs a tile's gate and up
 // waves together: there the last wave runs as K pieces or not split at all).
-template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false, bool kHalves_ = true>
+// kMinParts: fewer K pieces per tile than this run as halves, or whole. Without halves (the fused epilogue) 4:
+// at decode two pieces per tile ran 2% slower than whole tiles (48-64 tiles of 64x256 on 132 SMs), four
+// 10-26% faster (16-32 tiles).
+template <bool kEnabled, uint32_t kNumKBlocks, bool kKPieces_ = false, bool kHalves_ = true, uint32_t kMinParts = 2>
 struct TailSplit {
     static constexpr bool kHalves = kHalves_;
     // (heuristics.py: K_SPLIT_MAX_PIECES, K_SPLIT_MIN_PIECE_BLOCKS)
-#ifndef MOE_FP8_K_MAX_PIECES  // (measurement switches)
-#define MOE_FP8_K_MAX_PIECES 4
-#define MOE_FP8_K_MIN_PIECE_BLOCKS 12
-#endif
-    static constexpr uint32_t kMaxPieces = MOE_FP8_K_MAX_PIECES;  // more would add partial-tile traffic for little
-    static constexpr uint32_t kMinPieceBlocks = MOE_FP8_K_MIN_PIECE_BLOCKS;  // shorter pieces lost to halves (K = 2048: 8 blocks)
+    // more pieces would add partial-tile traffic for little (at decode, 8 pieces of 7 blocks ran 14% slower than 4)
+    static constexpr uint32_t kMaxPieces = 4;
+    static constexpr uint32_t kMinPieceBlocks = 12;  // shorter pieces lost to halves (K = 2048: 8 blocks)
     // only where K holds two pieces: with fewer blocks the code could never run
     static constexpr bool kKPieces = kEnabled && kKPieces_ && kNumKBlocks >= 2 * kMinPieceBlocks;
 
@@ -65,7 +65,7 @@ struct TailSplit {
         t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         const uint32_t num_ctas = gridDim.x, last = num_tiles % num_ctas;
         const uint32_t k_parts = kKPieces && k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
-        const bool pieces = k_parts >= 2;  // else halves, where they apply
+        const bool pieces = k_parts >= kMinParts;  // else halves, where they apply
         const uint32_t parts = pieces ? k_parts : 2;
         const bool split = kEnabled && last > 0 && (pieces || (kHalves && 2 * last <= num_ctas));
         const uint32_t full = split ? num_tiles - last : num_tiles;
@@ -249,10 +249,10 @@ struct MaskedScheduler {
     // the current group's tiles are [group_first_tile, group_end_tile); its row count is re-read when
     // needed rather than held (the store warps run two schedulers in 40 registers)
     uint32_t group = 0, group_first_tile = 0, group_end_tile = 0;
-    using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true, kTailHalves>;
+    using Tail = TailSplit<kTailSplit, kNumKBlocks, /*kKPieces=*/true, kTailHalves, kTailHalves ? 2 : 4>;
     // The tile count: the tail split needs it, and past it a CTA is done without walking the remaining groups
-    // (at decode most of them are empty: the walk, a dependent load per group, took ~15 us at 32 groups).
-    // 128-row tiles count up to 8 groups (the large-row shapes whose tail matters): their store warps run two
+    // (at decode most of them are empty; with the 4-group walk below, a 64x128 decode GEMM at 7168x2048 with
+    // one touched expert of 32 went from 16.9 to 14.6 us). 128-row tiles count up to 8 groups (the large-row shapes whose tail matters): their store warps run two
     // schedulers in 40 registers, where counting any number spilled one (ptxas, session 21). 64-row tiles
     // (96 registers there; the decode tiles) count any number.
     static constexpr uint32_t kMaxCountedGroups = BLOCK_M == 64 ? 0xffffffffu : 8;
