@@ -20,6 +20,10 @@ The notes also give each grouped GEMM's kernel alone (``bench_us``) beside its s
 share of the forward. Prefill sizes also run from a captured CUDA graph (the contiguous path has no host
 sync): ``moe_layer_path`` rows with path ``contiguous_graph``, the GEMM kernels' share of a profiled
 replay, and the same layer with ``contiguous_sync=True`` (one host sync, exact layout) for comparison.
+
+Routing logits are random, except at one token: under DeepSeek-V3's grouped routing a token's copies land
+on this rank (expert group 0) or not at all, and a random one may not, which would time no GEMM. The
+one-token row routes its token here: two of its eight experts local, the others elsewhere.
 """
 
 from __future__ import annotations
@@ -225,6 +229,9 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
     gen = torch.Generator(device="cuda").manual_seed(t)
     hidden = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32, generator=gen)
+    if t == 1:  # see the module doc: two local experts far ahead of the rest of their group
+        logits[0, :2] += 6.0
+        logits[0, 2:LOCAL_EXPERTS] -= 6.0
     # work of the local experts actually used: 3 GEMMs of H x I per routed token copy on this rank
     _, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
                             topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
