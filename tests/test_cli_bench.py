@@ -190,7 +190,8 @@ def test_bench_pipeline_writes_tables_json_csv_plot(tmp_path, capsys, monkeypatc
 
 def test_bench_prints_the_chilled_timings_as_a_table_of_their_own(tmp_path, capsys, monkeypatch):
     _fake_kind(monkeypatch, chilled={"moe_fp8": 8.0, "torch_a": 12.0, "torch_b": 4.0})
-    assert cli.main(["bench", "fake", "--shapes", "64,4096", "--no-progress", "--json", str(tmp_path / "r.json")]) == 0
+    assert cli.main(["bench", "fake", "--shapes", "64,4096", "--no-progress", "--no-record",
+                     "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     sustained, _, chilled = out.partition("## fake_memory, chilled (DeepGEMM's timing")
     assert "| 64×4096 | 10.0 |" in sustained and "| 2.00 |" in sustained
