@@ -105,6 +105,14 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
+@functools.cache
+def _pdl() -> bool:
+    """Launch the GEMMs as programmatic dependents (the CTAs become resident, set up their barriers and wait
+    in the kernel while the previous kernel ends; see impls/fp8_gemm.cuh). ``MOE_FP8_PDL=0`` turns it off,
+    with the data-path kernels' (read once per process)."""
+    return os.environ.get("MOE_FP8_PDL", "1").strip().lower() in ("1", "true", "yes", "on")
+
+
 # Measurement switches of the kernel headers (e.g. "MOE_FP8_SERPENTINE_K=0"),
 # read once per process; for A/B timing runs only, never needed in use.
 ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
@@ -216,7 +224,7 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
         grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,
                                 num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace],
-                  smem_bytes=smem, cluster=cluster)
+                  smem_bytes=smem, cluster=cluster, pdl=_pdl())
     return cfg
 
 

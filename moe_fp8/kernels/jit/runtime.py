@@ -336,13 +336,16 @@ class JitKernel:
     # ---- launching
 
     def launch(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[Any], *,
-               smem_bytes: int = 0, stream: Any = None, cluster: Sequence[int] = (1, 1, 1)) -> None:
+               smem_bytes: int = 0, stream: Any = None, cluster: Sequence[int] = (1, 1, 1),
+               pdl: bool = False) -> None:
         """Launch on ``stream`` (default: torch's current stream of the current device).
 
         ``grid``/``block``/``cluster`` are ints or 1-3 ints; ``smem_bytes`` is the dynamic shared memory
         per block (above 48 KiB the kernel's limit is raised once per device, up to the device's opt-in
-        maximum minus the kernel's static shared memory).  With ``cluster != (1, 1, 1)`` the launch uses
-        ``cuLaunchKernelEx`` with a cluster-dimension attribute.  See the module docstring for ``args``.
+        maximum minus the kernel's static shared memory).  With ``cluster != (1, 1, 1)`` or ``pdl`` the
+        launch uses ``cuLaunchKernelEx`` with a cluster-dimension attribute and / or programmatic stream
+        serialization (the kernel may start before the previous one on the stream ends: it must
+        ``griddepcontrol.wait`` before reading that kernel's outputs).  See the module docstring for ``args``.
         """
         dev = _current_device()
         st = self._devices.get(dev) or self._device_state(dev)
@@ -362,7 +365,7 @@ class JitKernel:
         fast = self._fast
         params = state[2] if fast is not None and fast(args, state[0], state[1]) else self._pack(args)
         drv = _drv
-        if cluster == (1, 1, 1):
+        if cluster == (1, 1, 1) and not pdl:
             err = drv.cuLaunchKernel(st.func, g[0], g[1], g[2], b[0], b[1], b[2], smem_bytes, stream,
                                      params, 0)[0]
             if err:
@@ -375,11 +378,11 @@ class JitKernel:
                                     f"failed: {_result_str(drv, err)}")
             return
         c = cluster if type(cluster) is tuple and len(cluster) == 3 else _dim3(cluster, "cluster")
-        cfg = self._launch_config(g, b, c, smem_bytes, stream)
+        cfg = self._launch_config(g, b, c, smem_bytes, stream, pdl)
         err = drv.cuLaunchKernelEx(cfg, st.func, params, 0)[0]
         if err:
             raise CudaError(f"cuLaunchKernelEx({self.symbol}, grid={g}, block={b}, cluster={tuple(cluster)}, "
-                            f"smem={smem_bytes}) failed: {_result_str(drv, err)}")
+                            f"pdl={pdl}, smem={smem_bytes}) failed: {_result_str(drv, err)}")
 
     __call__ = launch
 
@@ -395,8 +398,8 @@ class JitKernel:
         st.max_dynamic_smem = smem_bytes
 
     def _launch_config(self, g: tuple[int, int, int], b: tuple[int, int, int], c: tuple[int, int, int],
-                       smem_bytes: int, stream: int) -> Any:
-        key = (g, b, c, smem_bytes, stream)
+                       smem_bytes: int, stream: int, pdl: bool = False) -> Any:
+        key = (g, b, c, smem_bytes, stream, pdl)
         cfg = self._configs.get(key)
         if cfg is not None:
             return cfg
@@ -405,16 +408,24 @@ class JitKernel:
         if c[0] * c[1] * c[2] > MAX_PORTABLE_CLUSTER:
             raise ValueError(f"cluster {c} has more than {MAX_PORTABLE_CLUSTER} blocks (non-portable size)")
         drv = _drv
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
+        attrs = []
+        if c != (1, 1, 1):
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c
+            attrs.append(attr)
+        if pdl:
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
         cfg = drv.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = g
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = b
         cfg.sharedMemBytes = smem_bytes
         cfg.hStream = drv.CUstream(stream)
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         if len(self._configs) > 256:
             self._configs.clear()
         self._configs[key] = cfg

@@ -220,6 +220,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     }
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
     if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
+    // Launched as a programmatic dependent (gemm.py), the CTAs got here while the previous kernel still ran;
+    // from here on they read its outputs (the scheduler reads the grouped layout). The next kernel may
+    // become resident on the SMs this grid leaves idle (at decode most of them) and wait there.
+    ptx::wait_prerequisites();
+    ptx::launch_dependents();
 
     Scheduler scheduler(shape_m, grouped_layout, num_groups, m_rows);
     const bool k_split = k_split_workspace != nullptr;

@@ -19,6 +19,9 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Programmatic dependent launch: the next kernel on the stream, if launched with the PDL attribute, may
 // start now; it still waits (griddepcontrol.wait) for this grid to complete before touching its outputs.
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// ... and this grid, if launched so, waits here until the previous one has completed and its writes are
+// visible (a no-op otherwise): nothing before it may read what that kernel writes.
+__device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
 __device__ __forceinline__ void fence_proxy_async_shared() {
