@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from .utils import truthy
+
 __all__ = [
     "BACKENDS",
     "ENV_BACKEND",
@@ -57,7 +59,6 @@ BACKENDS = ("hopper", "portable", "reference")
 ENV_BACKEND = "MOE_FP8_BACKEND"
 ENV_STRICT = "MOE_FP8_STRICT"
 _AUTO = ("", "auto")
-_TRUE = ("1", "true", "yes", "on")
 HOPPER_CAPABILITY = (9, 0)
 
 logger = logging.getLogger("moe_fp8")
@@ -313,7 +314,7 @@ def _select_uncached(op: str, device: torch.device, forced: str | None, strict: 
     missed = [(n, r) for n, r, applies in skipped if applies]
     if missed:
         why = "; ".join(f"{n}: {r}" for n, r in missed)
-        if (strict or "").strip().lower() in _TRUE:
+        if truthy(strict):
             raise BackendError(f"{ENV_STRICT}=1: {op} on {device} would fall back to backend {name!r} ({why})")
         # A backend missing on the whole device (no JIT compiler, Triton not importable) makes every op
         # fall back for one cause: warn once per device and cause, not once per op (nine warnings).

@@ -20,6 +20,11 @@ ALIGN_M = 128
 SCALE_M_ALIGN = 4
 
 
+def truthy(text: str | None) -> bool:
+    """An environment switch's value read as on / off: 1, true, yes, on (any case, spaces ignored) are on."""
+    return (text or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 

@@ -316,3 +316,12 @@ def test_missing_compiler_is_one_warning_for_all_ops(monkeypatch, caplog):
         with pytest.raises(BackendError, match=rf"MOE_FP8_BACKEND=hopper but backend 'hopper' cannot run {op} "
                                                r"on cuda:0: no JIT compiler found"):
             backends.select(op, CUDA0)
+
+
+@pytest.mark.parametrize("text,on", [("1", True), (" On ", True), ("TRUE", True), ("yes", True), ("0", False),
+                                     ("", False), (None, False), ("off", False), ("2", False)])
+def test_environment_switches_read_on_and_off(text, on):
+    """MOE_FP8_STRICT, MOE_FP8_PDL and TRITON_INTERPRET share one reading of on / off."""
+    from moe_fp8.utils import truthy
+
+    assert truthy(text) is on

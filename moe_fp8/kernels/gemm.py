@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..utils import ceil_div, get_num_sms, get_tma_aligned_m
+from ..utils import ceil_div, get_num_sms, get_tma_aligned_m, truthy
 from .heuristics import (
     BLOCK_K,
     GemmConfig,
@@ -110,7 +110,7 @@ def _pdl() -> bool:
     """Launch the GEMMs as programmatic dependents (the CTAs become resident, set up their barriers and wait
     in the kernel while the previous kernel ends; see impls/fp8_gemm.cuh). ``MOE_FP8_PDL=0`` turns it off,
     with the data-path kernels' (read once per process)."""
-    return os.environ.get("MOE_FP8_PDL", "1").strip().lower() in ("1", "true", "yes", "on")
+    return truthy(os.environ.get("MOE_FP8_PDL", "1"))
 
 
 # Measurement switches of the kernel headers (e.g. "MOE_FP8_SERPENTINE_K=0"),

@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...utils import truthy
+
 FP8_MAX = 448.0
-_TRUE = ("1", "true", "yes", "on")
 
 
 # ============================================================================================
@@ -29,7 +30,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+    return truthy(os.environ.get("TRITON_INTERPRET"))
 
 
 def next_pow2(n: int) -> int:
@@ -68,7 +69,7 @@ def _pdl_available() -> bool:
 def use_pdl(device: torch.device) -> bool:
     """Launch the data-path kernels with programmatic dependent launch (sm_90+, compiled kernels; see
     ``pdl_start``). ``MOE_FP8_PDL=0`` turns it off (A/B measurements)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("MOE_FP8_PDL", "1").strip().lower() not in _TRUE:
+    if device.type != "cuda" or interpreting() or not truthy(os.environ.get("MOE_FP8_PDL", "1")):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index) >= (9, 0) and _pdl_available()
