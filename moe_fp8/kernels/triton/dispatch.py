@@ -36,6 +36,8 @@ destination row of every pair, or -1), written by the programs that copy the row
      ``DispatchConfig.scales_apart`` (contiguous, the quantizing dense scatter from 4096 tokens × top-8):
      column block 0 records each destination row's token instead, and a fourth launch,
      ``_scale_rows_kernel``, writes the scales row by row (whole sectors, not a 4-byte store per token).
+     On Hopper ``dispatch_contiguous`` (FP8 rows) passes a ``RowMover`` (``kernels/dispatch.py``, CUDA) that
+     replaces this scatter: the same outputs, the rows moved by bulk copies.
 
 Every data-path kernel starts with ``common.pdl_start`` (programmatic dependent launch on sm_90+).
 
@@ -66,7 +68,7 @@ bug; the reference raises an indexing error there).
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
@@ -91,6 +93,7 @@ from moe_fp8.kernels.triton.configs import (
     DispatchConfig,
     combine_config,
     dispatch_config,
+    mover_scales_apart,
 )
 from moe_fp8.utils import FP8_DTYPE, SCALE_M_ALIGN, ceil_div, empty_scale_tma, get_tma_aligned_m
 
@@ -781,15 +784,20 @@ class _Quant(NamedTuple):
 
 def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, out: torch.Tensor,
              out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None, max_m: int,
-             m_pad: int, cfg: DispatchConfig, rows_on_device: bool = False, quant: _Quant | None = None) -> None:
+             m_pad: int, cfg: DispatchConfig, rows_on_device: bool = False, quant: _Quant | None = None,
+             mover: RowMover | None = None) -> None:
     """Copy every token row (and its scales) to its destinations; column block 0 also writes
     ``row_map`` and, contiguous layout (``m_indices`` given), ``M_BLOCK`` rows of ``m_indices`` per
     token block (the grid covers both). ``x``: FP8 rows with their ``x_scale``, or with ``quant`` the
     bf16/fp16/fp32 rows, quantized on the way (``x_scale`` None). ``rows_on_device``: the contiguous
     layout has ``M_total`` rows (read from ``routing.status``) and its scales the TMA layout of
-    ``M_total`` rows; ``out``, ``out_scale`` (flat) and ``m_indices`` are upper-bound buffers."""
+    ``M_total`` rows; ``out``, ``out_scale`` (flat) and ``m_indices`` are upper-bound buffers. ``mover``: the
+    contiguous layout's FP8 rows by that kernel instead (see ``RowMover``)."""
     num_tokens, k = x.shape
     masked = m_indices is None
+    if mover is not None and quant is None and not masked:
+        _move_rows(mover, x, x_scale, routing, out, out_scale, row_map, m_indices, m_pad, cfg, rows_on_device)
+        return
     m_rows = 0 if masked else m_indices.shape[0]
     m_block = 128
     t_blocks = max(ceil_div(num_tokens, cfg.block_t), ceil_div(m_rows, m_block))
@@ -827,12 +835,48 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
     _scatter_kernel[(t_blocks, col_blocks)](*head, src_rows, *tail, BLOCK_T=cfg.block_t,
                                             SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
     if apart and m_rows:
-        scales, strides = (x_scale, x_scale.stride()) if quant is None else (quant.x_scale, quant.x_scale.stride())
-        block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
-        _scale_rows_kernel[(ceil_div(m_rows, SCALE_ROWS_BLOCK_R), ceil_div(kg, block_g))](
-            src_rows, m_indices, scales, out_scale, routing.status, m_rows, m_pad, kg, *strides,
-            BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device, M_ALIGN=SCALE_M_ALIGN,
-            num_warps=4, **pdl_args(x.device))
+        _scale_rows(src_rows, m_indices, x_scale if quant is None else quant.x_scale, out_scale, routing, m_pad,
+                    rows_on_device)
+
+
+def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor,
+                routing: _Routing, m_pad: int, rows_on_device: bool) -> None:
+    """``_scale_rows_kernel`` over the ``m_indices.shape[0]`` rows: each row's scales from ``scales[src_rows]``
+    (``[T, KG]``, any strides)."""
+    m_rows, kg = m_indices.shape[0], scales.shape[1]
+    block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
+    _scale_rows_kernel[(ceil_div(m_rows, SCALE_ROWS_BLOCK_R), ceil_div(kg, block_g))](
+        src_rows, m_indices, scales, out_scale, routing.status, m_rows, m_pad, kg, *scales.stride(),
+        BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device, M_ALIGN=SCALE_M_ALIGN,
+        num_warps=4, **pdl_args(scales.device))
+
+
+class RowMover(Protocol):
+    """A kernel that does the contiguous scatter of FP8 rows from the routing state (the Hopper backend's,
+    ``kernels/dispatch.py``): ``row_map``, ``m_indices`` and every local pair's row; the scales either to
+    ``out_scale`` directly or, given ``src_rows`` / ``token_scales``, each destination row's token and the
+    tokens' scales token-major (``[T, KG]``), from which ``_scale_rows_kernel`` then writes them."""
+
+    def __call__(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, rank: torch.Tensor,
+                 base: torch.Tensor, seg_start: torch.Tensor, count: torch.Tensor, status: torch.Tensor, chunk: int,
+                 out: torch.Tensor, out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor,
+                 m_pad: int, rows_on_device: bool, src_rows: torch.Tensor | None,
+                 token_scales: torch.Tensor | None) -> None: ...
+
+
+def _move_rows(mover: RowMover, x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out: torch.Tensor,
+               out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor, m_pad: int,
+               cfg: DispatchConfig, rows_on_device: bool) -> None:
+    """The contiguous FP8 scatter by ``mover``, its scales in a pass of their own where
+    ``mover_scales_apart`` says so."""
+    apart = mover_scales_apart(row_map.numel(), routing.has_map) and m_indices.shape[0] > 0
+    src_rows = torch.empty(m_indices.shape[0], dtype=torch.int32, device=x_fp8.device) if apart else None
+    token_scales = torch.empty((x_fp8.shape[0], x_scale.shape[1]), dtype=torch.float32,
+                               device=x_fp8.device) if apart else None
+    mover(x_fp8, x_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count, routing.status,
+          cfg.chunk, out, out_scale, row_map, m_indices, m_pad, rows_on_device, src_rows, token_scales)
+    if apart:
+        _scale_rows(src_rows, m_indices, token_scales, out_scale, routing, m_pad, rows_on_device)
 
 
 def _fused_grid(num_tokens: int, num_experts: int, col_blocks: int, cfg: DispatchConfig) -> tuple[int, int]:
@@ -1016,8 +1060,8 @@ def _contiguous_plan(topk_ids: torch.Tensor, num_experts: int, expert_map: torch
 
 
 def _contiguous_scatter(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, routing: _Routing,
-                        m_rows: int, cfg: DispatchConfig, rows_on_device: bool = False, quant: _Quant | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        m_rows: int, cfg: DispatchConfig, rows_on_device: bool = False, quant: _Quant | None = None,
+                        mover: RowMover | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate an ``m_rows``-row contiguous layout and scatter the rows into it (one launch, which also
     writes ``m_indices`` and ``row_map``; ``x`` / ``x_scale`` / ``quant`` as ``_scatter``). ``rows_on_device``:
     ``m_rows`` is the upper bound and the kernel lays out the ``M_total`` rows of ``routing.status`` (the
@@ -1032,7 +1076,7 @@ def _contiguous_scatter(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids:
     m_indices = torch.empty(m_rows, dtype=torch.int32, device=device)
     row_map = torch.empty(topk_ids.shape, dtype=torch.int64, device=device)
     _scatter(x, x_scale, routing, out, out_scale, row_map, m_indices, 0, get_tma_aligned_m(m_rows), cfg,
-             rows_on_device, quant)
+             rows_on_device, quant, mover)
     return out, out_scale, m_indices, row_map
 
 
@@ -1048,7 +1092,7 @@ def _contiguous_views(bufs: tuple[torch.Tensor, ...], m_total: int, kg: int
 
 def _dispatch_contiguous(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, num_experts: int,
                          expert_map: torch.Tensor | None, align_m: int, sync: bool, cfg: DispatchConfig,
-                         plan: tuple[_Routing, tuple], quant: _Quant | None = None
+                         plan: tuple[_Routing, tuple], quant: _Quant | None = None, mover: RowMover | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scatter of a planned contiguous dispatch (``x`` / ``x_scale`` / ``quant`` as ``_scatter``).
     ``sync=True``: launched before the host sync into upper-bound buffers (the kernel reads ``M_total``
@@ -1058,8 +1102,9 @@ def _dispatch_contiguous(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids
     num_tokens, top_k = topk_ids.shape
     bound = contiguous_rows_bound(num_tokens, top_k, num_experts, align_m)
     if not sync:
-        return _contiguous_scatter(x, x_scale, topk_ids, routing, bound, cfg, quant=quant)
-    bufs = _contiguous_scatter(x, x_scale, topk_ids, routing, bound, cfg, rows_on_device=True, quant=quant)
+        return _contiguous_scatter(x, x_scale, topk_ids, routing, bound, cfg, quant=quant, mover=mover)
+    bufs = _contiguous_scatter(x, x_scale, topk_ids, routing, bound, cfg, rows_on_device=True, quant=quant,
+                               mover=mover)
     m_total = _contiguous_rows(pending, topk_ids, num_experts, expert_map, align_m, sync)
     return _contiguous_views(bufs, m_total, ceil_div(x.shape[1], 128))
 
@@ -1072,9 +1117,10 @@ def _m_total(plan: tuple[_Routing, tuple]) -> torch.Tensor:
 
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                         expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
-                        return_m_total: bool = False, config: DispatchConfig | None = None
-                        ) -> tuple[torch.Tensor, ...]:
-    """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``).
+                        return_m_total: bool = False, config: DispatchConfig | None = None,
+                        mover: RowMover | None = None) -> tuple[torch.Tensor, ...]:
+    """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``) on the portable backend, and on Hopper
+    with the ``mover`` of ``kernels/dispatch.py`` (see ``RowMover``).
 
     ``sync=True``: one host sync (``M_total``); raises ``ValueError`` exactly where the reference does
     (ids outside ``[0, num_ids)``, a map to a local id ``>= num_experts``), from the same sync. The
@@ -1089,7 +1135,8 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts,
                                     has_map=expert_map is not None)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
-    routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
+    routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan,
+                                  mover=mover)
     return (*routed, _m_total(plan)) if return_m_total else routed
 
 

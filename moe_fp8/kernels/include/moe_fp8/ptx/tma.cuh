@@ -1,4 +1,4 @@
-// Bulk tensor copies (TMA), global -> shared, completing on an mbarrier.
+// Bulk copies (TMA): tensor boxes global -> shared completing on an mbarrier; plain byte ranges both ways.
 #pragma once
 
 #include "../common/types.cuh"
@@ -29,6 +29,53 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaDesc* 
         "[%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
         "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
         : "memory");
+}
+
+// L2 eviction policies for the `.L2::cache_hint` forms: a stream read or written once goes first, so data
+// that must stay in L2 (sectors filled a few bytes at a time) does not.
+__device__ __forceinline__ uint64_t policy_evict_first() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+__device__ __forceinline__ uint64_t policy_evict_normal() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+__device__ __forceinline__ uint64_t policy_evict_last() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to shared `dst`, completing
+// on `bar` (which must expect them).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+        ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared `src` to global `dst`, in the
+// thread's current bulk group.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes, uint64_t policy) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+                 ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(smem_addr(src)), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// The thread's committed bulk stores have read their shared-memory sources (which may then be reused).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// A 4-byte store under an L2 eviction policy.
+__device__ __forceinline__ void st_global_hint_f32(float* ptr, float v, uint64_t policy) {
+    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(ptr), "f"(v), "l"(policy) : "memory");
 }
 
 }  // namespace moe_fp8::ptx
