@@ -286,7 +286,8 @@ def test_bench_moe_data_through_the_cli(tmp_path, capsys, monkeypatch):
     assert err.splitlines() == ["[1/2] bench: ceilings (copy, FP8 and bf16 matmul)", "[2/2] bench: moe-data 8 tokens"]
     for kind in ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine"):
         assert f"## {kind} (reference backend; x B = B's time / ours)" in out
-        assert "| moe_fp8 GB/s | torch_copy GB/s | x torch_copy | torch_reference GB/s |" in out
+        assert ("| moe_fp8 GB/s | moe_fp8_graph GB/s | x moe_fp8_graph | torch_copy GB/s | x torch_copy | "
+                "torch_reference GB/s |") in out
     assert "## decode_step" in out and "| moe_fp8_eager GB/s | x moe_fp8_eager |" in out
     assert "backends: reference for every op" in out and "differs" not in out
     record = json.loads((tmp_path / "records" / "h100-moe-data.json").read_text())
