@@ -268,6 +268,7 @@ _HOPPER_IMPLS = {
     "fp8_grouped_gemm_silu_mul_quant": "moe_fp8.kernels.gemm:fp8_grouped_gemm_silu_mul_quant_hopper",
     "select_experts": "moe_fp8.kernels.routing:select_experts_hopper",  # (the Triton kernel outside its cases)
     "dispatch_contiguous": "moe_fp8.kernels.dispatch:dispatch_contiguous_hopper",  # (Triton routing + a CUDA mover)
+    "dispatch_masked": "moe_fp8.kernels.dispatch:dispatch_masked_hopper",
 }
 # Triton kernels of the MoE data path (moe_fp8.kernels.triton): the portable backend's implementation
 # and, on Hopper, the hopper backend's too where it has no CUDA-C kernel (these memory-bound ops reach

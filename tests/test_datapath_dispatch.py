@@ -461,9 +461,8 @@ def test_public_dispatch_ops_run_the_triton_kernels(monkeypatch):
 
     monkeypatch.setenv("MOE_FP8_STRICT", "1")
     dev = torch.device("cuda", torch.cuda.current_device())
-    # (dispatch_contiguous: on sm_90 the Hopper backend's own entry, tests/test_dispatch_hopper.py)
-    for op, fn in [("dispatch_masked", dispatch.dispatch_masked),
-                   ("quant_dispatch_contiguous", dispatch.quant_dispatch_contiguous),
+    # (dispatch_contiguous / dispatch_masked: on sm_90 the Hopper backend's own entries, test_dispatch_hopper.py)
+    for op, fn in [("quant_dispatch_contiguous", dispatch.quant_dispatch_contiguous),
                    ("quant_dispatch_masked", dispatch.quant_dispatch_masked), ("combine", dispatch.combine)]:
         name, impl = backends.select(op, dev)
         assert name in ("hopper", "portable") and impl is fn, (op, name)

@@ -1,5 +1,6 @@
-"""Hopper ``dispatch_contiguous`` (the Triton routing, then the row mover of impls/dispatch_rows.cuh) vs the
-reference, bit for bit, on poisoned buffers; which calls the mover takes; its compiled code.
+"""Hopper ``dispatch_contiguous`` / ``dispatch_masked`` (the Triton routing, then the row mover of
+impls/dispatch_rows.cuh) vs the reference, bit for bit, on poisoned buffers; which calls the mover takes;
+its compiled code.
 
 The GPU tests run only on an sm_90 GPU; the CPU ones compile the kernel and check ``mover_applies``.
 """
@@ -18,14 +19,15 @@ from moe_fp8.testing import make_dispatch_inputs
 POISON = 0x5A  # every byte of every buffer the call allocates: no valid id, row_map entry or -1
 
 
-@pytest.mark.parametrize(("top_k", "on_device", "apart"), [(8, "false", "false"), (8, "true", "true"),
-                                                           (1, "false", "true"), (32, "true", "false")])
-def test_kernel_compiles_to_bulk_copies_without_local_memory(top_k, on_device, apart, tmp_path: Path):
+@pytest.mark.parametrize(("top_k", "masked", "on_device", "apart"), [
+    (8, "false", "false", "false"), (8, "false", "true", "true"), (1, "false", "false", "true"),
+    (32, "false", "true", "false"), (8, "true", "false", "false"), (32, "true", "false", "false")])
+def test_kernel_compiles_to_bulk_copies_without_local_memory(top_k, masked, on_device, apart, tmp_path: Path):
     from moe_fp8.kernels.jit import get_compiler
     from moe_fp8.kernels.jit.cache import include_dir
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
-    src = KERNEL_TEMPLATE.format(top_k=top_k, on_device=on_device, apart=apart)
+    src = KERNEL_TEMPLATE.format(top_k=top_k, masked=masked, on_device=on_device, apart=apart)
     res = get_compiler().compile_ex(src, "dispatch_rows", [include_dir()], tmp_path)
     (report,) = res.ptxas.values()
     assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
@@ -91,6 +93,16 @@ CASES = [  # tokens, hidden, global experts, local experts (None: no map), top_k
 ]
 
 
+def _expert_map(e_global: int, e_local: int | None, seed: int) -> torch.Tensor | None:
+    """Global → local ids: a random ``e_local`` of the global experts live here, in random order."""
+    if e_local is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    emap = torch.full((e_global,), -1, dtype=torch.int32)
+    emap[torch.randperm(e_global, generator=g)[:e_local]] = torch.randperm(e_local, generator=g).int()
+    return emap.cuda()
+
+
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k"), CASES)
@@ -101,12 +113,7 @@ def test_matches_reference(monkeypatch, t, h, e_global, e_local, k, sync):
 
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device="cuda")
     e = e_local or e_global
-    emap = None
-    if e_local is not None:
-        g = torch.Generator().manual_seed(t)
-        emap = torch.full((e_global,), -1, dtype=torch.int32)
-        emap[torch.randperm(e_global, generator=g)[:e_local]] = torch.randperm(e_local, generator=g).int()
-        emap = emap.cuda()
+    emap = _expert_map(e_global, e_local, t)
     assert mover_applies(d.x_fp8, d.topk_ids)
     want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
     _poisoned_empty(monkeypatch)
@@ -136,3 +143,45 @@ def test_strided_scales_int64_ids_and_the_public_op(monkeypatch):
             _poisoned_empty(m)
             got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, scales, ids, 64)
         _check(got, want, None)
+
+
+MASKED_CASES = [  # tokens, hidden, global experts, local experts (None: no map), top_k, max_m
+    (300, 256, 8, None, 8, 400),  # 2400 pairs: past the fused kernel
+    (1000, 384, 24, 12, 4, 50),  # expert map, experts overflow max_m
+    (600, 272, 16, None, 5, 300),  # hidden not a multiple of 128
+    (4096, 7168, 256, 32, 8, 2048),  # an EP rank's small prefill
+    (5, 128, 4, None, 2, 3),  # the fused kernel (no mover)
+]
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m"), MASKED_CASES)
+def test_masked_matches_reference(monkeypatch, t, h, e_global, e_local, k, max_m):
+    """Fresh outputs, and persistent ones whose rows past ``masked_m`` keep their contents."""
+    from datapath_util import assert_same_bits
+
+    from moe_fp8.kernels.dispatch import dispatch_masked_hopper
+    from moe_fp8.utils import empty_scale_tma
+
+    d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device="cuda")
+    e = e_local or e_global
+    emap = _expert_map(e_global, e_local, t)
+    r_out, r_scale, r_masked_m, r_row_map = ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
+    valid = torch.arange(max_m, device="cuda")[None, :] < r_masked_m[:, None]
+    kg = d.x_scale.shape[1]
+    out = torch.full((e, max_m, h), POISON, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out_scale = empty_scale_tma(max_m, kg, groups=e, device="cuda")
+    out_scale.fill_(-7.0)
+    with monkeypatch.context() as m:
+        _poisoned_empty(m)
+        fresh = dispatch_masked_hopper(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
+        kept = dispatch_masked_hopper(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, out=out, out_scale=out_scale)
+    for got_out, got_scale, masked_m, row_map in (fresh, kept):
+        assert_same_bits(masked_m, r_masked_m, "masked_m")
+        assert_same_bits(row_map, r_row_map, "row_map")
+        assert_same_bits(got_out[valid], r_out[valid], "dispatched fp8 rows")
+        assert_same_bits(got_scale[valid], r_scale[valid], "dispatched scales")
+    assert kept[0] is out and kept[1] is out_scale
+    assert (out.view(torch.uint8)[~valid] == POISON).all() and (out_scale[~valid] == -7.0).all()
+

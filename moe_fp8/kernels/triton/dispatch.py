@@ -792,11 +792,11 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
     bf16/fp16/fp32 rows, quantized on the way (``x_scale`` None). ``rows_on_device``: the contiguous
     layout has ``M_total`` rows (read from ``routing.status``) and its scales the TMA layout of
     ``M_total`` rows; ``out``, ``out_scale`` (flat) and ``m_indices`` are upper-bound buffers. ``mover``: the
-    contiguous layout's FP8 rows by that kernel instead (see ``RowMover``)."""
+    FP8 rows by that kernel instead (see ``RowMover``)."""
     num_tokens, k = x.shape
     masked = m_indices is None
-    if mover is not None and quant is None and not masked:
-        _move_rows(mover, x, x_scale, routing, out, out_scale, row_map, m_indices, m_pad, cfg, rows_on_device)
+    if mover is not None and quant is None:
+        _move_rows(mover, x, x_scale, routing, out, out_scale, row_map, m_indices, max_m, m_pad, cfg, rows_on_device)
         return
     m_rows = 0 if masked else m_indices.shape[0]
     m_block = 128
@@ -852,29 +852,31 @@ def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor, scales: torch.T
 
 
 class RowMover(Protocol):
-    """A kernel that does the contiguous scatter of FP8 rows from the routing state (the Hopper backend's,
-    ``kernels/dispatch.py``): ``row_map``, ``m_indices`` and every local pair's row; the scales either to
-    ``out_scale`` directly or, given ``src_rows`` / ``token_scales``, each destination row's token and the
+    """A kernel that does the chunked scatter of FP8 rows from the routing state (the Hopper backend's,
+    ``kernels/dispatch.py``): ``row_map``, every local pair's row and (contiguous, ``m_indices`` given)
+    ``m_indices``, else the masked layout of ``max_m`` rows per expert; the scales either to ``out_scale``
+    directly or, given ``src_rows`` / ``token_scales`` (contiguous), each destination row's token and the
     tokens' scales token-major (``[T, KG]``), from which ``_scale_rows_kernel`` then writes them."""
 
     def __call__(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, rank: torch.Tensor,
                  base: torch.Tensor, seg_start: torch.Tensor, count: torch.Tensor, status: torch.Tensor, chunk: int,
-                 out: torch.Tensor, out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor,
-                 m_pad: int, rows_on_device: bool, src_rows: torch.Tensor | None,
+                 out: torch.Tensor, out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None,
+                 max_m: int, m_pad: int, rows_on_device: bool, src_rows: torch.Tensor | None,
                  token_scales: torch.Tensor | None) -> None: ...
 
 
 def _move_rows(mover: RowMover, x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out: torch.Tensor,
-               out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor, m_pad: int,
-               cfg: DispatchConfig, rows_on_device: bool) -> None:
-    """The contiguous FP8 scatter by ``mover``, its scales in a pass of their own where
-    ``mover_scales_apart`` says so."""
-    apart = mover_scales_apart(row_map.numel(), routing.has_map) and m_indices.shape[0] > 0
+               out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None, max_m: int,
+               m_pad: int, cfg: DispatchConfig, rows_on_device: bool) -> None:
+    """The FP8 scatter by ``mover`` (``m_indices`` None: masked layout); contiguous, its scales in a pass of
+    their own where ``mover_scales_apart`` says so."""
+    apart = (m_indices is not None and m_indices.shape[0] > 0
+             and mover_scales_apart(row_map.numel(), routing.has_map))
     src_rows = torch.empty(m_indices.shape[0], dtype=torch.int32, device=x_fp8.device) if apart else None
     token_scales = torch.empty((x_fp8.shape[0], x_scale.shape[1]), dtype=torch.float32,
                                device=x_fp8.device) if apart else None
     mover(x_fp8, x_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count, routing.status,
-          cfg.chunk, out, out_scale, row_map, m_indices, m_pad, rows_on_device, src_rows, token_scales)
+          cfg.chunk, out, out_scale, row_map, m_indices, max_m, m_pad, rows_on_device, src_rows, token_scales)
     if apart:
         _scale_rows(src_rows, m_indices, token_scales, out_scale, routing, m_pad, rows_on_device)
 
@@ -923,9 +925,10 @@ def _masked_destinations(out: torch.Tensor | None, out_scale: torch.Tensor | Non
 
 def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                     max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
-                    out_scale: torch.Tensor | None = None, config: DispatchConfig | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backend entry of ``moe_fp8::dispatch_masked`` (see ``moe_fp8.ops``); no host sync.
+                    out_scale: torch.Tensor | None = None, config: DispatchConfig | None = None,
+                    mover: RowMover | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backend entry of ``moe_fp8::dispatch_masked`` (see ``moe_fp8.ops``); no host sync. ``mover``: the
+    chunked path's rows by that kernel (see ``RowMover``; the fused path has no routing state to give it).
 
     Returns ``(out_fp8 [E, max_m, K], out_scale [E, max_m, KG] (3-D TMA layout), masked_m int32 [E],
     row_map int64 [T, top_k])``. Rows past ``masked_m[e]`` are not written: pass persistent ``out`` /
@@ -948,7 +951,7 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
         return out, out_scale, masked_m, row_map
     routing = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)
     row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
-    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, None, max_m, m_pad, cfg)
+    _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, None, max_m, m_pad, cfg, mover=mover)
     return out, out_scale, masked_m, row_map
 
 

@@ -1,6 +1,7 @@
-// FP8 rows of the contiguous dispatch on sm_90: every token's row and scales copied to the rows the
-// Triton routing kernels (kernels/triton/dispatch.py: `_count_kernel`, `_scan_kernel`) assign its local
-// (token, slot) pairs, plus `row_map` and `m_indices`. One warp and one token per CTA: lane 0 brings the
+// FP8 rows of the chunked dispatches on sm_90 (contiguous; masked beyond the fused kernel's size): every
+// token's row and scales copied to the rows the Triton routing kernels (kernels/triton/dispatch.py:
+// `_count_kernel`, `_scan_kernel`) assign its local (token, slot) pairs, plus `row_map` and (contiguous)
+// `m_indices`. One warp and one token per CTA: lane 0 brings the
 // row into shared memory with one bulk copy, each local slot's lane stores it with one bulk store, and
 // the warp writes the token's scales to each destination meanwhile.
 //
@@ -32,10 +33,13 @@ __device__ __forceinline__ int32_t row_expert(const int64_t* seg_start, const in
     return lo > 0 && r - seg_start[lo - 1] < count[lo - 1] ? static_cast<int32_t>(lo - 1) : -1;
 }
 
-// kScalesApart: instead of the scales, each destination row's token (`src_rows`) and the token's scales
-// in token-major order (`token_scales` [T, groups]); a pass over the output rows then stores whole sectors
-// (the Triton `_scale_rows_kernel`). Otherwise the scales go straight to every destination, kept in L2.
-template <uint32_t kTopK, bool kRowsOnDevice, bool kScalesApart>
+// kMasked: the masked layout [E, max_m, K] (scales [E, groups, m_pad]): a pair's row is its expert's
+// block + its position, dropped past max_m; no m_indices. kRowsOnDevice (contiguous): the layout of the
+// M_total rows in `status`. kScalesApart (contiguous): instead of the scales, each destination row's
+// token (`src_rows`) and the token's scales token-major (`token_scales` [T, groups]); a pass over the
+// output rows then stores whole sectors (the Triton `_scale_rows_kernel`). Otherwise the scales go
+// straight to every destination, kept in L2.
+template <uint32_t kTopK, bool kMasked, bool kRowsOnDevice, bool kScalesApart>
 __global__ void __launch_bounds__(32) dispatch_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, uint64_t xs_stride_t, uint64_t xs_stride_g,
     const int32_t* __restrict__ local, const int32_t* __restrict__ rank, const int32_t* __restrict__ base,
@@ -43,8 +47,9 @@ __global__ void __launch_bounds__(32) dispatch_rows_kernel(
     uint8_t* __restrict__ out, float* __restrict__ out_scale, int64_t* __restrict__ row_map,
     int32_t* __restrict__ m_indices, int32_t* __restrict__ src_rows, float* __restrict__ token_scales,
     uint32_t num_tokens, uint32_t row_bytes, uint32_t num_groups, uint32_t chunk, uint32_t num_experts,
-    uint32_t m_rows, uint32_t m_pad) {
+    uint32_t m_rows, uint32_t m_pad, uint32_t max_m) {
     static_assert(kTopK >= 1 && kTopK <= 32, "one lane per slot");
+    static_assert(!kMasked || (!kRowsOnDevice && !kScalesApart), "the masked layout has its shape on the host");
     extern __shared__ __align__(128) uint8_t row[];
     __shared__ uint64_t bar;
     // (launched plainly after the routing kernels; the scale pass after it may become resident now)
@@ -67,13 +72,26 @@ __global__ void __launch_bounds__(32) dispatch_rows_kernel(
         ptx::mbar_arrive_expect_tx(&bar, row_bytes);
         ptx::bulk_load(row, x + static_cast<uint64_t>(t) * row_bytes, row_bytes, &bar, row_policy);
     }
-    // each local pair's destination: its expert's segment start + its count in earlier chunks + its rank
-    int64_t dest = -1;
-    if (e >= 0) dest = seg_start[e] + base[(p / chunk) * num_experts + e] + rank[p];
+    // each local pair's destination row: its count in earlier chunks + its rank, in its expert's segment
+    // (contiguous) or block of max_m rows (masked); and where its scales go (the row in its group's column)
+    int64_t dest = -1, scale_dest = -1;
+    if (e >= 0) {
+        const int64_t pos = base[(p / chunk) * num_experts + e] + rank[p];
+        if constexpr (kMasked) {
+            if (pos < max_m) {
+                dest = static_cast<int64_t>(e) * max_m + pos;
+                scale_dest = static_cast<int64_t>(e) * num_groups * m_pad + pos;
+            }
+        } else {
+            dest = scale_dest = seg_start[e] + pos;
+        }
+    }
     if (t < num_tokens && lane < kTopK) row_map[p] = dest;
     // 32 rows of m_indices per CTA while the row arrives (the grid covers max(T, M / 32) CTAs)
-    const int64_t r = static_cast<int64_t>(t) * 32 + lane;
-    if (r < m_rows) m_indices[r] = row_expert(seg_start, count, num_experts, r);
+    if constexpr (!kMasked) {
+        const int64_t r = static_cast<int64_t>(t) * 32 + lane;
+        if (r < m_rows) m_indices[r] = row_expert(seg_start, count, num_experts, r);
+    }
     if (!any_local) return;
 
     if constexpr (kScalesApart) {
@@ -84,7 +102,7 @@ __global__ void __launch_bounds__(32) dispatch_rows_kernel(
         const uint64_t scale_policy = ptx::policy_evict_last();
         int64_t dests[kTopK];
 #pragma unroll
-        for (uint32_t k = 0; k < kTopK; ++k) dests[k] = __shfl_sync(kFullMask, dest, k);
+        for (uint32_t k = 0; k < kTopK; ++k) dests[k] = __shfl_sync(kFullMask, scale_dest, k);
         for (uint32_t g = lane; g < num_groups; g += 32) {
             const float v = x_scale[t * xs_stride_t + g * xs_stride_g];
             float* column = out_scale + static_cast<uint64_t>(g) * m_pad;
