@@ -45,6 +45,7 @@ __host__ __device__ constexpr T constexpr_gcd(T a, T b) {
 template <uint32_t kValue>
 struct Count {
     static constexpr uint32_t value = kValue;
+    __host__ __device__ constexpr operator uint32_t() const { return kValue; }
 };
 
 }  // namespace moe_fp8
