@@ -59,9 +59,10 @@ def move_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, r
               max_m: int, m_pad: int, rows_on_device: bool, src_rows: torch.Tensor | None,
               token_scales: torch.Tensor | None) -> None:
     """The ``RowMover`` of ``kernels/triton/dispatch.py``: one launch, a CTA per token (and per 32 rows of
-    ``m_indices`` past them; ``m_indices`` None: the masked layout). Launched after the routing kernels as a plain launch: as a programmatic
-    dependent (its CTAs resident while the scan runs) the whole dispatch took 47.4 against 38.0 µs at 1024
-    tokens and 70.4 against 64.3 at 2048, the same from 4096 on (session 22, CUDA graphs)."""
+    ``m_indices`` past them; ``m_indices`` None: the masked layout). A plain launch after the routing
+    kernels: as a programmatic dependent (its CTAs resident while the scan runs) the whole dispatch took
+    47.4 against 38.0 µs at 1024 tokens and 70.4 against 64.3 at 2048, the same from 4096 on (session 22,
+    CUDA graphs)."""
     num_tokens, k = x_fp8.shape
     top_k = row_map.shape[1]
     masked = m_indices is None

@@ -126,15 +126,6 @@ M_INDICES_E_CHUNK = 32
 # 295.1, 161.9 -> 157.3 us; 1024 tokens 46.8 -> 49.9 (the extra launch). The FP8 scatter gains nothing
 # (16384 tokens 505.2 -> 497.4 us, 4096 tokens 134.8 -> 137.7): it stays as it is.
 DISPATCH_SCALES_APART_MIN_PAIRS = 32768
-
-
-def mover_scales_apart(num_pairs: int, has_map: bool) -> bool:
-    """Whether the Hopper row mover (``kernels/dispatch.py``) leaves the scales to ``_scale_rows_kernel``.
-    Session 22, CUDA-graph timed, 7168 columns, top-8 of 256 (scales inline / apart, µs): 16384 tokens
-    515.6 / 415.8, 8192 229.3 / 210.1, 4096 108.0 / 108.5, 1024 29.8 / 33.9; under an expert map (32
-    local, 8192 tokens: an eighth of the pairs local) 41.1 / 46.6. Inline scales stay in L2 only up to a
-    few MB of them (see impls/dispatch_rows.cuh)."""
-    return not has_map and num_pairs >= DISPATCH_SCALES_APART_MIN_PAIRS
 # _scale_rows_kernel: output rows and scale groups per program (a [64, 128] FP32 tile: 128 rows = 512 bytes
 # of each group's column, whole sectors)
 SCALE_ROWS_BLOCK_R = 128
@@ -296,6 +287,15 @@ class DispatchConfig:
     # the dense contiguous scatter leaves the scales to a pass of their own over the output rows
     # (``_scale_rows_kernel``, see DISPATCH_SCALES_APART_MIN_PAIRS)
     scales_apart: bool = False
+
+
+def mover_scales_apart(num_pairs: int, has_map: bool) -> bool:
+    """Whether the Hopper row mover (``kernels/dispatch.py``) leaves the scales to ``_scale_rows_kernel``.
+    Session 22, CUDA-graph timed, 7168 columns, top-8 of 256 (scales inline / apart, µs): 16384 tokens
+    515.6 / 415.8, 8192 229.3 / 210.1, 4096 108.0 / 108.5, 1024 29.8 / 33.9; under an expert map (32
+    local, 8192 tokens: an eighth of the pairs local) 41.1 / 46.6. Inline scales stay in L2 only up to a
+    few MB of them (see impls/dispatch_rows.cuh)."""
+    return not has_map and num_pairs >= DISPATCH_SCALES_APART_MIN_PAIRS
 
 
 @functools.lru_cache(maxsize=1024)

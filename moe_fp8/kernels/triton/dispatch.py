@@ -36,8 +36,9 @@ destination row of every pair, or -1), written by the programs that copy the row
      ``DispatchConfig.scales_apart`` (contiguous, the quantizing dense scatter from 4096 tokens × top-8):
      column block 0 records each destination row's token instead, and a fourth launch,
      ``_scale_rows_kernel``, writes the scales row by row (whole sectors, not a 4-byte store per token).
-     On Hopper ``dispatch_contiguous`` (FP8 rows) passes a ``RowMover`` (``kernels/dispatch.py``, CUDA) that
-     replaces this scatter: the same outputs, the rows moved by bulk copies.
+     On Hopper ``dispatch_contiguous`` and ``dispatch_masked`` (FP8 rows) pass a ``RowMover``
+     (``kernels/dispatch.py``, CUDA) that replaces this scatter: the same outputs, the rows moved by bulk
+     copies.
 
 Every data-path kernel starts with ``common.pdl_start`` (programmatic dependent launch on sm_90+).
 

@@ -2,13 +2,14 @@
 // consecutive CTAs c0 .. c0 + parts - 1 and add their FP32 partial tiles in piece order (the same order
 // whoever finishes first), through a workspace of kKSplitFlagWords flags, then one slot of
 // BLOCK_M x BLOCK_N floats per CTA. Two forms:
-// - reduce-scatter (the plain bf16 epilogue of 128-row tiles): every piece publishes its partial, waits for all of them,
-//   then sums and stores its share of the tile's 8-column chunks. Flags: arrivals counted at
-//   workspace[c0], departures at workspace[c0 + 1] (tiles' CTA ranges do not overlap and hold two
-//   pieces or more); the last to depart lowers both for the next launch.
+// - reduce-scatter (the plain bf16 epilogue of 128-row tiles): every piece publishes its partial, waits
+//   for all of them, then sums and stores its share of the tile's 8-column chunks. Flags: arrivals
+//   counted at workspace[c0], departures at workspace[c0 + 1] (tiles' CTA ranges do not overlap and hold
+//   two pieces or more); the last to depart lowers both for the next launch.
 // - gather (the fused SiLU·mul + quant epilogue, whose quantization groups span a tile's 128 columns, and
-//   64-row tiles, where it measured faster at decode: fp8_gemm.cuh): pieces 1.. publish and raise workspace[their CTA]; piece 0 waits for them, adds the partials, lowers
-//   the flags and stores the whole tile.
+//   64-row tiles, where it measured faster at decode: fp8_gemm.cuh): pieces 1.. publish and raise
+//   workspace[their CTA]; piece 0 waits for them, adds the partials, lowers the flags and stores the
+//   whole tile.
 // NOTE: piece 0 of the gather read three 128 KB partials of a 128x256 tile alone, ~3 us at one SM's L2
 // read rate (session 21 ncu); reduce-scatter spreads it over the pieces (session 22).
 // Waiting is safe: a piece is its CTA's last unit, and the persistent grid (at most one CTA per SM) is

@@ -1,9 +1,9 @@
 // FP8 rows of the chunked dispatches on sm_90 (contiguous; masked beyond the fused kernel's size): every
 // token's row and scales copied to the rows the Triton routing kernels (kernels/triton/dispatch.py:
 // `_count_kernel`, `_scan_kernel`) assign its local (token, slot) pairs, plus `row_map` and (contiguous)
-// `m_indices`. One warp and one token per CTA: lane 0 brings the
-// row into shared memory with one bulk copy, each local slot's lane stores it with one bulk store, and
-// the warp writes the token's scales to each destination meanwhile.
+// `m_indices`. One warp and one token per CTA: lane 0 brings the row into shared memory with one bulk
+// copy, each local slot's lane stores it with one bulk store, and the warp writes the token's scales to
+// each destination meanwhile.
 //
 // NOTE: scales stored a token at a time land 4 bytes at a time in 32-byte sectors of the column-major
 // [groups, M] layout, which tokens much later complete: up to ~32K pairs they go straight there, marked

@@ -514,8 +514,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         }
 
         // K pieces of a split tail (epilogue/k_split.cuh): reduce-scatter (every piece publishes its partial
-        // tile and waits for the others'), or, under the fused epilogue, gather (pieces 1.. publish, piece 0
-        // adds them up)
+        // tile and waits for the others'), or gather (kKSplitGather: pieces 1.. publish, piece 0 adds them up)
         const bool is_piece = Tail::is_piece(tile);
         const uint32_t piece_cta0 = blockIdx.x - tile.piece;
         if constexpr (kKSplitGather) {
