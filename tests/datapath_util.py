@@ -48,6 +48,14 @@ def interpreter_problem() -> str | None:
     return None
 
 
+def make_expert_map(num_global: int, num_local: int, seed: int) -> torch.Tensor:
+    """Global → local ids: a random ``num_local`` of the global experts live here, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    emap = torch.full((num_global,), -1, dtype=torch.int64)
+    emap[torch.randperm(num_global, generator=gen)[:num_local]] = torch.randperm(num_local, generator=gen)
+    return emap.to(DEVICE)
+
+
 def require_kernels() -> None:
     """Skip the calling test (module-level: ``pytestmark``-like use) when the kernels cannot run."""
     why = interpreter_problem()

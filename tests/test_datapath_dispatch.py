@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from datapath_util import DEVICE, assert_same_bits, require_kernels
+from datapath_util import DEVICE, assert_same_bits, make_expert_map, require_kernels
 
 from moe_fp8 import reference as ref
 from moe_fp8.testing import make_dispatch_inputs, randn
@@ -29,14 +29,6 @@ pytestmark = pytest.mark.datapath
 @pytest.fixture(autouse=True)
 def _kernels_run_here():
     require_kernels()
-
-
-def make_expert_map(num_global: int, num_local: int, seed: int) -> torch.Tensor:
-    """Global → local ids: a random ``num_local`` of the global experts live here, in random order."""
-    gen = torch.Generator().manual_seed(seed)
-    emap = torch.full((num_global,), -1, dtype=torch.int64)
-    emap[torch.randperm(num_global, generator=gen)[:num_local]] = torch.randperm(num_local, generator=gen)
-    return emap.to(DEVICE)
 
 
 def check_masked(got, want, max_m: int) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from datapath_util import assert_same_bits, make_expert_map
 
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.dispatch import KERNEL_TEMPLATE, mover_applies
@@ -27,7 +28,7 @@ def test_kernel_compiles_to_bulk_copies_without_local_memory(top_k, masked, on_d
     from moe_fp8.kernels.jit.cache import include_dir
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
-    src = KERNEL_TEMPLATE.format(top_k=top_k, masked=masked, on_device=on_device, apart=apart)
+    src = KERNEL_TEMPLATE.format(top_k=top_k, masked=masked, on_device=on_device, apart=apart, m_align=4)
     res = get_compiler().compile_ex(src, "dispatch_rows", [include_dir()], tmp_path)
     (report,) = res.ptxas.values()
     assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
@@ -61,8 +62,6 @@ def _poisoned_empty(monkeypatch) -> None:
 
 
 def _check(got, want, bound: int | None) -> None:
-    from datapath_util import assert_same_bits
-
     from moe_fp8.utils import is_scale_tma_layout
 
     out, out_scale, m_indices, row_map = got
@@ -93,16 +92,6 @@ CASES = [  # tokens, hidden, global experts, local experts (None: no map), top_k
 ]
 
 
-def _expert_map(e_global: int, e_local: int | None, seed: int) -> torch.Tensor | None:
-    """Global → local ids: a random ``e_local`` of the global experts live here, in random order."""
-    if e_local is None:
-        return None
-    g = torch.Generator().manual_seed(seed)
-    emap = torch.full((e_global,), -1, dtype=torch.int32)
-    emap[torch.randperm(e_global, generator=g)[:e_local]] = torch.randperm(e_local, generator=g).int()
-    return emap.cuda()
-
-
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k"), CASES)
@@ -113,7 +102,7 @@ def test_matches_reference(monkeypatch, t, h, e_global, e_local, k, sync):
 
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device="cuda")
     e = e_local or e_global
-    emap = _expert_map(e_global, e_local, t)
+    emap = make_expert_map(e_global, e_local, t).int() if e_local else None  # (int32 maps here)
     assert mover_applies(d.x_fp8, d.topk_ids)
     want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
     _poisoned_empty(monkeypatch)
@@ -159,14 +148,12 @@ MASKED_CASES = [  # tokens, hidden, global experts, local experts (None: no map)
 @pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k", "max_m"), MASKED_CASES)
 def test_masked_matches_reference(monkeypatch, t, h, e_global, e_local, k, max_m):
     """Fresh outputs, and persistent ones whose rows past ``masked_m`` keep their contents."""
-    from datapath_util import assert_same_bits
-
     from moe_fp8.kernels.dispatch import dispatch_masked_hopper
     from moe_fp8.utils import empty_scale_tma
 
     d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device="cuda")
     e = e_local or e_global
-    emap = _expert_map(e_global, e_local, t)
+    emap = make_expert_map(e_global, e_local, t) if e_local else None
     r_out, r_scale, r_masked_m, r_row_map = ref.dispatch_masked(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
     valid = torch.arange(max_m, device="cuda")[None, :] < r_masked_m[:, None]
     kg = d.x_scale.shape[1]

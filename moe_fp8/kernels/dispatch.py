@@ -18,14 +18,14 @@ import functools
 
 import torch
 
-from ..utils import ceil_div
+from ..utils import SCALE_M_ALIGN, ceil_div
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/dispatch_rows.cuh"
 
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::dispatch::dispatch_rows_kernel<{top_k}, /*kMasked=*/{masked}, /*kRowsOnDevice=*/{on_device},
-                                                   /*kScalesApart=*/{apart}>;
+                                                   /*kScalesApart=*/{apart}, /*kScaleAlignM=*/{m_align}>;
 }}
 """
 MAX_TOP_K = 32  # one lane per slot
@@ -35,7 +35,7 @@ MAX_ROW_BYTES = 200 * 1024  # one row in shared memory (227 KB a CTA on sm_90)
 def kernel_variant(top_k: int, masked: bool, rows_on_device: bool, scales_apart: bool) -> tuple[str, str]:
     """``(name, source)`` of one specialization, as ``build`` takes them."""
     source = KERNEL_TEMPLATE.format(top_k=top_k, masked=str(masked).lower(), on_device=str(rows_on_device).lower(),
-                                    apart=str(scales_apart).lower())
+                                    apart=str(scales_apart).lower(), m_align=SCALE_M_ALIGN)
     flags = f"{'_masked' if masked else ''}{'_dev' if rows_on_device else ''}{'_apart' if scales_apart else ''}"
     return f"dispatch_rows_k{top_k}{flags}", source
 

@@ -41,6 +41,8 @@ __host__ __device__ constexpr T constexpr_gcd(T a, T b) {
     return b == 0 ? a : constexpr_gcd(b, a % b);
 }
 
+constexpr uint32_t kFullMask = 0xffffffffu;  // every lane of a warp (shuffles, votes, reductions)
+
 // A compile-time count passed to a generic lambda (C++17 has no templated lambdas).
 template <uint32_t kValue>
 struct Count {

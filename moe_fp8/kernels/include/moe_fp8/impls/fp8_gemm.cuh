@@ -21,7 +21,7 @@
 #include "../scheduler/gemm.cuh"
 
 #ifndef MOE_FP8_K_SPLIT_GATHER
-#define MOE_FP8_K_SPLIT_GATHER 0  // -DMOE_FP8_K_SPLIT_GATHER=1: plain tiles' K pieces by gather (A/B)
+#define MOE_FP8_K_SPLIT_GATHER 0  // MOE_FP8_GEMM_DEFINES="MOE_FP8_K_SPLIT_GATHER=1": K pieces by gather (A/B)
 #endif
 
 namespace moe_fp8 {
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 for (uint32_t g = 0; g < kNumMathWGs; ++g)
                     ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
                 // a K piece: a gather publisher's partial, or a reduce-scatter share the math warps stored
-                if (Tail::is_piece(tile) && (!kKSplitGather || tile.k_block0 > 0)) {
+                if (Tail::is_piece(tile) && (!kKSplitGather || tile.piece > 0)) {
                 } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);

@@ -15,7 +15,6 @@
 
 namespace moe_fp8::routing {
 
-constexpr uint32_t kFullMask = 0xffffffffu;
 constexpr int64_t kRemoved = -0x7fffffffffffffffLL - 1;  // below every (key, expert) rank
 constexpr int32_t kNegInfKey = static_cast<int32_t>(0xff800000u ^ 0x7fffffffu);  // sort_key(-inf)
 

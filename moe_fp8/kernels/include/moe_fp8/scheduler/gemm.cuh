@@ -265,7 +265,7 @@ struct MaskedScheduler {
         if (num_groups <= kMaxCountedGroups) {
             uint32_t m_blocks = 0;
             for (uint32_t g = threadIdx.x % 32; g < num_groups; g += 32) m_blocks += ceil_div(rows_of(g), BLOCK_M);
-            num_tiles = __reduce_add_sync(0xffffffffu, m_blocks) * kNumNBlocks;
+            num_tiles = __reduce_add_sync(kFullMask, m_blocks) * kNumNBlocks;
         }
         load_group();
     }
