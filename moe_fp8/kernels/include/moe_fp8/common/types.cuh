@@ -47,7 +47,6 @@ constexpr uint32_t kFullMask = 0xffffffffu;  // every lane of a warp (shuffles, 
 template <uint32_t kValue>
 struct Count {
     static constexpr uint32_t value = kValue;
-    __host__ __device__ constexpr operator uint32_t() const { return kValue; }
 };
 
 }  // namespace moe_fp8

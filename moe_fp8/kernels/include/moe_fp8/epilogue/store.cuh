@@ -59,29 +59,20 @@ __device__ __forceinline__ void write_fragment_to_smem(uint8_t* smem_d, const fl
 
 // All `kNumThreads` epilogue threads copy the staged tile out; row r of the tile goes to global row
 // row0 + r when row0 + r < row_end, columns n0.. only below SHAPE_N (a multiple of 8). Only the
-// `num_chunks` 8-column chunks from `chunk0` are copied (a split-K CTA or a K piece stores its share of
-// the tile); `Chunks`: a Count<> (a compile-time count, for the 40-register store warps) or uint32_t.
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t kNumThreads, typename Chunks>
-__device__ __forceinline__ void store_chunks(const uint8_t* smem_d, uint16_t* out, uint32_t row0, uint32_t row_end,
-                                             uint32_t n0, uint32_t thread_idx, uint32_t chunk0, Chunks num_chunks) {
+// kNumChunks 8-column chunks from `chunk0` are copied (a split-K CTA stores its share of the tile).
+template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t kNumThreads, uint32_t kNumChunks = BLOCK_N / 8>
+__device__ __forceinline__ void store_tile(const uint8_t* smem_d, uint16_t* out, uint32_t row0, uint32_t row_end,
+                                           uint32_t n0, uint32_t thread_idx, uint32_t chunk0 = 0) {
     constexpr uint32_t kPitch = StagingTile<BLOCK_N>::kPitchBytes;
     const uint32_t num_rows = min(BLOCK_M, row_end > row0 ? row_end - row0 : 0u);
-    const uint32_t chunks = num_chunks;
-    for (uint32_t idx = thread_idx; idx < num_rows * chunks; idx += kNumThreads) {
-        const uint32_t r = idx / chunks, c = chunk0 + idx % chunks;
+    for (uint32_t idx = thread_idx; idx < num_rows * kNumChunks; idx += kNumThreads) {
+        const uint32_t r = idx / kNumChunks, c = chunk0 + idx % kNumChunks;
         const uint32_t col = n0 + c * 8;
         if (SHAPE_N % BLOCK_N == 0 || col < SHAPE_N) {
             const uint4 v = ptx::ld_shared_v4(smem_d + r * kPitch + c * 16);
             ptx::st_global_v4(out + static_cast<uint64_t>(row0 + r) * SHAPE_N + col, v);
         }
     }
-}
-
-template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t kNumThreads, uint32_t kNumChunks = BLOCK_N / 8>
-__device__ __forceinline__ void store_tile(const uint8_t* smem_d, uint16_t* out, uint32_t row0, uint32_t row_end,
-                                           uint32_t n0, uint32_t thread_idx, uint32_t chunk0 = 0) {
-    store_chunks<BLOCK_M, BLOCK_N, SHAPE_N, kNumThreads>(smem_d, out, row0, row_end, n0, thread_idx, chunk0,
-                                                         Count<kNumChunks>{});
 }
 
 }  // namespace moe_fp8::epi

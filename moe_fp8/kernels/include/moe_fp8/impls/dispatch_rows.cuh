@@ -18,7 +18,6 @@
 
 namespace moe_fp8::dispatch {
 
-
 // The expert whose segment holds row `r`, -1 for a padding row: the last segment starting at or below `r`
 // (an empty segment shares its start with the next), if `r` lies within its count.
 __device__ __forceinline__ int32_t row_expert(const int64_t* seg_start, const int64_t* count, uint32_t num_experts,
@@ -33,10 +32,10 @@ __device__ __forceinline__ int32_t row_expert(const int64_t* seg_start, const in
 
 // kMasked: the masked layout [E, max_m, K] (scales [E, groups, m_pad]): a pair's row is its expert's
 // block + its position, dropped past max_m; no m_indices. kRowsOnDevice (contiguous): the layout of the
-// M_total rows in `status` (scale columns padded to kScaleAlignM rows: utils.SCALE_M_ALIGN). kScalesApart (contiguous): instead of the scales, each destination row's
-// token (`src_rows`) and the token's scales token-major (`token_scales` [T, groups]); a pass over the
-// output rows then stores whole sectors (the Triton `_scale_rows_kernel`). Otherwise the scales go
-// straight to every destination, kept in L2.
+// M_total rows in `status` (scale columns padded to kScaleAlignM rows: utils.SCALE_M_ALIGN). kScalesApart
+// (contiguous): instead of the scales, each destination row's token (`src_rows`) and the token's scales
+// token-major (`token_scales` [T, groups]); a pass over the output rows then stores whole sectors (the
+// Triton `_scale_rows_kernel`). Otherwise the scales go straight to every destination, kept in L2.
 template <uint32_t kTopK, bool kMasked, bool kRowsOnDevice, bool kScalesApart, uint32_t kScaleAlignM>
 __global__ void __launch_bounds__(32) dispatch_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, uint64_t xs_stride_t, uint64_t xs_stride_g,

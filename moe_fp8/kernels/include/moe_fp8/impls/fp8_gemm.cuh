@@ -20,10 +20,6 @@
 #include "../ptx/tma.cuh"
 #include "../scheduler/gemm.cuh"
 
-#ifndef MOE_FP8_K_SPLIT_GATHER
-#define MOE_FP8_K_SPLIT_GATHER 0  // MOE_FP8_GEMM_DEFINES="MOE_FP8_K_SPLIT_GATHER=1": K pieces by gather (A/B)
-#endif
-
 namespace moe_fp8 {
 
 constexpr uint32_t kBlockK = 128;  // == scale granularity: one promotion per K block
@@ -174,10 +170,6 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     constexpr bool kTailSplit = Scheduler::kTailSplit;
     using Tail = typename Scheduler::Tail;
     constexpr bool kKPieces = Tail::kKPieces;  // the last wave may run as K pieces (masked layout)
-    // K pieces add up by reduce-scatter on 128-row tiles of the plain epilogue, else by gather
-    // (epilogue/k_split.cuh). Session 22 A/B, masked 4096x7168, bit-equal: 128x256 tiles of 1 x 900-1300 and
-    // 2 x 430 rows 3-11% faster; 64x256 decode tiles (one or three touched experts) 9-19% slower.
-    constexpr bool kKSplitGather = kActQuant != 0 || kNumMathWGs == 1 || MOE_FP8_K_SPLIT_GATHER;
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
@@ -281,8 +273,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 #pragma unroll
                 for (uint32_t g = 0; g < kNumMathWGs; ++g)
                     ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
-                // a K piece: a gather publisher's partial, or a reduce-scatter share the math warps stored
-                if (Tail::is_piece(tile) && (!kKSplitGather || tile.piece > 0)) {
+                if (Tail::publishes(tile)) {  // a partial tile, stored by another CTA
                 } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);
@@ -513,36 +504,15 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             }
         }
 
-        // K pieces of a split tail (epilogue/k_split.cuh): reduce-scatter (every piece publishes its partial
-        // tile and waits for the others'), or gather (kKSplitGather: pieces 1.. publish, piece 0 adds them up)
-        const bool is_piece = Tail::is_piece(tile);
-        const uint32_t piece_cta0 = blockIdx.x - tile.piece;
-        if constexpr (kKSplitGather) {
-            if (is_piece && tile.piece > 0)
-                epi::publish_partial<kNumAccum, kNumMathThreads>(k_split_workspace, total, kBarPartial);
-            else if (is_piece)
-                epi::gather_partials<kNumAccum, kNumMathThreads>(k_split_workspace, total,
-                                                                 piece_cta0 + tile.num_pieces - 1, kBarPartial);
-        } else if (is_piece) {
-            epi::publish_and_wait<kNumAccum, kNumMathThreads>(k_split_workspace, total, piece_cta0, tile.num_pieces,
-                                                              kBarPartial);
-        }
+        // K pieces of a split tail (epilogue/k_split.cuh): publish the partial tile, or add the others'
+        if (Tail::publishes(tile))
+            epi::publish_partial<kNumAccum, kNumMathThreads>(k_split_workspace, total, kBarPartial);
+        else if (Tail::gathers(tile))
+            epi::gather_partials<kNumAccum, kNumMathThreads>(k_split_workspace, total, tile.last_piece_cta,
+                                                             kBarPartial);
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
         ptx::named_barrier_sync(kBarStagingEmpty + warpgroup, kNumStagingThreads);
-        if (is_piece && (!kKSplitGather || tile.piece > 0)) {
-            // a gather publisher has nothing to stage; a reduce-scatter piece stores its share of the tile's
-            // chunks itself (the store warps' 40 registers hold no run-time chunk range)
-            if constexpr (!kKSplitGather) {
-                constexpr uint32_t kChunks = BLOCK_N / 8;
-                const uint32_t parts = tile.num_pieces;
-                const uint32_t j0 = tile.piece * kChunks / parts, j1 = (tile.piece + 1) * kChunks / parts;
-                epi::sum_share_to_smem<BLOCK_N, kNumAccum, kNumMathThreads, Tail::kMaxPieces>(
-                    k_split_workspace, total, smem_d, warpgroup * 64, piece_cta0, parts, tile.piece, j0, j1);
-                ptx::named_barrier_sync(kBarPartial, kNumMathThreads);  // every partial read, both halves staged
-                if (threadIdx.x == 0) epi::depart(k_split_workspace, piece_cta0, parts);
-                epi::store_chunks<BLOCK_M, BLOCK_N, SHAPE_N, kNumMathThreads>(
-                    smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, threadIdx.x, j0, j1 - j0);
-            }
+        if (Tail::publishes(tile)) {  // nothing to stage; the handshake keeps the store warps in step
         } else if constexpr (kSplitK > 1) {
             // one tile per CTA: its stage buffers are drained and hold the partial sums
             epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,

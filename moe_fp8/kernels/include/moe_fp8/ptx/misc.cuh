@@ -106,10 +106,6 @@ __device__ __forceinline__ void st_release_gpu_u32(uint32_t* ptr, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ void red_release_gpu_add_u32(uint32_t* ptr, uint32_t v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
 __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* ptr) {
     uint32_t v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");

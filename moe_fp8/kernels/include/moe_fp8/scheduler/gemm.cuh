@@ -21,8 +21,7 @@ struct Tile {
     uint32_t num_k_blocks;
     uint32_t wave0;      // two-wave tiles with TailSplit: the 96 / 128-column waves to run,
     uint32_t num_waves;  //   [wave0, wave0 + num_waves) (both, or one half of a split tail tile)
-    uint32_t piece;       // K pieces: which of the tile's num_pieces this CTA runs (see TailSplit);
-    uint32_t num_pieces;  //   they run on CTAs blockIdx.x - piece .. + num_pieces - 1
+    uint32_t last_piece_cta;  // K pieces: the CTA holding the tile's last piece (see TailSplit)
 
     __device__ __forceinline__ bool runs_wave(uint32_t w) const { return w >= wave0 && w < wave0 + num_waves; }
 };
@@ -37,9 +36,8 @@ struct Tile {
 // - K pieces (the kernel got a K-split workspace, and K holds two pieces of kMinPieceBlocks): each of
 //   the last wave's tiles is split into parts = min(kMaxPieces, K blocks / kMinPieceBlocks, CTAs / tiles)
 //   equal K ranges on consecutive CTAs (halves when that is under 2): unit full + j is piece
-//   j % parts of tile full + j / parts. The pieces publish FP32 partial tiles and add them up in piece
-//   order (deterministic; epilogue/k_split.cuh): each piece its share of the tile's columns, or piece 0
-//   the whole tile (64-row tiles, the fused SiLU·mul + quant epilogue). The pieces of different
+//   j % parts of tile full + j / parts. Pieces 1.. publish FP32 partial tiles; piece 0 adds them in
+//   piece order (deterministic) and stores the tile (epilogue/k_split.cuh). The pieces of different
 //   tiles run the same K range at the same time, so CTAs on one n-block still share B in L2.
 // The split is recomputed from the tile count at every tile rather than held: the math warpgroups of
 // 256-wide tiles and the store warps (two schedulers in 40 registers) have no registers to spare.
@@ -64,7 +62,7 @@ struct TailSplit {
     // this CTA's last unit.
     __device__ __forceinline__ static bool map(uint32_t num_tiles, bool k_split, uint32_t unit, uint32_t& tile_idx,
                                                Tile& t) {
-        t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks, t.piece = 0, t.num_pieces = 1;
+        t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         const uint32_t num_ctas = gridDim.x, last = num_tiles % num_ctas;
         const uint32_t k_parts = kKPieces && k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
         const bool pieces = k_parts >= kMinParts;  // else halves, where they apply
@@ -83,12 +81,16 @@ struct TailSplit {
         } else {
             t.k_block0 = piece * kNumKBlocks / parts;
             t.num_k_blocks = (piece + 1) * kNumKBlocks / parts - t.k_block0;
-            t.piece = piece, t.num_pieces = parts;
+            t.last_piece_cta = blockIdx.x + parts - 1 - piece;  // piece 0: the tile's last piece's CTA
         }
         return true;
     }
-    // a K piece (not the whole of K)
-    __device__ __forceinline__ static bool is_piece(const Tile& t) { return kKPieces && t.num_k_blocks < kNumKBlocks; }
+    // a K piece that publishes its partial tile (it does not start at K block 0)
+    __device__ __forceinline__ static bool publishes(const Tile& t) { return kKPieces && t.k_block0 > 0; }
+    // a K piece that adds the published partials of CTAs blockIdx.x + 1 .. t.last_piece_cta
+    __device__ __forceinline__ static bool gathers(const Tile& t) {
+        return kKPieces && t.k_block0 == 0 && t.num_k_blocks < kNumKBlocks;
+    }
 };
 
 // NOTE: consecutive waves of a persistent GEMM share operands (the same band of A rows, say), but a
@@ -284,7 +286,7 @@ struct MaskedScheduler {
             if (!Tail::map(num_tiles, k_split, idx, idx, t)) return false;
         } else {  // whole tiles only
             if (idx >= num_tiles) return false;
-            t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks, t.piece = 0, t.num_pieces = 1;
+            t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         }
         // to the tile's group, reading kWalk groups' counts at once (independent loads: one round trip); one
         // at a time with 128-row tiles (more spilled in their 40-register store warps)
