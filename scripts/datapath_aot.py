@@ -159,13 +159,14 @@ def _drive() -> None:
                                         config=C.dispatch_config(t, top_k, 7168, e, quant=True, scales_apart=True))
         y = torch.zeros(t * top_k, 7168, dtype=torch.bfloat16)
         row_map = torch.zeros(t, top_k, dtype=torch.int64)
-        # Hopper's contiguous dispatch: the routing kernels, then a CUDA row mover (stubbed: not Triton) and,
-        # from 32768 pairs on, the scale pass over token-major scales
+        # Hopper's dispatches: the routing kernels, then a CUDA row mover (stubbed: not Triton) and, from 32768
+        # pairs on, the scale pass over token-major scales
         for tokens in (t, 4096):
+            xt, xst = torch.zeros(tokens, 7168, dtype=FP8_DTYPE), empty_scale_tma(tokens, 56)
+            idt = torch.zeros(tokens, top_k, dtype=torch.int32)
             for sync in (True, False):
-                D.dispatch_contiguous(torch.zeros(tokens, 7168, dtype=FP8_DTYPE), empty_scale_tma(tokens, 56),
-                                      torch.zeros(tokens, top_k, dtype=torch.int32), e, None, 128, sync=sync,
-                                      mover=lambda *args: None)
+                D.dispatch_contiguous(xt, xst, idt, e, None, 128, sync=sync, mover=lambda *args: None)
+            D.dispatch_masked(xt, xst, idt, e, 128, None, mover=lambda *args: None)
         w = torch.zeros(t, top_k)
         for shared in (None, torch.zeros(t, 7168, dtype=torch.bfloat16)):
             D.combine(y, row_map, w, shared)

@@ -22,7 +22,8 @@ POISON = 0x5A  # every byte of every buffer the call allocates: no valid id, row
 
 @pytest.mark.parametrize(("top_k", "masked", "on_device", "apart"), [
     (8, "false", "false", "false"), (8, "false", "true", "true"), (1, "false", "false", "true"),
-    (32, "false", "true", "false"), (8, "true", "false", "false"), (32, "true", "false", "false")])
+    (32, "false", "true", "false"), (8, "true", "false", "false"), (32, "true", "false", "false"),
+    (8, "true", "false", "true")])
 def test_kernel_compiles_to_bulk_copies_without_local_memory(top_k, masked, on_device, apart, tmp_path: Path):
     from moe_fp8.kernels.jit import get_compiler
     from moe_fp8.kernels.jit.cache import include_dir
@@ -139,6 +140,8 @@ MASKED_CASES = [  # tokens, hidden, global experts, local experts (None: no map)
     (1000, 384, 24, 12, 4, 50),  # expert map, experts overflow max_m
     (600, 272, 16, None, 5, 300),  # hidden not a multiple of 128
     (4096, 7168, 256, 32, 8, 2048),  # an EP rank's small prefill
+    (4096, 512, 32, None, 8, 1000),  # 32768 pairs: the scales apart; experts overflow max_m
+    (4500, 640, 48, None, 8, 900),  # scales apart, max_m not a multiple of their pass's 128 rows
     (5, 128, 4, None, 2, 3),  # the fused kernel (no mover)
 ]
 

@@ -562,24 +562,34 @@ def _scatter_kernel(
 
 @triton.jit
 def _scale_rows_kernel(
-    src_ptr, m_idx_ptr, xs_ptr, out_s_ptr, status_ptr, m_rows, m_pad, KG, xs_stride_t, xs_stride_g,
+    src_ptr, m_idx_ptr, xs_ptr, out_s_ptr, status_ptr, m_rows, m_pad, max_m, KG, xs_stride_t, xs_stride_g,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr, M_ALIGN: tl.constexpr,
-    PDL: tl.constexpr,
+    MASKED: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The contiguous layout's scales, row by row (``SCALES_APART``): row ``r`` of expert ``m_indices[r] >= 0``
-    takes token ``src[r]``'s scales; padding rows stay unwritten. A [BLOCK_G, BLOCK_R] tile per program, its
-    stores along the rows (whole sectors)."""
+    """The scales, row by row (``SCALES_APART``): contiguous, row ``r`` of expert ``m_indices[r] >= 0`` takes
+    token ``src[r]``'s scales, padding rows stay unwritten; masked (``m_idx_ptr`` is ``masked_m``; ``m_rows``
+    the programs per expert), row ``r = e·max_m + position`` where the position is below ``masked_m[e]``. A
+    [BLOCK_G, BLOCK_R] tile per program (masked: within one expert), its stores along the rows (whole
+    sectors: the offsets must stay visibly contiguous, so no run-time division per row)."""
     pdl_start(PDL)
-    if ROWS_ON_DEVICE:
-        m_rows, m_pad = _layout_rows(status_ptr, M_ALIGN)
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    r_ok = r < m_rows
-    ok = r_ok & (tl.load(m_idx_ptr + r, mask=r_ok, other=-1) >= 0)
+    if MASKED:
+        e = tl.program_id(0) // m_rows
+        pos = (tl.program_id(0) % m_rows) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = pos < tl.minimum(tl.load(m_idx_ptr + e), max_m)
+        r = e.to(tl.int64) * max_m + pos
+        out_row = e.to(tl.int64) * KG * m_pad + pos
+    else:
+        if ROWS_ON_DEVICE:
+            m_rows, m_pad = _layout_rows(status_ptr, M_ALIGN)
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < m_rows
+        ok = r_ok & (tl.load(m_idx_ptr + r, mask=r_ok, other=-1) >= 0)
+        out_row = r
     tok = tl.load(src_ptr + r, mask=ok, other=0).to(tl.int64)
     m = ok[None, :] & (g < KG)[:, None]
     v = tl.load(xs_ptr + tok[None, :] * xs_stride_t + g[:, None].to(tl.int64) * xs_stride_g, mask=m)
-    tl.store(out_s_ptr + g[:, None].to(tl.int64) * m_pad + r[None, :], v, mask=m)
+    tl.store(out_s_ptr + out_row[None, :] + g[:, None].to(tl.int64) * m_pad, v, mask=m)
 
 
 @triton.jit
@@ -738,6 +748,7 @@ class _Routing(NamedTuple):
     count: torch.Tensor
     status: torch.Tensor
     has_map: bool
+    masked_m: torch.Tensor | None = None  # masked layout: the rows of each expert
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
@@ -771,7 +782,7 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
         SCAN_E=cfg.scan_experts, STAT_C=cfg.scan_chunks, MASKED=masked, num_warps=cfg.route_warps,
         **pdl_args(device))
-    return _Routing(local, rank, base, seg_start, count, status, emap is not None)
+    return _Routing(local, rank, base, seg_start, count, status, emap is not None, masked_m)
 
 
 class _Quant(NamedTuple):
@@ -840,24 +851,32 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
                     rows_on_device)
 
 
-def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor, scales: torch.Tensor, out_scale: torch.Tensor,
-                routing: _Routing, m_pad: int, rows_on_device: bool) -> None:
-    """``_scale_rows_kernel`` over the ``m_indices.shape[0]`` rows: each row's scales from ``scales[src_rows]``
-    (``[T, KG]``, any strides)."""
-    m_rows, kg = m_indices.shape[0], scales.shape[1]
+def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor | None, scales: torch.Tensor,
+                out_scale: torch.Tensor, routing: _Routing, m_pad: int, rows_on_device: bool, max_m: int = 0) -> None:
+    """``_scale_rows_kernel`` over the ``m_indices.shape[0]`` rows (``m_indices`` None: the masked layout's
+    ``E·max_m``, valid below ``routing.masked_m``): each row's scales from ``scales[src_rows]`` (``[T, KG]``,
+    any strides)."""
+    masked = m_indices is None
+    kg = scales.shape[1]
     block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
-    _scale_rows_kernel[(ceil_div(m_rows, SCALE_ROWS_BLOCK_R), ceil_div(kg, block_g))](
-        src_rows, m_indices, scales, out_scale, routing.status, m_rows, m_pad, kg, *scales.stride(),
-        BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device, M_ALIGN=SCALE_M_ALIGN,
-        num_warps=4, **pdl_args(scales.device))
+    if masked:  # programs per expert, each within one
+        m_rows = ceil_div(max_m, SCALE_ROWS_BLOCK_R)
+        programs = routing.masked_m.shape[0] * m_rows
+    else:
+        m_rows = m_indices.shape[0]
+        programs = ceil_div(m_rows, SCALE_ROWS_BLOCK_R)
+    _scale_rows_kernel[(programs, ceil_div(kg, block_g))](
+        src_rows, routing.masked_m if masked else m_indices, scales, out_scale, routing.status, m_rows, m_pad, max_m,
+        kg, *scales.stride(), BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device,
+        M_ALIGN=SCALE_M_ALIGN, MASKED=masked, num_warps=4, **pdl_args(scales.device))
 
 
 class RowMover(Protocol):
     """A kernel that does the chunked scatter of FP8 rows from the routing state (the Hopper backend's,
     ``kernels/dispatch.py``): ``row_map``, every local pair's row and (contiguous, ``m_indices`` given)
     ``m_indices``, else the masked layout of ``max_m`` rows per expert; the scales either to ``out_scale``
-    directly or, given ``src_rows`` / ``token_scales`` (contiguous), each destination row's token and the
-    tokens' scales token-major (``[T, KG]``), from which ``_scale_rows_kernel`` then writes them."""
+    directly or, given ``src_rows`` / ``token_scales``, each destination row's token and the tokens' scales
+    token-major (``[T, KG]``), from which ``_scale_rows_kernel`` then writes them."""
 
     def __call__(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, rank: torch.Tensor,
                  base: torch.Tensor, seg_start: torch.Tensor, count: torch.Tensor, status: torch.Tensor, chunk: int,
@@ -869,17 +888,18 @@ class RowMover(Protocol):
 def _move_rows(mover: RowMover, x_fp8: torch.Tensor, x_scale: torch.Tensor, routing: _Routing, out: torch.Tensor,
                out_scale: torch.Tensor, row_map: torch.Tensor, m_indices: torch.Tensor | None, max_m: int,
                m_pad: int, cfg: DispatchConfig, rows_on_device: bool) -> None:
-    """The FP8 scatter by ``mover`` (``m_indices`` None: masked layout); contiguous, its scales in a pass of
-    their own where ``mover_scales_apart`` says so."""
-    apart = (m_indices is not None and m_indices.shape[0] > 0
-             and mover_scales_apart(row_map.numel(), routing.has_map))
-    src_rows = torch.empty(m_indices.shape[0], dtype=torch.int32, device=x_fp8.device) if apart else None
+    """The FP8 scatter by ``mover`` (``m_indices`` None: masked layout), its scales in a pass of their own
+    where ``mover_scales_apart`` says so."""
+    masked = m_indices is None
+    m_rows = routing.masked_m.shape[0] * max_m if masked else m_indices.shape[0]
+    apart = m_rows > 0 and mover_scales_apart(row_map.numel(), routing.has_map)
+    src_rows = torch.empty(m_rows, dtype=torch.int32, device=x_fp8.device) if apart else None
     token_scales = torch.empty((x_fp8.shape[0], x_scale.shape[1]), dtype=torch.float32,
                                device=x_fp8.device) if apart else None
     mover(x_fp8, x_scale, routing.local, routing.rank, routing.base, routing.seg_start, routing.count, routing.status,
           cfg.chunk, out, out_scale, row_map, m_indices, max_m, m_pad, rows_on_device, src_rows, token_scales)
     if apart:
-        _scale_rows(src_rows, m_indices, token_scales, out_scale, routing, m_pad, rows_on_device)
+        _scale_rows(src_rows, m_indices, token_scales, out_scale, routing, m_pad, rows_on_device, max_m)
 
 
 def _fused_grid(num_tokens: int, num_experts: int, col_blocks: int, cfg: DispatchConfig) -> tuple[int, int]:

@@ -32,10 +32,11 @@ __device__ __forceinline__ int32_t row_expert(const int64_t* seg_start, const in
 
 // kMasked: the masked layout [E, max_m, K] (scales [E, groups, m_pad]): a pair's row is its expert's
 // block + its position, dropped past max_m; no m_indices. kRowsOnDevice (contiguous): the layout of the
-// M_total rows in `status` (scale columns padded to kScaleAlignM rows: utils.SCALE_M_ALIGN). kScalesApart
-// (contiguous): instead of the scales, each destination row's token (`src_rows`) and the token's scales
-// token-major (`token_scales` [T, groups]); a pass over the output rows then stores whole sectors (the
-// Triton `_scale_rows_kernel`). Otherwise the scales go straight to every destination, kept in L2.
+// M_total rows in `status` (scale columns padded to kScaleAlignM rows: utils.SCALE_M_ALIGN). kScalesApart:
+// instead of the scales, each destination row's token (`src_rows`, indexed by the row: E * max_m of them
+// when masked) and the token's scales token-major (`token_scales` [T, groups]); a pass over the output rows
+// then stores whole sectors (the Triton `_scale_rows_kernel`). Otherwise the scales go straight to every
+// destination, kept in L2.
 template <uint32_t kTopK, bool kMasked, bool kRowsOnDevice, bool kScalesApart, uint32_t kScaleAlignM>
 __global__ void __launch_bounds__(32) dispatch_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, uint64_t xs_stride_t, uint64_t xs_stride_g,
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(32) dispatch_rows_kernel(
     uint32_t num_tokens, uint32_t row_bytes, uint32_t num_groups, uint32_t chunk, uint32_t num_experts,
     uint32_t m_rows, uint32_t m_pad, uint32_t max_m) {
     static_assert(kTopK >= 1 && kTopK <= 32, "one lane per slot");
-    static_assert(!kMasked || (!kRowsOnDevice && !kScalesApart), "the masked layout has its shape on the host");
+    static_assert(!kMasked || !kRowsOnDevice, "the masked layout has its shape on the host");
     extern __shared__ __align__(128) uint8_t row[];
     __shared__ uint64_t bar;
     // (launched plainly after the routing kernels; the scale pass after it may become resident now)
