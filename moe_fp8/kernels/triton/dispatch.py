@@ -568,14 +568,15 @@ def _scale_rows_kernel(
 ):
     """The scales, row by row (``SCALES_APART``): contiguous, row ``r`` of expert ``m_indices[r] >= 0`` takes
     token ``src[r]``'s scales, padding rows stay unwritten; masked (``m_idx_ptr`` is ``masked_m``; ``m_rows``
-    the programs per expert), row ``r = e·max_m + position`` where the position is below ``masked_m[e]``. A
-    [BLOCK_G, BLOCK_R] tile per program (masked: within one expert), its stores along the rows (whole
-    sectors: the offsets must stay visibly contiguous, so no run-time division per row)."""
+    unused), row ``r = e·max_m + position`` where the position is below ``masked_m[e]``. A [BLOCK_G, BLOCK_R]
+    tile per program (masked: within one expert), its stores along the rows (whole sectors: the offsets must
+    stay visibly contiguous, so no run-time division per row)."""
     pdl_start(PDL)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     if MASKED:
-        e = tl.program_id(0) // m_rows
-        pos = (tl.program_id(0) % m_rows) * BLOCK_R + tl.arange(0, BLOCK_R)
+        blocks = tl.cdiv(max_m, BLOCK_R)  # programs per expert
+        e = tl.program_id(0) // blocks
+        pos = (tl.program_id(0) % blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = pos < tl.minimum(tl.load(m_idx_ptr + e), max_m)
         r = e.to(tl.int64) * max_m + pos
         out_row = e.to(tl.int64) * KG * m_pad + pos
@@ -859,12 +860,10 @@ def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor | None, scales: 
     masked = m_indices is None
     kg = scales.shape[1]
     block_g = min(triton.next_power_of_2(kg), SCALE_ROWS_BLOCK_G)
-    if masked:  # programs per expert, each within one
-        m_rows = ceil_div(max_m, SCALE_ROWS_BLOCK_R)
-        programs = routing.masked_m.shape[0] * m_rows
-    else:
-        m_rows = m_indices.shape[0]
-        programs = ceil_div(m_rows, SCALE_ROWS_BLOCK_R)
+    # masked: each program within one expert
+    m_rows = 0 if masked else m_indices.shape[0]
+    programs = routing.masked_m.shape[0] * ceil_div(max_m, SCALE_ROWS_BLOCK_R) if masked else \
+        ceil_div(m_rows, SCALE_ROWS_BLOCK_R)
     _scale_rows_kernel[(programs, ceil_div(kg, block_g))](
         src_rows, routing.masked_m if masked else m_indices, scales, out_scale, routing.status, m_rows, m_pad, max_m,
         kg, *scales.stride(), BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device,
