@@ -67,6 +67,16 @@ def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
     _check(out, inp, 1152)
 
 
+# 64-row tiles up to 96 wide run their K blocks in unrolled chunks with two accumulator sets (impls/fp8_gemm.cuh):
+# 1 and 5 blocks (one chunk, odd), 9 (a chunk of 8 and one block without overlap), 12 (two of 6), 58 (seven of
+# 8 and two more).
+@pytest.mark.parametrize("k", [128, 576, 1152, 1536, 7424])
+@pytest.mark.parametrize("block_n", [16, 48, 64, 96])
+def test_gemm_overlap_chunks(k: int, block_n: int) -> None:
+    out, inp = _run(100, 2112, k, seed=k + block_n, config=make_config(64, block_n, get_num_sms(), k=k))
+    _check(out, inp, k)
+
+
 # 2-CTA multicast: odd block counts leave one CTA of a pair past the matrix (must store nothing).
 @pytest.mark.parametrize("m,n,k", [(300, 2112, 1152), (128, 7168, 576), (4096, 4096, 512), (1, 200, 256)])
 @pytest.mark.parametrize("block_m,block_n,on_a", [(128, 128, False), (128, 144, True), (64, 64, True),

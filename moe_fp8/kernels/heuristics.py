@@ -91,11 +91,14 @@ K_SPLIT_MODEL_MAX_GROUPS = 8
 # only the shapes where the model's pick ran > 3% behind the best tile. At small M every 64-row tile of one
 # wave walks a 128-K block in ~270-320 ns whatever its width (the model charges 250 ns + 1 ns per row,
 # + 100 ns when it straddles scale blocks), so the model cannot rank them; it stays in charge elsewhere.
+# Session 24 re-swept them after the 64-row tiles of at most 96 columns stopped having their wgmmas serialised
+# by ptxas (impls/fp8_gemm.cuh, kOverlapChunk), which had made them 10-30% slower: the model's own picks
+# (64x32 for 2112x7168 at 128 rows, 64x64 for 4096x7168) now run best, and two entries are new.
 SMALL_M_BLOCK_N: dict[tuple[int, int], dict[int, int]] = {
-    (2112, 7168): {1: 48, 2: 48},  # 64x32 20.5 / 21.1 us -> 19.3 / 18.8
+    (2112, 7168): {1: 16},  # the model's 64x32 15.5 us -> 14.8 (session 18's 64x48: 19.1)
     (24576, 1536): {1: 96, 2: 128},  # 64x256 24.9 -> 23.5; 128x256 26.2 -> 24.3
     (32768, 512): {1: 128, 2: 128},  # 64x256 15.1 / 16.1 -> 14.3 / 15.5
-    (4096, 7168): {1: 48, 2: 96},  # 64x64 23.9 / 24.5 -> 21.2 / 22.6
+    (7168, 2048): {1: 64},  # the model's 64x128 13.8 us -> 12.5
 }
 SMALL_M_SMS = 132
 # Measured masked tiles, not modelled: (N, K) -> (BLOCK_N, stages) of a 128-row tile for masked GEMMs of up to

@@ -130,6 +130,18 @@ __device__ __forceinline__ void promote(float* total, const float* acc, const Bl
     }
 }
 
+#ifndef MOE_FP8_ACC_OVERLAP
+#define MOE_FP8_ACC_OVERLAP 1  // -DMOE_FP8_ACC_OVERLAP=0: one accumulator set at BLOCK_M = 64 too (for measurements)
+#endif
+
+// K blocks per unrolled chunk of the overlapped mainloop (one math warpgroup, see there): the largest divisor
+// of num_kb from most / 2 to most, or else most (the blocks past the last chunk run without overlap).
+__host__ __device__ constexpr uint32_t overlap_chunk(uint32_t num_kb, uint32_t most) {
+    for (uint32_t c = most; c >= most / 2; --c)
+        if (num_kb % c == 0) return c;
+    return num_kb < most ? num_kb : most;
+}
+
 // kActQuant: 0 = bf16 out[M, N]; 1 / 2 = the fused SiLU·mul + quantisation epilogue (FP32 / UE8M0
 // scales, epilogue/act_quant.cuh): `w` holds [gate; up] halves of N rows each per group, tile j
 // multiplies gate rows j*128.. and up rows N/2 + j*128.., and `out` gets FP8 act[M, N/2] with its
@@ -179,7 +191,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // 3 x BLOCK_N/2 live floats: measured to spill at 128x128, so it is the one-math-warpgroup
     // (BLOCK_M = 64, small-M) path; with two math warpgroups one promotes while the other's wgmmas run.
     // The 80 left for addresses, scales and loop state is measured too: at 72, 64x104 spilled one.
-    constexpr bool kOverlap = kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
+    constexpr bool kOverlap =
+        MOE_FP8_ACC_OVERLAP && kNumMathWGs == 1 && kNumWaves == 1 && 3 * kNumAccum + 80 <= 232;
+    constexpr uint32_t kOverlapChunk = overlap_chunk(kNumKBlocks, 8);
     // The producer warpgroup's registers after setmaxnreg. With two math warpgroups at 232, 40 (48 would
     // fill the SM's 65536 exactly: measured to hang in setmaxnreg.inc); with one, 96 (its store warps
     // walk two schedulers, one a tile ahead, which spilled at 40 with the tail-split state).
@@ -417,7 +431,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // waves split at 96|- and 32|64 columns (tile on a block boundary) or 64|32 and -|96 (off it),
         // each a compile-time split of promote_split.
         auto promote_wave = [&](uint32_t w, const float* acc, const BlockScales& sc) {
-            if constexpr (kNumWaves == 1) {
+            if constexpr (kNumWaves == 1 && kOverlap) {
+                // the split at run time: the compile-time copies of promote() take so many registers in
+                // the overlapped chunks that ptxas serialises their wgmmas (ptxas C7511)
+                promote_split<BLOCK_N>(total, acc, sc, 128 % BLOCK_N == 0 ? BLOCK_N : 128 - n0 % 128);
+            } else if constexpr (kNumWaves == 1) {
                 promote<BLOCK_N>(total, acc, sc, n0);
             } else if constexpr (kWaveN == 128) {
                 const float b = w == 0 ? sc.b_lo : sc.b_hi;
@@ -450,24 +468,36 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 release();
                 promote_wave(0, acc, sc);
             };
-            issue(0, acc0, sc0);
-            for (uint32_t kb = 0; kb < num_kb; kb += 2) {
-                if (kb + 1 < num_kb) {
-                    issue(kb + 1, acc1, sc1);
-                    mma::wgmma_wait<1>();
-                } else {
-                    mma::wgmma_wait<0>();
-                }
-                retire(acc0, sc0);
-                if (kb + 1 < num_kb) {
-                    if (kb + 2 < num_kb) {
-                        issue(kb + 2, acc0, sc0);
+            // NOTE: ptxas serialises every wgmma (a wait after each one: ptxas C7514 / C7515) when a
+            // group is still in flight across a loop's back edge, as in a plain loop over K blocks: the
+            // accumulator reads of the promotion after `wait_group 1` are then not provably safe. So the
+            // pipeline runs in fully unrolled chunks of kOverlapChunk blocks and drains at each chunk's end
+            // (one promotion in kOverlapChunk left exposed); blocks past the last whole chunk run without
+            // overlap. Unrolling the whole K loop instead is too much code at long K (11k instructions
+            // and a 40 s compile at K = 16384).
+            auto chunk = [&](uint32_t first) {
+                issue(first, acc0, sc0);
+#pragma unroll
+                for (uint32_t i = 1; i < kOverlapChunk; ++i) {
+                    if (i % 2) {
+                        issue(first + i, acc1, sc1);
                         mma::wgmma_wait<1>();
+                        retire(acc0, sc0);
                     } else {
-                        mma::wgmma_wait<0>();
+                        issue(first + i, acc0, sc0);
+                        mma::wgmma_wait<1>();
+                        retire(acc1, sc1);
                     }
-                    retire(acc1, sc1);
                 }
+                mma::wgmma_wait<0>();
+                if (kOverlapChunk % 2) retire(acc0, sc0); else retire(acc1, sc1);
+            };
+            uint32_t kb = 0;
+            for (; kb + kOverlapChunk <= num_kb; kb += kOverlapChunk) chunk(kb);
+            for (; kb < num_kb; ++kb) {
+                issue(kb, acc0, sc0);
+                mma::wgmma_wait<0>();
+                retire(acc0, sc0);
             }
         } else {
             float acc[kWaveAccum];
