@@ -20,10 +20,11 @@ COMPILERS = [c.name for c in find_compilers() if c.available]
 
 
 def assert_wgmma_pipelined(log: str) -> None:
-    """ptxas reports (C7510-C7515) when it serialises wgmmas it cannot prove safe to overlap: it then waits
-    for each one to finish (a 64x32 tile ran 25-30% slower so, session 24)."""
+    """ptxas reports it (C7511, C7514, C7515, ...) when it serialises wgmmas it cannot prove safe to overlap:
+    it then waits for each one to finish (a 64x32 tile ran 25-30% slower so, session 24)."""
     serialized = [line for line in log.splitlines() if "wgmma.mma_async instructions are serialized" in line]
     assert not serialized, serialized
+
 
 VARIANTS = [
     ("normal", 7168, 16384, make_config(128, 128, 132, k=16384)),
