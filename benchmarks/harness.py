@@ -5,9 +5,11 @@ every run (the same method for our kernels and every baseline, in one process). 
 CUDA-event loop with the same flush is used.
 
 The GEMM benches also time each impl the way ANCHORS.md's DeepGEMM figures were taken
-(``bench_chilled_us``: DeepGEMM's ``bench_kineto`` puts an 8 GB memset before every call). The two
-differ for long FP8 GEMMs: back to back, they hold an H100 at its 700 W cap, which lowers the SM
-clock (1.2–1.5 GHz against 1.98 in our runs); a memset between calls keeps it near the top.
+(``bench_chilled_us``: DeepGEMM's ``bench_kineto`` puts an 8 GB memset before every call and reads the
+kernels' own durations from the profiler). The two differ for long FP8 GEMMs: back to back, they hold an
+H100 at its 700 W cap, which lowers the SM clock (1.2–1.5 GHz against 1.98 in our runs); a memset between
+calls keeps it near the top. For short ones the kernel durations leave out the ~2–4 µs of launch latency
+that CUDA events around a call include.
 """
 
 from __future__ import annotations
@@ -62,33 +64,67 @@ def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
 
 
 _CHILL: list[torch.Tensor] = []
+_CHILL_KERNELS: set[str] = set()
 
 
 def bench_chilled_us(fn: Callable[[], Any], calls: int = 30) -> float:
-    """Median microseconds of one ``fn()`` call timed as DeepGEMM's ``bench_kineto`` times its kernels:
-    ~8 GB of memset before every call (L2 flushed, and the GPU kept off its power cap), a round of
-    ``calls`` calls to warm up, then ``calls`` timed ones (CUDA events around each call)."""
+    """Median microseconds of GPU kernel time per ``fn()`` call, measured as DeepGEMM's ``bench_kineto``
+    measures its kernels: ~8 GB of memset before every call (L2 flushed, and the GPU kept off its power
+    cap), a round of ``calls`` calls to warm up, then ``calls`` profiled ones; a call's time is the sum of
+    the profiler's (CUPTI) durations of the kernels it launched, so launch latency and host gaps between
+    its kernels are left out, as they are from ANCHORS.md's DeepGEMM figures."""
+    from torch.profiler import ProfilerActivity, profile
+
     if not _CHILL:
         free, _ = torch.cuda.mem_get_info()
         _CHILL.append(torch.empty(min(1 << 30, free // 8), dtype=torch.uint8, device="cuda"))
     buf = _CHILL[0]
     memsets = -(-8_000_000_000 // buf.numel())
-    times = []
-    for timed in (False, True):
-        for _ in range(calls):
-            for _ in range(memsets):
-                buf.zero_()
-            if timed:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                times.append((s, e))
-            else:
-                fn()
+
+    def chill() -> None:
+        for _ in range(memsets):
+            buf.zero_()
+
+    if not _CHILL_KERNELS:  # what the memset runs as, to tell it from fn's kernels in the trace
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            buf.zero_()
+            torch.cuda.synchronize()
+        _CHILL_KERNELS.update(name for name, _, _ in _gpu_events(prof))
+    for _ in range(calls):
+        chill()
+        fn()
     torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in times)
-    return ms[len(ms) // 2] * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            chill()
+            fn()
+        torch.cuda.synchronize()
+    per_call = kernel_us_per_call(_gpu_events(prof), _CHILL_KERNELS)
+    if len(per_call) != calls:
+        raise RuntimeError(f"bench_chilled_us: found {len(per_call)} calls' kernels in the trace, expected {calls}")
+    return sorted(per_call)[len(per_call) // 2]
+
+
+def _gpu_events(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start, end) in µs of every GPU activity the profiler recorded, in start order."""
+    return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1])
+
+
+def kernel_us_per_call(events: Iterable[tuple[str, float, float]], chill: set[str]) -> list[float]:
+    """Summed durations of each run of GPU activities between the memsets (named in ``chill``) of
+    ``bench_chilled_us``: one entry per timed call."""
+    per_call: list[float] = []
+    inside = False
+    for name, start, end in events:
+        if name in chill:
+            inside = False
+        elif inside:
+            per_call[-1] += end - start
+        else:
+            per_call.append(end - start)
+            inside = True
+    return per_call
 
 
 def measure_ceilings() -> dict[str, float]:

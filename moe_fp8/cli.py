@@ -579,8 +579,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(ratio_table(kind_rows, "moe_fp8", baselines, metric=kind.metric))
                 chilled = chilled_view(kind_rows)
                 if chilled:
-                    print(f"\n## {row_kind}, chilled (DeepGEMM's timing: an 8 GB memset before each call; "
-                          "x B = B's time / ours)\n")
+                    print(f"\n## {row_kind}, chilled (DeepGEMM's timing: an 8 GB memset before each call, kernel "
+                          "durations from the profiler; x B = B's time / ours)\n")
                     print(ratio_table(chilled, "moe_fp8", baselines, metric=kind.metric))
     if notes:
         print("\n" + "\n".join(notes))

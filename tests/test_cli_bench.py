@@ -393,3 +393,13 @@ def test_record_gpu_check_writes_json_md_and_png(tmp_path):
     (docs / "h100-moe-data.png").unlink()
     script.main([str(run), "--commit", "abc1234", "--docs", str(docs), "--no-plots"])
     assert not (docs / "h100-moe-data.png").exists() and ".png)" not in (docs / "h100-moe-data.md").read_text()
+
+
+def test_chilled_timing_sums_each_calls_kernels() -> None:
+    """``bench_chilled_us`` splits the profiler's trace at the memsets between calls and sums the rest per call
+    (a call of several kernels counts their durations, not the gaps between them)."""
+    chill = {"fill<uchar>"}
+    events = [("fill<uchar>", 0, 50), ("fill<uchar>", 50, 100), ("gemm", 103, 113), ("fill<uchar>", 120, 170),
+              ("gemm_a", 172, 175), ("gemm_b", 180, 184), ("fill<uchar>", 190, 240), ("gemm", 241, 250)]
+    assert harness.kernel_us_per_call(events, chill) == [10, 7, 9]
+    assert harness.kernel_us_per_call([("fill<uchar>", 0, 1)], chill) == []
