@@ -96,7 +96,7 @@ def test_unsupported_configs_are_clear_errors(cfg, tp, ep, match):
 def test_representative_rows_cover_every_row_count(layout, n, k, groups):
     """The claim warmup relies on: rows in one interval of representative_rows share a config."""
     reps = representative_rows(1100)
-    assert reps[-1] == 1100 and reps[:4] == [48, 64, 128, 192]  # 48: the decode tiles' bound
+    assert reps[-1] == 1100 and reps[:5] == [48, 64, 96, 128, 192]  # 48, 96: the decode tiles' bounds
 
     def cfg(m: int):
         if layout == "masked":

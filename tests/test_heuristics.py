@@ -179,13 +179,15 @@ def test_measured_masked_tiles_apply_only_where_measured() -> None:
 
 def test_measured_decode_tiles_apply_only_where_measured() -> None:
     """MASKED_DECODE_TILES decides masked GEMMs of at least 32 groups of at most 48 expected rows on 132 SMs
-    at the listed N x K (where the model picks another tile), on the caller's expected_m (config_key would
-    round it up to 64); fewer groups, more rows, other machines, the fused epilogue and other layouts stay
-    with the cost model."""
+    at the listed N x K (where the model picks another tile), MASKED_DECODE_WIDE_TILES those of 49-96 rows, on
+    the caller's expected_m (config_key would round it up to 64 / 128); fewer groups, more rows, other
+    machines, the fused epilogue and other layouts stay with the cost model."""
     from moe_fp8.kernels.heuristics import (
         MASKED_DECODE_MAX_ROWS,
         MASKED_DECODE_MIN_GROUPS,
         MASKED_DECODE_TILES,
+        MASKED_DECODE_WIDE_MAX_ROWS,
+        MASKED_DECODE_WIDE_TILES,
         config_key,
         modelled_config,
     )
@@ -196,9 +198,16 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
             cfg = get_config(desc)
             assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (64, block_n, stages), desc
             assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+        wide_n, wide_stages = MASKED_DECODE_WIDE_TILES[(n, k)]
+        for g, m in ((MASKED_DECODE_MIN_GROUPS, MASKED_DECODE_MAX_ROWS + 1), (128, 64),
+                     (MASKED_DECODE_MIN_GROUPS, MASKED_DECODE_WIDE_MAX_ROWS)):
+            desc = GemmDesc(256, n, k, num_groups=g, layout="masked", expected_m=m)
+            cfg = get_config(desc)
+            assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, wide_n, wide_stages), desc
+            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
         for desc in (GemmDesc(256, n, k, num_groups=MASKED_DECODE_MIN_GROUPS // 2, layout="masked", expected_m=8),
-                     GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=MASKED_DECODE_MAX_ROWS + 1),
-                     GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=64),
+                     GemmDesc(256, n, k, num_groups=MASKED_DECODE_MIN_GROUPS // 2, layout="masked", expected_m=64),
+                     GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=MASKED_DECODE_WIDE_MAX_ROWS + 1),
                      GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=8, num_sms=114),
                      GemmDesc(256, 2 * n, k, num_groups=32, layout="masked", expected_m=8, act_quant=1),
                      GemmDesc(256, n, k, num_groups=32, layout="contiguous")):

@@ -15,8 +15,8 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
 - a launch costs the sum of its waves (the last one usually partial), plus a fixed epilogue per tile;
 - ties go to fewer tiles, then to the wider BLOCK_N.
 Normal GEMMs of at most 128 rows, few-group masked ones at K = 2048 and many-group decode ones, on 132 SMs
-whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``), skip the
-model.
+whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``,
+``MASKED_DECODE_WIDE_TILES``), skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -123,6 +123,13 @@ MASKED_MEASURED_ROWS = (256, 1024)  # (at 4096 rows, many waves, 128x256 leads a
 MASKED_DECODE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
 MASKED_DECODE_MIN_GROUPS = 32
 MASKED_DECODE_MAX_ROWS = 48  # a boundary of representative_rows: the rule reads expected_m before config_key
+# Above that, up to MASKED_DECODE_WIDE_MAX_ROWS expected rows (most draws need two 64-row blocks), a 128-row tile
+# reads each expert's weights once: (N, K) -> (BLOCK_N, stages) of a 128-row tile, same group bound. Session 24
+# (H100 SXM, one process, kernel durations and do_bench, 3 rounds): 128x128 with 4 stages streamed the weights
+# up to 4.0% faster than the model's 64x256 at 64 expected rows (32 groups: two draws each; 64 and 128 groups:
+# -0.3% to +1.8%) and 1.3-3.6% faster than its 128x256 at 80-96 rows (32-128 groups), on both expert shapes.
+MASKED_DECODE_WIDE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
+MASKED_DECODE_WIDE_MAX_ROWS = 96  # a boundary of representative_rows too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +371,8 @@ def representative_rows(max_rows: int) -> list[int]:
 
     ``get_config`` sees the rows (per group) only through ``ceil_div(rows, block_m)`` for each
     ``block_m`` in ``BLOCK_MS`` (tile counts, the DRAM band, and the ``rows <= 64`` filter, which is
-    ``ceil_div(rows, 64) == 1``), and through ``rows <= MASKED_DECODE_MAX_ROWS`` (the decode tiles), so
+    ``ceil_div(rows, 64) == 1``), and through ``rows <= MASKED_DECODE_MAX_ROWS`` / ``MASKED_DECODE_WIDE_MAX_ROWS``
+    (the decode tiles), so
     counts with equal quotients on the same side of that bound share a config and the largest count of
     each such interval stands for it. ``moe-fp8 warmup`` enumerates a model's variants over these
     (a few hundred calls instead of one per token count); tests/test_cli_warmup.py checks the claim
@@ -375,8 +383,9 @@ def representative_rows(max_rows: int) -> list[int]:
     reps = {max_rows}
     for bm in BLOCK_MS:
         reps.update(range(bm, max_rows + 1, bm))
-    if max_rows > MASKED_DECODE_MAX_ROWS:  # the decode tiles' bound on expected_m (see _decode_config)
-        reps.add(MASKED_DECODE_MAX_ROWS)
+    for bound in (MASKED_DECODE_MAX_ROWS, MASKED_DECODE_WIDE_MAX_ROWS):  # the decode tiles' bounds (_decode_config)
+        if max_rows > bound:
+            reps.add(bound)
     return sorted(reps)
 
 
@@ -405,7 +414,7 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES``, ``MASKED_MEASURED_TILES``) where one
+    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES`` / ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one
     applies, else the cost model's pick."""
     cfg = _decode_config(desc) or _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
@@ -429,13 +438,16 @@ def _measured_config(desc: GemmDesc) -> GemmConfig | None:
 
 
 def _decode_config(desc: GemmDesc) -> GemmConfig | None:
-    """``MASKED_DECODE_TILES`` where they apply. Decided on the caller's ``expected_m``, which ``config_key``
-    would round up to 64 (past the rule's bound)."""
-    tile = MASKED_DECODE_TILES.get((desc.n, desc.k))
-    if (desc.layout != "masked" or tile is None or desc.num_sms != SMALL_M_SMS or desc.act_quant
-            or desc.num_groups < MASKED_DECODE_MIN_GROUPS or (desc.expected_m or desc.m) > MASKED_DECODE_MAX_ROWS):
+    """``MASKED_DECODE_TILES`` / ``MASKED_DECODE_WIDE_TILES`` where they apply. Decided on the caller's
+    ``expected_m``, which ``config_key`` would round up to a multiple of 64 (past the rules' bounds)."""
+    if (desc.layout != "masked" or desc.num_sms != SMALL_M_SMS or desc.act_quant
+            or desc.num_groups < MASKED_DECODE_MIN_GROUPS):
         return None
-    return make_config(64, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
+    rows = desc.expected_m or desc.m
+    block_m, tile = ((64, MASKED_DECODE_TILES.get((desc.n, desc.k))) if rows <= MASKED_DECODE_MAX_ROWS else
+                     (128, MASKED_DECODE_WIDE_TILES.get((desc.n, desc.k))) if rows <= MASKED_DECODE_WIDE_MAX_ROWS else
+                     (0, None))
+    return None if tile is None else make_config(block_m, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
 
 
 @functools.cache
