@@ -371,12 +371,12 @@ def representative_rows(max_rows: int) -> list[int]:
 
     ``get_config`` sees the rows (per group) only through ``ceil_div(rows, block_m)`` for each
     ``block_m`` in ``BLOCK_MS`` (tile counts, the DRAM band, and the ``rows <= 64`` filter, which is
-    ``ceil_div(rows, 64) == 1``), and through ``rows <= MASKED_DECODE_MAX_ROWS`` / ``MASKED_DECODE_WIDE_MAX_ROWS``
-    (the decode tiles), so
-    counts with equal quotients on the same side of that bound share a config and the largest count of
-    each such interval stands for it. ``moe-fp8 warmup`` enumerates a model's variants over these
-    (a few hundred calls instead of one per token count); tests/test_cli_warmup.py checks the claim
-    against an exhaustive scan, so a heuristic that starts to depend on rows otherwise fails there.
+    ``ceil_div(rows, 64) == 1``), and through ``rows <= MASKED_DECODE_MAX_ROWS`` and
+    ``rows <= MASKED_DECODE_WIDE_MAX_ROWS`` (the decode tiles), so counts with equal quotients on the same
+    side of those bounds share a config and the largest count of each such interval stands for it.
+    ``moe-fp8 warmup`` enumerates a model's variants over these (a few hundred calls instead of one per
+    token count); tests/test_cli_warmup.py checks the claim against an exhaustive scan, so a heuristic that
+    starts to depend on rows otherwise fails there.
     """
     if max_rows < 1:
         return []
@@ -414,8 +414,8 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES`` / ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one
-    applies, else the cost model's pick."""
+    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES`` / ``_WIDE_TILES``,
+    ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
     cfg = _decode_config(desc) or _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
