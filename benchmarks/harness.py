@@ -89,7 +89,7 @@ def bench_chilled_us(fn: Callable[[], Any], calls: int = 30) -> float:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             buf.zero_()
             torch.cuda.synchronize()
-        _CHILL_KERNELS.update(name for name, _, _ in _gpu_events(prof))
+        _CHILL_KERNELS.update(name for name, _, _ in gpu_events(prof))
     for _ in range(calls):
         chill()
         fn()
@@ -99,14 +99,14 @@ def bench_chilled_us(fn: Callable[[], Any], calls: int = 30) -> float:
             chill()
             fn()
         torch.cuda.synchronize()
-    per_call = kernel_us_per_call(_gpu_events(prof), _CHILL_KERNELS)
+    per_call = kernel_us_per_call(gpu_events(prof), _CHILL_KERNELS)
     if len(per_call) != calls:
         raise RuntimeError(f"bench_chilled_us: found {len(per_call)} calls' kernels in the trace, expected {calls}")
     return sorted(per_call)[len(per_call) // 2]
 
 
-def _gpu_events(prof: Any) -> list[tuple[str, float, float]]:
-    """(name, start, end) in µs of every GPU activity the profiler recorded, in start order."""
+def gpu_events(prof: Any) -> list[tuple[str, float, float]]:
+    """(name, start, end) in µs of every GPU activity a ``torch.profiler.profile`` recorded, in start order."""
     return sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e[1])
 

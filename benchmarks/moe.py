@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import BenchKind, Step, parse_ints
-from .harness import bench_us, measure_ceilings, row
+from .harness import bench_us, gpu_events, measure_ceilings, row
 
 NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
 N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
@@ -212,9 +212,9 @@ def _graph_gemm_share(graph: torch.cuda.CUDAGraph, reps: int = 5) -> float:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graph.replay()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
-        gemm = sum(e.time_range.end - e.time_range.start for e in kernels if "fp8_gemm_kernel" in e.name)
+        kernels = gpu_events(prof)
+        span = max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)
+        gemm = sum(end - start for name, start, end in kernels if "fp8_gemm_kernel" in name)
         shares.append(gemm / span)
     return statistics.median(shares)
 

@@ -444,9 +444,13 @@ def _decode_config(desc: GemmDesc) -> GemmConfig | None:
             or desc.num_groups < MASKED_DECODE_MIN_GROUPS):
         return None
     rows = desc.expected_m or desc.m
-    block_m, tile = ((64, MASKED_DECODE_TILES.get((desc.n, desc.k))) if rows <= MASKED_DECODE_MAX_ROWS else
-                     (128, MASKED_DECODE_WIDE_TILES.get((desc.n, desc.k))) if rows <= MASKED_DECODE_WIDE_MAX_ROWS else
-                     (0, None))
+    if rows <= MASKED_DECODE_MAX_ROWS:
+        block_m, tiles = 64, MASKED_DECODE_TILES
+    elif rows <= MASKED_DECODE_WIDE_MAX_ROWS:
+        block_m, tiles = 128, MASKED_DECODE_WIDE_TILES
+    else:
+        return None
+    tile = tiles.get((desc.n, desc.k))
     return None if tile is None else make_config(block_m, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1])
 
 
