@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datapath_util import check_routing
+from datapath_util import assert_same_bits, check_routing
 
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.routing import KERNEL_TEMPLATE, plan
@@ -162,3 +162,65 @@ def test_uncovered_calls_run_the_triton_kernel():
         check_routing(got, ref.select_experts(logits, 6, scoring_func=scoring), True)
     assert [x.shape for x in select_experts_hopper(logits[:0], 6, "sigmoid", True, None, None, None, 1.0)] == [
         (0, 6), (0, 6)]
+
+
+SIGMOID_CHECK = r'''#include "moe_fp8/impls/routing.cuh"
+// Over every float x but NaN: the largest |sigmoid_estimate(x) - sigmoid_f32(x)|, and how many x give
+// sigmoid_f32(x) != (float)(1.0 / (1.0 + exp(-x))) (the reference's formula, IEEE division).
+extern "C" __global__ void sigmoid_check(unsigned* worst_error, unsigned* mismatches) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    float worst = 0.0f;
+    unsigned wrong = 0;
+    for (unsigned long long b = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; b < (1ull << 32); b += stride) {
+        const float x = __uint_as_float((unsigned)b);
+        if (x != x) continue;
+        const float exact = moe_fp8::routing::sigmoid_f32(x);
+        worst = fmaxf(worst, fabsf(moe_fp8::routing::sigmoid_estimate(x) - exact));
+        wrong += __float_as_uint(exact) != __float_as_uint((float)(1.0 / (1.0 + exp(-(double)x))));
+    }
+    atomicMax(worst_error, __float_as_uint(worst));
+    atomicAdd(mismatches, wrong);
+}
+'''
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_sigmoids_over_every_float():
+    """The certified path's margins assume |estimate - score| <= 2^-23 (the file comment of impls/routing.cuh),
+    and the exact path's float64 sigmoid (a reciprocal without __drcp_rn's out-of-range branch) must round
+    as 1.0 / (1.0 + exp(-x)) does: both checked on all 2^32 float inputs (bf16 logits are among them)."""
+    from moe_fp8.kernels.jit import build
+
+    out = torch.zeros(2, dtype=torch.int32, device="cuda")
+    build("routing_sigmoid_check", SIGMOID_CHECK).launch(132 * 16, 256, [out, out[1:]])
+    worst, mismatches = out[0].view(torch.float32).item(), out[1].item()
+    assert 0 < worst <= 2.0**-23 and mismatches == 0, (worst, mismatches)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps_per_sm", [1, 32, 10**6])  # many tokens per warp, the default, one each
+def test_certified_path_matches_exact_path(warps_per_sm, monkeypatch):
+    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.3% of tokens fall back to the exact path: the
+    default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1, with biases of several
+    widths (the certified window grows with them), and with a NaN bias (every token falls back)."""
+    from moe_fp8.kernels import routing
+
+    monkeypatch.setattr(routing, "WARPS_PER_SM", warps_per_sm)
+    logits, bias = make_routing_inputs(16384, 256, seed=warps_per_sm, device="cuda", with_bias=True)
+    nan_bias = bias.clone()
+    nan_bias[17] = float("nan")
+    for b in (bias, 40.0 * bias, 1e4 * bias + 3.0, nan_bias, None):
+        for x in (logits, logits.bfloat16()):
+            for n_group, topk_group in ((8, 4), (None, None)):
+                got = []
+                for exact in ("0", "1"):
+                    monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
+                    got.append(routing.select_experts_hopper(x, 8, "sigmoid", True, n_group, topk_group, b, 2.5))
+                assert_same_bits(got[0][1], got[1][1], "topk_ids")
+                assert_same_bits(got[0][0], got[1][0], "topk_weights")
+    want = ref.select_experts(logits, 8, scoring_func="sigmoid", renormalize=True, n_group=8, topk_group=4,
+                              e_score_correction_bias=bias, routed_scaling_factor=2.5)
+    monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", "0")
+    check_routing(routing.select_experts_hopper(logits, 8, "sigmoid", True, 8, 4, bias, 2.5), want, True)

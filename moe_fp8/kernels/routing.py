@@ -9,10 +9,11 @@ scoring, other expert counts, float16) to the Triton kernel, which computes the 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-from ..utils import ceil_div
+from ..utils import ceil_div, get_num_sms, truthy
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/routing.cuh"
@@ -23,6 +24,9 @@ __attribute__((unused)) static void instantiate() {{
 """
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
 NUM_THREADS = 256  # 8 warps, one token each at a time
+# Warps per SM the grid holds at most (all resident: the kernel's 64 registers allow 32): beyond that many
+# tokens, each warp routes T / (SMs · this) consecutive ones, loading the next token's logits while it picks.
+WARPS_PER_SM = 32
 
 
 def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, logits_dtype: torch.dtype,
@@ -76,8 +80,25 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
         return weights, ids
     v, lpg = shape
     kernel = get_kernel(router_logits.dtype, None if bias is None else bias.dtype, v, lpg)
-    kernel.launch(ceil_div(t, NUM_THREADS // 32), NUM_THREADS,
-                  [router_logits, bias, weights, ids, t, router_logits.stride(0), router_logits.stride(1),
-                   bias.stride(0) if bias is not None else 0, topk_group or 1, top_k, int(bool(renormalize)),
-                   float(routed_scaling_factor)])
+    logits = _aligned_rows(router_logits)
+    num_warps = min(t, get_num_sms() * WARPS_PER_SM)
+    kernel.launch(ceil_div(num_warps, NUM_THREADS // 32), NUM_THREADS,
+                  [logits, bias, weights, ids, t, logits.stride(0), bias.stride(0) if bias is not None else 0,
+                   topk_group or 1, top_k, int(bool(renormalize)), float(routed_scaling_factor), num_warps,
+                   int(exact_only())])
     return weights, ids
+
+
+def _aligned_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits``, or a contiguous copy where a row is strided or not 16-byte aligned: the kernel loads each
+    lane's logits as vectors."""
+    if (logits.stride(1) == 1 and logits.data_ptr() % 16 == 0
+            and logits.stride(0) * logits.element_size() % 16 == 0):
+        return logits
+    return logits.clone(memory_format=torch.contiguous_format)
+
+
+def exact_only() -> bool:
+    """``MOE_FP8_ROUTING_EXACT=1``: every token takes the kernel's exact path (float64 scores for every expert)
+    instead of the certified float32 estimate; the results are the same. For A/B measurements and tests."""
+    return truthy(os.environ.get("MOE_FP8_ROUTING_EXACT", "0"))

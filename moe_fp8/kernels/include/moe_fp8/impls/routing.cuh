@@ -1,13 +1,17 @@
 // Expert routing (select_experts) with sigmoid scores: DeepSeek-V3's grouped top-k, or plain top-k.
-// One warp per token; lane l holds experts l*V .. l*V+V-1 (E = 32·V), and a group of experts is LPG
+// One warp per token at a time; lane l holds experts l*V .. l*V+V-1 (E = 32·V), and a group of experts is LPG
 // whole lanes (LPG = 0: no groups). Same results as the Triton kernel and the reference
 // (kernels/triton/routing.py): float64 scores rounded once to float32, picks ordered by
 // (sort_key(value), lower expert first) with NaN above everything.
 //
-// NOTE: the Triton kernel spends ~85% of its time in its 8 picks: each is an int64 max over a
-// [tokens, groups, experts] tile that Triton lays over two warps (shared memory) and shuffles as
-// 2 x 32-bit per butterfly level. Here each lane sorts its V keys once, and a pick is two 32-bit
-// redux.sync over the lanes' heads (value key, then the lowest expert among equal values).
+// Two paths compute the picks (the weights are always the float64 scores of the picked experts):
+// - certified (pick_certified): float32 scores from the fast exp2 / reciprocal, within 2^-23 of the
+//   float64-rounded ones, so every choice is known to within a few units u (see Window). Picks are made on
+//   those estimates, then kept only if every decision had a margin wider than the estimates' error: the
+//   last kept group against the first dropped one, each pick against the next. A token that fails
+//   (near-ties, NaN, a choice outside the window) takes the exact path; random logits fail ~0.1% of the time.
+// - exact (exact_rank, select_exact): float64 scores of every expert, then the selection on them; for the
+//   tokens of a block the certified path left, at the block's end (kDeferred).
 #pragma once
 
 #include "../common/types.cuh"
@@ -34,47 +38,214 @@ __device__ __forceinline__ int64_t rank(int32_t key, uint32_t code) {
     return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(key)) << 32) | code);
 }
 
-__device__ __forceinline__ double load_f64(const float* p) { return static_cast<double>(*p); }
-__device__ __forceinline__ double load_f64(const uint16_t* p) {  // bf16 bits
-    return static_cast<double>(__uint_as_float(static_cast<uint32_t>(*p) << 16));
+__device__ __forceinline__ float load_f32(const float* p) { return *p; }
+__device__ __forceinline__ float load_f32(const uint16_t* p) {  // bf16 bits: exact in float32
+    return __uint_as_float(static_cast<uint32_t>(*p) << 16);
 }
 
-__device__ __forceinline__ float sigmoid_f32(double x) { return static_cast<float>(1.0 / (1.0 + exp(-x))); }
+// 1/d rounded to nearest for d and 1/d normal doubles: the Newton steps of __drcp_rn without its
+// out-of-range branch, a call whose ABI register saves spilled this kernel
+__device__ __forceinline__ double reciprocal_rn(double d) {
+    double r;
+    asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(d));
+    double e = fma(-d, r, 1.0);
+    r = fma(r, e, r);
+    e = fma(-d, r, 1.0);
+    r = fma(r, e, r);
+    e = fma(-d, r, 1.0);
+    return fma(r, e, r);
+}
 
-template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, bool kHasBias>
-__global__ void __launch_bounds__(256) select_experts_kernel(
-    const TLogit* __restrict__ logits, const TBias* __restrict__ bias, float* __restrict__ weights,
-    int32_t* __restrict__ ids, uint32_t num_tokens, uint64_t stride_t, uint64_t stride_e, uint64_t stride_bias,
-    uint32_t topk_group, uint32_t top_k, uint32_t renormalize, float routed_scaling_factor) {
-    static_assert(V >= 1 && V <= 16, "32 to 512 experts");
-    static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
-    constexpr uint32_t kNumExperts = 32 * V;
-    constexpr uint32_t kNumGroups = LPG ? 32 / LPG : 1;
-    // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
-    ptx::launch_dependents();
-    // one token per warp (the grid has a warp for every token)
-    const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (t >= num_tokens) return;
-    const uint32_t lane = threadIdx.x % 32;
-    const uint32_t expert0 = lane * V;
-    const TLogit* row = logits + t * stride_t;
-    // the lane's (choice, expert) ranks, sorted descending once: a pick then reads only the head
-    int64_t key[V];
+// the float64 sigmoid rounded once to float32, as the reference computes it; beyond 2^150 it rounds to 0
+// (tests/test_routing_hopper.py checks every float input against 1.0 / (1.0 + exp(-x)))
+__device__ __forceinline__ float sigmoid_f32(double x) {
+    const double d = 1.0 + exp(-x);
+    return d > 0x1p150 ? 0.0f : static_cast<float>(reciprocal_rn(d));  // NaN stays NaN
+}
+
+// sigmoid from the fast exp2 and reciprocal: |result - sigmoid_f32(x)| ≤ 2^-23 for every float x but NaN
+// (checked over all 2^32 inputs by tests/test_routing_hopper.py)
+__device__ __forceinline__ float sigmoid_estimate(float x) {
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+    return s;
+}
+
+// the lane's V logits, as floats (rows are contiguous, and 16-byte aligned: the wrapper makes them so)
+template <uint32_t V>
+__device__ __forceinline__ void load_row(const float* row, float (&x)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (uint32_t j = 0; j < V; j += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(row + j);
+            x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) x[j] = row[j];
+    }
+}
+
+template <uint32_t V>
+__device__ __forceinline__ void load_row(const uint16_t* row, float (&x)[V]) {
+    if constexpr (V % 8 == 0) {
+#pragma unroll
+        for (uint32_t j = 0; j < V; j += 8) {
+            const uint4 v = *reinterpret_cast<const uint4*>(row + j);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (uint32_t i = 0; i < 4; ++i) x[j + 2 * i] = __uint_as_float(w[i] << 16),
+                                               x[j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) x[j] = load_f32(row + j);
+    }
+}
+
+// the warp's largest v (every lane)
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#ifdef MOE_FP8_ROUTING_SHFL_MAX
+#pragma unroll
+    for (uint32_t m = 16; m >= 1; m >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, m));
+    return v;
+#else
+    return __reduce_max_sync(kFullMask, v);
+#endif
+}
+
+// Batcher's odd-even merge sort of V registers, descending (19 compare-exchanges for V = 8)
+template <uint32_t V, typename T>
+__device__ __forceinline__ void sort_descending(T (&key)[V]) {
+#pragma unroll
+    for (uint32_t p = 1; p < V; p <<= 1) {
+#pragma unroll
+        for (uint32_t k = p; k >= 1; k >>= 1) {
+#pragma unroll
+            for (uint32_t j = k % p; j + k < V; j += 2 * k) {
+#pragma unroll
+                for (uint32_t i = 0; i < k && i + j + k < V; ++i) {
+                    if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) {
+                        const T hi = max(key[i + j], key[i + j + k]), lo = min(key[i + j], key[i + j + k]);
+                        key[i + j] = hi, key[i + j + k] = lo;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The certified path works on t = estimated choice + 3·2^p, which lies in [2^(p+1), 2^(p+2)) for every
+// choice in [-2^p, 2^p) (p ≥ 1, from the bias's range: the warp's `Window`). There a float's resolution
+// is u = 2^(p-22), and a float's bits order as its value. Errors, in u (|estimate - score| ≤ 2^-23 ≤ u/4):
+// t - offset is within 1.375 u of the exact choice (estimate u/4, offset and sum roundings u/2 each, the
+// exact choice's own rounding u/8), so picks kPickMargin = 4 units apart are ordered the same by the exact
+// choices (4 u > 2 · 1.375 u); a group score (the sum of two, rounded) is within 4 u of the exact one, so
+// groups kGroupMargin = 16 u apart are (16 u > 2 · 4 u).
+struct Window {
+    float offset;        // 3·2^p, added to every estimated score (with the expert's bias)
+    uint32_t exponent;   // the biased exponent of every t in range: 128 + p
+    float group_margin;  // kGroupMargin = 16 u
+};
+
+template <uint32_t V, bool kHasBias, typename TBias>
+__device__ __forceinline__ Window make_window(const TBias* bias, uint64_t stride_bias, uint32_t expert0,
+                                              float (&biased_offset)[V]) {
+    float widest = 1.0f;  // |choice| < max|bias| + 1 (NaN biases leave their t NaN: out of range)
+    if constexpr (kHasBias) {
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) widest = fmaxf(widest, fabsf(load_f32(bias + (expert0 + j) * stride_bias)) + 1.0f);
+        widest = __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(widest)));  // positive: bits order
+    }
+    // p: the least ≥ 1 with 2^p > widest (capped where 3·2^p would overflow: such a window fails every token)
+    const uint32_t p = min(max((__float_as_uint(widest) >> 23) - 127 + 1, 1u), 126u);
+    Window w{__uint_as_float((127 + p) << 23) * 3.0f, 128 + p, __uint_as_float((127 + p - 18) << 23)};
 #pragma unroll
     for (uint32_t j = 0; j < V; ++j) {
-        const float score = sigmoid_f32(load_f64(row + (expert0 + j) * stride_e));
-        const float choice = kHasBias ? score + static_cast<float>(load_f64(bias + (expert0 + j) * stride_bias)) : score;
-        key[j] = rank(sort_key(choice), kNumExperts - 1 - (expert0 + j));
+        biased_offset[j] = kHasBias ? load_f32(bias + (expert0 + j) * stride_bias) + w.offset : w.offset;
     }
+    return w;
+}
+
+constexpr uint32_t kPickMargin = 4;  // units u between consecutive picks (> 2 · 1.5)
+constexpr uint32_t kCodeBits = 9;    // the expert in a certified key: 511 - e (lower expert first)
+
+// Certified picks (see the file comment): true, and lane k < top_k holds pick k in `my_id`, when every
+// decision had its margin; false (warp-uniform) when the token must take the exact path.
+template <uint32_t V, uint32_t LPG>
+__device__ __forceinline__ bool pick_certified(const float (&logit)[V], const float (&biased_offset)[V], const Window& win,
+                                               uint32_t lane, uint32_t topk_group, uint32_t top_k, int32_t& my_id) {
+    const uint32_t expert0 = lane * V;
+    uint32_t key[V], all_bits = ~0u, any_bits = 0;  // in range iff every t has the window's exponent
 #pragma unroll
-    for (uint32_t round = 0; round < V; ++round) {  // odd-even transposition sort
+    for (uint32_t j = 0; j < V; ++j) {
+        const uint32_t bits = __float_as_uint(sigmoid_estimate(logit[j]) + biased_offset[j]);  // t
+        all_bits &= bits, any_bits |= bits;
+        key[j] = (bits << kCodeBits) | (511 - (expert0 + j));  // t's mantissa, then the expert
+    }
+    const uint32_t in_range = win.exponent << 23;
+    bool ok = (all_bits & 0xff800000u) == in_range && (any_bits & 0xff800000u) == in_range;
+    sort_descending(key);
+
+    if constexpr (LPG > 0) {
+        // group score: the sum of the group's two best t (from the sorted keys: their mantissas)
+        uint32_t first = key[0], second = V > 1 ? key[1] : 0;
 #pragma unroll
-        for (uint32_t j = round % 2; j + 1 < V; j += 2) {
-            const int64_t hi = max(key[j], key[j + 1]), lo = min(key[j], key[j + 1]);
-            key[j] = hi, key[j + 1] = lo;
+        for (uint32_t m = 1; m < LPG; m <<= 1) {
+            const uint32_t o1 = __shfl_xor_sync(kFullMask, first, m), o2 = __shfl_xor_sync(kFullMask, second, m);
+            second = max(min(first, o1), max(second, o2)), first = max(first, o1);
+        }
+        const float best_t = __uint_as_float(in_range | (first >> kCodeBits));
+        const float score = LPG * V >= 2 ? best_t + __uint_as_float(in_range | (second >> kCodeBits)) : best_t;
+        // positive floats: the bits order as the values; a group is kept in the round its score is the best left
+        uint32_t left = __float_as_uint(score), worst_kept = 0;
+        bool kept = false;
+        for (uint32_t r = 0; r < topk_group; ++r) {
+            worst_kept = warp_max(left);
+            if (left == worst_kept) kept = true, left = 0;
+        }
+        const uint32_t best_dropped = warp_max(left);
+        // exactly topk_group groups (a tie kept two in a round), and the cut has its margin
+        ok &= __popc(__ballot_sync(kFullMask, kept)) == topk_group * LPG &&
+              (best_dropped == 0 || __uint_as_float(worst_kept) - __uint_as_float(best_dropped) > win.group_margin);
+        if (!kept) {
+#pragma unroll
+            for (uint32_t j = 0; j < V; ++j) key[j] = 0;
         }
     }
 
+    // top-k: each pick is the warp's largest head (keys are unique); then the next one, to certify the last
+    uint32_t my_key = 0;
+    for (uint32_t k = 0; k < top_k; ++k) {
+        const uint32_t best = warp_max(key[0]);
+        if (key[0] == best) {  // this lane's head won: pop it (or no keys left: all zero)
+#pragma unroll
+            for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
+            key[V - 1] = 0;
+        }
+        if (lane == k) my_key = best;
+    }
+    const uint32_t extra = warp_max(key[0]);
+    const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
+    const uint32_t next = lane + 1 == top_k ? extra : below;
+    ok &= lane >= top_k || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
+    my_id = static_cast<int32_t>(511 - (my_key & 511));
+    return __all_sync(kFullMask, ok);
+}
+
+// The exact (float64) rank of expert e of score `score`: its choice's sort key, then E-1-e (lower expert first)
+template <uint32_t kNumExperts, bool kHasBias, typename TBias>
+__device__ __forceinline__ int64_t exact_rank(float score, const TBias* bias, uint64_t stride_bias, uint32_t e) {
+    return rank(sort_key(kHasBias ? score + load_f32(bias + e * stride_bias) : score), kNumExperts - 1 - e);
+}
+
+// Exact picks from the lane's V ranks, sorted descending: the group stage on them, then each pick two
+// 32-bit redux.sync over the lanes' heads (value key, then the lowest expert among equal values).
+template <uint32_t V, uint32_t LPG>
+__device__ __forceinline__ int32_t select_exact(int64_t (&key)[V], uint32_t lane, uint32_t topk_group, uint32_t top_k) {
+    constexpr uint32_t kNumExperts = 32 * V;
+    constexpr uint32_t kNumGroups = LPG ? 32 / LPG : 1;
     if constexpr (LPG > 0) {
         // group score: the sum of the group's two best choices (one with a single expert per group)
         int64_t first = key[0], second = kRemoved;
@@ -97,7 +268,7 @@ __global__ void __launch_bounds__(256) select_experts_kernel(
         for (uint32_t g = 0; g < kNumGroups; ++g) better += __shfl_sync(kFullMask, group_rank, g * LPG) > group_rank;
         if (better >= topk_group) {  // not kept: every choice -inf, so sorted by expert alone
 #pragma unroll
-            for (uint32_t j = 0; j < V; ++j) key[j] = rank(kNegInfKey, kNumExperts - 1 - (expert0 + j));
+            for (uint32_t j = 0; j < V; ++j) key[j] = rank(kNegInfKey, kNumExperts - 1 - (lane * V + j));
         }
     }
 
@@ -114,17 +285,135 @@ __global__ void __launch_bounds__(256) select_experts_kernel(
         }
         if (lane == k) my_id = static_cast<int32_t>(kNumExperts - 1 - code);
     }
-    // weights: the picked experts' scores, recomputed from their logits (one per lane)
-    float my_weight = lane < top_k ? sigmoid_f32(load_f64(row + static_cast<uint64_t>(my_id) * stride_e)) : 0.0f;
+    return my_id;
+}
+
+// The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + top_k) of a token (0 in
+// lanes without one): the score, divided by the sum of the token's in pick order when `renormalize`.
+__device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint32_t top_k, uint32_t renormalize) {
     if (renormalize) {
-        float sum = my_weight;  // lanes past top_k hold 0
-#pragma unroll
-        for (uint32_t m = 1; m < 32; m <<= 1) sum += __shfl_xor_sync(kFullMask, sum, m);
-        my_weight = __fdiv_rn(my_weight, sum);
+        float sum = 0.0f;
+        for (uint32_t k = 0; k < top_k; ++k) sum += __shfl_sync(kFullMask, weight, lane0 + k);
+        // = __fdiv_rn(weight, sum) without its call: the float64 quotient is within 2^-52 and a quotient of two
+        // floats is a float rounding midpoint or 2^-50 away from one (0 / 0 stays NaN)
+        weight = static_cast<float>(static_cast<double>(weight) * reciprocal_rn(sum));
     }
-    if (lane < top_k) {
-        weights[static_cast<uint64_t>(t) * top_k + lane] = my_weight * routed_scaling_factor;
-        ids[static_cast<uint64_t>(t) * top_k + lane] = my_id;
+    return weight;
+}
+
+// Tokens the certified path leaves are deferred to the end of the block (up to kDeferred of them; any more
+// take the exact path in their warp, one float64 score per lane at a time): there the whole block computes
+// one token's 32·V float64 ranks at once, and one warp selects from them. A warp alone would take ~3 µs of
+// float64 latency for a token, which held up the whole grid.
+constexpr uint32_t kDeferred = 32;
+constexpr uint32_t kThreads = 256;
+
+// Warp w of `num_warps` routes tokens [w·T / num_warps, (w+1)·T / num_warps), one at a time, the next one's
+// logits loading while it picks; their weights are then computed together, 32 / top_k tokens a pass.
+// `exact_only`: skip the certified path (a measurement switch, MOE_FP8_ROUTING_EXACT=1).
+template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, bool kHasBias>
+__global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kernel(
+    const TLogit* __restrict__ logits, const TBias* __restrict__ bias, float* __restrict__ weights,
+    int32_t* __restrict__ ids, uint32_t num_tokens, uint64_t stride_t, uint64_t stride_bias,
+    uint32_t topk_group, uint32_t top_k, uint32_t renormalize, float routed_scaling_factor, uint32_t num_warps,
+    uint32_t exact_only) {
+    static_assert(V >= 1 && V <= 16, "32 to 512 experts");
+    static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
+    constexpr uint32_t kNumExperts = 32 * V;
+    __shared__ uint32_t deferred[kDeferred];
+    __shared__ uint32_t num_deferred;
+    __shared__ int64_t exact_ranks[kNumExperts];
+    __shared__ float exact_scores[kNumExperts];
+    // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
+    ptx::launch_dependents();
+    const uint32_t warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t warp = blockIdx.x * (kThreads / 32) + warp_in_block;
+    if (threadIdx.x == 0) num_deferred = 0;
+    __syncthreads();
+
+    if (warp < num_warps) {  // (no early return: the block meets at the barriers below)
+        const uint32_t first = static_cast<uint64_t>(warp) * num_tokens / num_warps;
+        const uint32_t last = static_cast<uint64_t>(warp + 1) * num_tokens / num_warps;
+        const TLogit* lane_logits = logits + lane * V;
+        float biased_offset[V];
+        const Window win = make_window<V, kHasBias>(bias, stride_bias, lane * V, biased_offset);
+        float next_logit[V];
+        load_row(lane_logits + first * stride_t, next_logit);
+        // a pass computes the weights of 32 / top_k tokens: lane j those of pick j % top_k of token j / top_k
+        const uint32_t per_pass = 32 / top_k, lane_token = lane / top_k, lane_pick = lane % top_k;
+        for (uint32_t pass = first; pass < last; pass += per_pass) {
+            const uint32_t pass_end = min(pass + per_pass, last);
+            int32_t pass_id = 0;
+            bool pass_deferred = false;
+            for (uint32_t t = pass; t < pass_end; ++t) {
+                float logit[V];
+#pragma unroll
+                for (uint32_t j = 0; j < V; ++j) logit[j] = next_logit[j];
+                if (t + 1 < last) load_row(lane_logits + (t + 1) * stride_t, next_logit);
+                int32_t my_id = 0;
+                bool picked = false, defer = false;
+                if (!exact_only) picked = pick_certified<V, LPG>(logit, biased_offset, win, lane, topk_group, top_k, my_id);
+                if (!picked) {
+                    uint32_t slot = 0;
+                    if (lane == 0) slot = atomicAdd(&num_deferred, 1u);
+                    slot = __shfl_sync(kFullMask, slot, 0);
+                    defer = slot < kDeferred;
+                    if (defer && lane == 0) deferred[slot] = t;
+                    if (!defer) {
+                        const TLogit* row = logits + t * stride_t;
+                        int64_t key[V];
+#pragma unroll
+                        for (uint32_t j = 0; j < V; ++j) key[j] = kRemoved;
+#pragma unroll 1
+                        for (uint32_t j = 0; j < V; ++j) {  // one float64 score at a time (registers), inserted in order
+                            const uint32_t e = lane * V + j;
+                            int64_t next = exact_rank<kNumExperts, kHasBias>(sigmoid_f32(load_f32(row + e)), bias, stride_bias, e);
+#pragma unroll
+                            for (uint32_t i = 0; i < V; ++i) {
+                                const int64_t hi = max(key[i], next);
+                                next = min(key[i], next), key[i] = hi;
+                            }
+                        }
+                        my_id = select_exact<V, LPG>(key, lane, topk_group, top_k);
+                    }
+                }
+                const int32_t id = __shfl_sync(kFullMask, my_id, lane_pick);
+                if (lane_token == t - pass) pass_id = id, pass_deferred = defer;
+            }
+            const uint32_t token = pass + lane_token;
+            const bool mine = token < pass_end && !pass_deferred;
+            const float score = mine ? sigmoid_f32(load_f32(logits + token * stride_t + pass_id)) : 0.0f;
+            const float weight = pick_weight(score, lane - lane_pick, top_k, renormalize);
+            if (mine) {
+                weights[static_cast<uint64_t>(pass) * top_k + lane] = weight * routed_scaling_factor;
+                ids[static_cast<uint64_t>(pass) * top_k + lane] = pass_id;
+            }
+        }
+    }
+
+    // the deferred tokens: the block computes one's ranks, a warp selects from them (warps take turns)
+    __syncthreads();
+    const uint32_t count = min(num_deferred, kDeferred);
+    for (uint32_t f = 0; f < count; ++f) {
+        const uint32_t t = deferred[f];
+        for (uint32_t e = threadIdx.x; e < kNumExperts; e += kThreads) {
+            exact_scores[e] = sigmoid_f32(load_f32(logits + t * stride_t + e));
+            exact_ranks[e] = exact_rank<kNumExperts, kHasBias>(exact_scores[e], bias, stride_bias, e);
+        }
+        __syncthreads();
+        if (warp_in_block == f % (kThreads / 32)) {
+            int64_t key[V];
+#pragma unroll
+            for (uint32_t j = 0; j < V; ++j) key[j] = exact_ranks[lane * V + j];
+            sort_descending(key);
+            const int32_t my_id = select_exact<V, LPG>(key, lane, topk_group, top_k);
+            const float weight = pick_weight(lane < top_k ? exact_scores[my_id] : 0.0f, 0, top_k, renormalize);
+            if (lane < top_k) {
+                weights[static_cast<uint64_t>(t) * top_k + lane] = weight * routed_scaling_factor;
+                ids[static_cast<uint64_t>(t) * top_k + lane] = my_id;
+            }
+        }
+        __syncthreads();
     }
 }
 
