@@ -11,7 +11,7 @@
 //   last kept group against the first dropped one, each pick against the next. A token that fails
 //   (near-ties, NaN, a choice outside the window) takes the exact path; random logits fail ~0.1% of the time.
 // - exact (exact_rank, select_exact): float64 scores of every expert, then the selection on them; for the
-//   tokens of a block the certified path left, at the block's end (kDeferred).
+//   tokens of a block the certified path left, at the block's end (see kThreads).
 #pragma once
 
 #include "../common/types.cuh"
@@ -43,8 +43,8 @@ __device__ __forceinline__ float load_f32(const uint16_t* p) {  // bf16 bits: ex
     return __uint_as_float(static_cast<uint32_t>(*p) << 16);
 }
 
-// 1/d rounded to nearest for d and 1/d normal doubles: the Newton steps of __drcp_rn without its
-// out-of-range branch, a call whose ABI register saves spilled this kernel
+// 1/d within an ulp, for d and 1/d normal doubles: Newton steps from the approximate reciprocal, as __drcp_rn
+// takes them, without its out-of-range branch (a call, whose ABI register saves spilled this kernel)
 __device__ __forceinline__ double reciprocal_rn(double d) {
     double r;
     asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(d));
@@ -104,17 +104,6 @@ __device__ __forceinline__ void load_row(const uint16_t* row, float (&x)[V]) {
     }
 }
 
-// the warp's largest v (every lane)
-__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-#ifdef MOE_FP8_ROUTING_SHFL_MAX
-#pragma unroll
-    for (uint32_t m = 16; m >= 1; m >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, m));
-    return v;
-#else
-    return __reduce_max_sync(kFullMask, v);
-#endif
-}
-
 // Batcher's odd-even merge sort of V registers, descending (19 compare-exchanges for V = 8)
 template <uint32_t V, typename T>
 __device__ __forceinline__ void sort_descending(T (&key)[V]) {
@@ -142,11 +131,11 @@ __device__ __forceinline__ void sort_descending(T (&key)[V]) {
 // t - offset is within 1.375 u of the exact choice (estimate u/4, offset and sum roundings u/2 each, the
 // exact choice's own rounding u/8), so picks kPickMargin = 4 units apart are ordered the same by the exact
 // choices (4 u > 2 · 1.375 u); a group score (the sum of two, rounded) is within 4 u of the exact one, so
-// groups kGroupMargin = 16 u apart are (16 u > 2 · 4 u).
+// groups group_margin = 16 u apart are (16 u > 2 · 4 u).
 struct Window {
     float offset;        // 3·2^p, added to every estimated score (with the expert's bias)
     uint32_t exponent;   // the biased exponent of every t in range: 128 + p
-    float group_margin;  // kGroupMargin = 16 u
+    float group_margin;  // 16 u
 };
 
 template <uint32_t V, bool kHasBias, typename TBias>
@@ -168,7 +157,7 @@ __device__ __forceinline__ Window make_window(const TBias* bias, uint64_t stride
     return w;
 }
 
-constexpr uint32_t kPickMargin = 4;  // units u between consecutive picks (> 2 · 1.5)
+constexpr uint32_t kPickMargin = 4;  // units u between consecutive picks (> 2 · 1.375)
 constexpr uint32_t kCodeBits = 9;    // the expert in a certified key: 511 - e (lower expert first)
 
 // Certified picks (see the file comment): true, and lane k < top_k holds pick k in `my_id`, when every
@@ -202,10 +191,10 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
         uint32_t left = __float_as_uint(score), worst_kept = 0;
         bool kept = false;
         for (uint32_t r = 0; r < topk_group; ++r) {
-            worst_kept = warp_max(left);
+            worst_kept = __reduce_max_sync(kFullMask, left);
             if (left == worst_kept) kept = true, left = 0;
         }
-        const uint32_t best_dropped = warp_max(left);
+        const uint32_t best_dropped = __reduce_max_sync(kFullMask, left);
         // exactly topk_group groups (a tie kept two in a round), and the cut has its margin
         ok &= __popc(__ballot_sync(kFullMask, kept)) == topk_group * LPG &&
               (best_dropped == 0 || __uint_as_float(worst_kept) - __uint_as_float(best_dropped) > win.group_margin);
@@ -218,7 +207,7 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
     // top-k: each pick is the warp's largest head (keys are unique); then the next one, to certify the last
     uint32_t my_key = 0;
     for (uint32_t k = 0; k < top_k; ++k) {
-        const uint32_t best = warp_max(key[0]);
+        const uint32_t best = __reduce_max_sync(kFullMask, key[0]);
         if (key[0] == best) {  // this lane's head won: pop it (or no keys left: all zero)
 #pragma unroll
             for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
@@ -226,7 +215,7 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
         }
         if (lane == k) my_key = best;
     }
-    const uint32_t extra = warp_max(key[0]);
+    const uint32_t extra = __reduce_max_sync(kFullMask, key[0]);
     const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
     const uint32_t next = lane + 1 == top_k ? extra : below;
     ok &= lane >= top_k || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
@@ -294,23 +283,23 @@ __device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint3
     if (renormalize) {
         float sum = 0.0f;
         for (uint32_t k = 0; k < top_k; ++k) sum += __shfl_sync(kFullMask, weight, lane0 + k);
-        // = __fdiv_rn(weight, sum) without its call: the float64 quotient is within 2^-52 and a quotient of two
+        // = __fdiv_rn(weight, sum) without its call: the float64 quotient is within 2^-51 and a quotient of two
         // floats is a float rounding midpoint or 2^-50 away from one (0 / 0 stays NaN)
         weight = static_cast<float>(static_cast<double>(weight) * reciprocal_rn(sum));
     }
     return weight;
 }
 
-// Tokens the certified path leaves are deferred to the end of the block (up to kDeferred of them; any more
-// take the exact path in their warp, one float64 score per lane at a time): there the whole block computes
-// one token's 32·V float64 ranks at once, and one warp selects from them. A warp alone would take ~3 µs of
-// float64 latency for a token, which held up the whole grid.
-constexpr uint32_t kDeferred = 32;
+// Tokens the certified path leaves are deferred to the end of their block, where its 256 threads compute one
+// token's 32·V float64 ranks at once and one warp selects from them (a warp alone, one float64 score per lane
+// at a time, took ~3 µs a token, and that held up the whole grid). The deferred tokens form a list through
+// their own first id slot (unwritten until then): the block's head in shared memory, -1 at the end.
 constexpr uint32_t kThreads = 256;
 
 // Warp w of `num_warps` routes tokens [w·T / num_warps, (w+1)·T / num_warps), one at a time, the next one's
 // logits loading while it picks; their weights are then computed together, 32 / top_k tokens a pass.
-// `exact_only`: skip the certified path (a measurement switch, MOE_FP8_ROUTING_EXACT=1).
+// `exact_only`: skip the certified path (a measurement switch, MOE_FP8_ROUTING_EXACT=1). The register cap
+// (64 up to V = 8) is stated: left to itself ptxas chose 48 for V = 5 and spilled.
 template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, bool kHasBias>
 __global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kernel(
     const TLogit* __restrict__ logits, const TBias* __restrict__ bias, float* __restrict__ weights,
@@ -320,15 +309,14 @@ __global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kerne
     static_assert(V >= 1 && V <= 16, "32 to 512 experts");
     static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
     constexpr uint32_t kNumExperts = 32 * V;
-    __shared__ uint32_t deferred[kDeferred];
-    __shared__ uint32_t num_deferred;
+    __shared__ int32_t deferred_head;
     __shared__ int64_t exact_ranks[kNumExperts];
     __shared__ float exact_scores[kNumExperts];
     // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
     ptx::launch_dependents();
     const uint32_t warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t warp = blockIdx.x * (kThreads / 32) + warp_in_block;
-    if (threadIdx.x == 0) num_deferred = 0;
+    if (threadIdx.x == 0) deferred_head = -1;
     __syncthreads();
 
     if (warp < num_warps) {  // (no early return: the block meets at the barriers below)
@@ -351,32 +339,9 @@ __global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kerne
                 for (uint32_t j = 0; j < V; ++j) logit[j] = next_logit[j];
                 if (t + 1 < last) load_row(lane_logits + (t + 1) * stride_t, next_logit);
                 int32_t my_id = 0;
-                bool picked = false, defer = false;
-                if (!exact_only) picked = pick_certified<V, LPG>(logit, biased_offset, win, lane, topk_group, top_k, my_id);
-                if (!picked) {
-                    uint32_t slot = 0;
-                    if (lane == 0) slot = atomicAdd(&num_deferred, 1u);
-                    slot = __shfl_sync(kFullMask, slot, 0);
-                    defer = slot < kDeferred;
-                    if (defer && lane == 0) deferred[slot] = t;
-                    if (!defer) {
-                        const TLogit* row = logits + t * stride_t;
-                        int64_t key[V];
-#pragma unroll
-                        for (uint32_t j = 0; j < V; ++j) key[j] = kRemoved;
-#pragma unroll 1
-                        for (uint32_t j = 0; j < V; ++j) {  // one float64 score at a time (registers), inserted in order
-                            const uint32_t e = lane * V + j;
-                            int64_t next = exact_rank<kNumExperts, kHasBias>(sigmoid_f32(load_f32(row + e)), bias, stride_bias, e);
-#pragma unroll
-                            for (uint32_t i = 0; i < V; ++i) {
-                                const int64_t hi = max(key[i], next);
-                                next = min(key[i], next), key[i] = hi;
-                            }
-                        }
-                        my_id = select_exact<V, LPG>(key, lane, topk_group, top_k);
-                    }
-                }
+                const bool defer =
+                    exact_only || !pick_certified<V, LPG>(logit, biased_offset, win, lane, topk_group, top_k, my_id);
+                if (defer && lane == 0) ids[static_cast<uint64_t>(t) * top_k] = atomicExch(&deferred_head, static_cast<int32_t>(t));
                 const int32_t id = __shfl_sync(kFullMask, my_id, lane_pick);
                 if (lane_token == t - pass) pass_id = id, pass_deferred = defer;
             }
@@ -393,9 +358,10 @@ __global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kerne
 
     // the deferred tokens: the block computes one's ranks, a warp selects from them (warps take turns)
     __syncthreads();
-    const uint32_t count = min(num_deferred, kDeferred);
-    for (uint32_t f = 0; f < count; ++f) {
-        const uint32_t t = deferred[f];
+    int32_t next = deferred_head;
+    for (uint32_t f = 0; next >= 0; ++f) {
+        const uint32_t t = next;
+        next = ids[static_cast<uint64_t>(t) * top_k];  // read by every thread before the barrier, overwritten after
         for (uint32_t e = threadIdx.x; e < kNumExperts; e += kThreads) {
             exact_scores[e] = sigmoid_f32(load_f32(logits + t * stride_t + e));
             exact_ranks[e] = exact_rank<kNumExperts, kHasBias>(exact_scores[e], bias, stride_bias, e);
