@@ -202,7 +202,7 @@ def test_sigmoids_over_every_float():
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps_per_sm", [1, 32, 10**6])  # many tokens per warp, the default, one each
 def test_certified_path_matches_exact_path(warps_per_sm, monkeypatch):
-    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.3% of tokens fall back to the exact path: the
+    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.1% of tokens fall back to the exact path: the
     default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1, with biases of several
     widths (the certified window grows with them), and with a NaN bias (every token falls back)."""
     from moe_fp8.kernels import routing

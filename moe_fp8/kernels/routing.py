@@ -1,5 +1,5 @@
 """Launch wrapper of the Hopper ``select_experts`` kernel (impls/routing.cuh): sigmoid scores, grouped
-(DeepSeek-V3) or plain top-k, one warp per token.
+(DeepSeek-V3) or plain top-k, one warp per token at a time, picks from certified float32 estimates.
 
 It covers what its lane layout can hold — 32·V experts (V ≤ 16), groups of whole lanes (a power of
 two of them), top_k ≤ 32, float32 / bfloat16 logits and bias — and hands every other call (softmax
@@ -24,8 +24,9 @@ __attribute__((unused)) static void instantiate() {{
 """
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
 NUM_THREADS = 256  # 8 warps, one token each at a time
-# Warps per SM the grid holds at most (all resident: the kernel's 64 registers allow 32): beyond that many
-# tokens, each warp routes T / (SMs · this) consecutive ones, loading the next token's logits while it picks.
+# Warps per SM the grid holds at most (all resident: at up to 64 registers four blocks of 8 warps fit an SM):
+# beyond that many tokens, each warp routes T / (SMs · this) consecutive ones, loading the next token's logits
+# while it picks.
 WARPS_PER_SM = 32
 
 
