@@ -320,7 +320,8 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
     bias = torch.float32 if cfg.get("topk_method") == "noaux_tc" else None
     out = []
     for logits in (torch.float32, torch.bfloat16):  # (plan: None for a dense model or an uncovered router)
-        shape = plan(n_experts, top_k, cfg.get("scoring_func", "softmax"), cfg.get("n_group"), logits, bias)
+        shape = plan(n_experts, top_k, cfg.get("scoring_func", "softmax"), cfg.get("n_group"),
+                     cfg.get("topk_group"), logits, bias)
         if shape is not None:
             out.append(RoutingVariant(*kernel_variant(logits, bias, *shape), str(logits)[6:]))
     return out

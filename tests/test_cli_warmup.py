@@ -149,7 +149,7 @@ def test_routing_variants_are_what_select_experts_builds(tmp_path, capsys, monke
     from moe_fp8.kernels import routing
 
     got = W.routing_variants(DEEPSEEK_V3)
-    want = [routing.kernel_variant(dt, torch.float32, *routing.plan(256, 8, "sigmoid", 8, dt, torch.float32))
+    want = [routing.kernel_variant(dt, torch.float32, *routing.plan(256, 8, "sigmoid", 8, 4, dt, torch.float32))
             for dt in (torch.float32, torch.bfloat16)]
     assert [(v.name, v.source) for v in got] == want
     assert [v.logits_dtype for v in got] == ["float32", "bfloat16"]

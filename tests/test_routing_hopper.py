@@ -20,36 +20,37 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 def test_plan_covers_sigmoid_routing_of_whole_lanes():
-    covered = {  # (E, top_k, n_group, logits, bias) -> (experts per lane, lanes per group)
-        (256, 8, 8, BF16, F32): (8, 4),  # DeepSeek-V3
-        (256, 8, None, F32, None): (8, 0),
-        (160, 6, 8, F32, BF16): (5, 4),
-        (32, 4, 32, F32, None): (1, 1),
-        (512, 32, 2, F32, None): (16, 16),
-        (96, 2, 16, F32, None): (3, 2),
+    covered = {  # (E, top_k, n_group, topk_group, logits, bias) -> (experts a lane, lanes a group, picks, groups)
+        (256, 8, 8, 4, BF16, F32): (8, 4, 8, 4),  # DeepSeek-V3
+        (256, 8, None, None, F32, None): (8, 0, 8, 1),
+        (160, 6, 8, 3, F32, BF16): (5, 4, 6, 3),
+        (32, 4, 32, 32, F32, None): (1, 1, 4, 32),
+        (512, 32, 2, 1, F32, None): (16, 16, 32, 1),
+        (96, 2, 16, 2, F32, None): (3, 2, 2, 2),
     }
-    for (e, k, n_group, dtype, bias), want in covered.items():
-        assert plan(e, k, "sigmoid", n_group, dtype, bias) == want
-    assert plan(256, 8, "softmax", 8, F32, None) is None  # softmax: the Triton kernel's
-    assert plan(48, 2, "sigmoid", None, F32, None) is None  # not a multiple of 32 experts
-    assert plan(1024, 8, "sigmoid", None, F32, None) is None  # more than 16 per lane
-    assert plan(256, 33, "sigmoid", None, F32, None) is None  # more picks than lanes
-    assert plan(256, 8, "sigmoid", None, torch.float16, None) is None
-    assert plan(256, 8, "sigmoid", 64, F32, None) is None  # groups of 4 experts split a lane of 8
+    for (e, k, n_group, topk_group, dtype, bias), want in covered.items():
+        assert plan(e, k, "sigmoid", n_group, topk_group, dtype, bias) == want
+    assert plan(256, 8, "softmax", 8, 4, F32, None) is None  # softmax: the Triton kernel's
+    assert plan(48, 2, "sigmoid", None, None, F32, None) is None  # not a multiple of 32 experts
+    assert plan(1024, 8, "sigmoid", None, None, F32, None) is None  # more than 16 per lane
+    assert plan(256, 33, "sigmoid", None, None, F32, None) is None  # more picks than lanes
+    assert plan(256, 8, "sigmoid", None, None, torch.float16, None) is None
+    assert plan(256, 8, "sigmoid", 64, 8, F32, None) is None  # groups of 4 experts split a lane of 8
 
 
-@pytest.mark.parametrize(("logit", "bias", "v", "lpg", "has_bias"),
-                         [("uint16_t", "float", 8, 4, "true"), ("float", "uint16_t", 16, 0, "true"),
-                          ("float", "float", 1, 1, "false"), ("float", "float", 5, 4, "true")])
-def test_kernel_compiles_without_local_memory(logit, bias, v, lpg, has_bias, tmp_path: Path):
+@pytest.mark.parametrize(("logit", "bias", "v", "lpg", "top_k", "topk_group", "has_bias"),
+                         [("uint16_t", "float", 8, 4, 8, 4, "true"), ("float", "uint16_t", 16, 0, 32, 1, "true"),
+                          ("float", "float", 1, 1, 4, 3, "false"), ("float", "float", 5, 4, 6, 3, "true")])
+def test_kernel_compiles_without_local_memory(logit, bias, v, lpg, top_k, topk_group, has_bias, tmp_path: Path):
     from moe_fp8.kernels.jit import get_compiler
     from moe_fp8.kernels.jit.cache import include_dir
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
-    src = KERNEL_TEMPLATE.format(logit=logit, bias=bias, v=v, lpg=lpg, has_bias=has_bias)
+    src = KERNEL_TEMPLATE.format(logit=logit, bias=bias, v=v, lpg=lpg, top_k=top_k, topk_group=topk_group,
+                                 has_bias=has_bias)
     res = get_compiler().compile_ex(src, "routing", [include_dir()], tmp_path)
-    (report,) = res.ptxas.values()
-    assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
+    for report in res.ptxas.values():  # the kernel and its out-of-line exact path
+        assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
     sass = dump_sass(res.cubin)
     assert count_instructions(sass, "REDUX") >= 2  # a pick: two 32-bit warp reductions
     assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0
@@ -86,7 +87,7 @@ CASES = [  # T, E, top_k, renormalize, n_group, topk_group, bias dtype, scale, l
 def test_matches_reference(t, e, k, renorm, n_group, topk_group, bias_dtype, scale, dtype):
     from moe_fp8.kernels.routing import select_experts_hopper
 
-    assert plan(e, k, "sigmoid", n_group, dtype, bias_dtype) is not None
+    assert plan(e, k, "sigmoid", n_group, topk_group, dtype, bias_dtype) is not None
     logits, bias = make_routing_inputs(t, e, seed=t + e, device="cuda", dtype=dtype, with_bias=bias_dtype is not None)
     if bias is not None:
         bias = bias.to(bias_dtype)
@@ -200,27 +201,27 @@ def test_sigmoids_over_every_float():
 
 @pytest.mark.hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps_per_sm", [1, 32, 10**6])  # many tokens per warp, the default, one each
-def test_certified_path_matches_exact_path(warps_per_sm, monkeypatch):
+@pytest.mark.parametrize("max_blocks", [1, None, 10**6])  # every token in one block, one block an SM, one token each
+def test_certified_path_matches_exact_path(max_blocks, monkeypatch):
     """Random DeepSeek-V3 routing at 16384 tokens, where ~0.1% of tokens fall back to the exact path: the
-    default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1, with biases of several
-    widths (the certified window grows with them), and with a NaN bias (every token falls back)."""
+    default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1 (every token exact), and both
+    match the reference, with biases of several widths (the certified window grows with them, and the exact
+    path's 32-bit keys reach farther down), and with a NaN bias (every token takes the wide exact path)."""
     from moe_fp8.kernels import routing
 
-    monkeypatch.setattr(routing, "WARPS_PER_SM", warps_per_sm)
-    logits, bias = make_routing_inputs(16384, 256, seed=warps_per_sm, device="cuda", with_bias=True)
+    monkeypatch.setattr(routing, "MAX_BLOCKS", max_blocks)
+    logits, bias = make_routing_inputs(16384, 256, seed=max_blocks or 7, device="cuda", with_bias=True)
     nan_bias = bias.clone()
     nan_bias[17] = float("nan")
     for b in (bias, 40.0 * bias, 1e4 * bias + 3.0, nan_bias, None):
         for x in (logits, logits.bfloat16()):
             for n_group, topk_group in ((8, 4), (None, None)):
+                want = ref.select_experts(x, 8, scoring_func="sigmoid", renormalize=True, n_group=n_group,
+                                          topk_group=topk_group, e_score_correction_bias=b, routed_scaling_factor=2.5)
                 got = []
                 for exact in ("0", "1"):
                     monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
                     got.append(routing.select_experts_hopper(x, 8, "sigmoid", True, n_group, topk_group, b, 2.5))
+                    check_routing(got[-1], want, True)
                 assert_same_bits(got[0][1], got[1][1], "topk_ids")
                 assert_same_bits(got[0][0], got[1][0], "topk_weights")
-    want = ref.select_experts(logits, 8, scoring_func="sigmoid", renormalize=True, n_group=8, topk_group=4,
-                              e_score_correction_bias=bias, routed_scaling_factor=2.5)
-    monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", "0")
-    check_routing(routing.select_experts_hopper(logits, 8, "sigmoid", True, 8, 4, bias, 2.5), want, True)

@@ -13,50 +13,60 @@ import os
 
 import torch
 
-from ..utils import ceil_div, get_num_sms, truthy
+from ..utils import get_num_sms, truthy
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/routing.cuh"
 
 __attribute__((unused)) static void instantiate() {{
-    (void)&moe_fp8::routing::select_experts_kernel<{logit}, {bias}, /*V=*/{v}, /*LPG=*/{lpg}, /*kHasBias=*/{has_bias}>;
+    (void)&moe_fp8::routing::select_experts_kernel<{logit}, {bias}, /*V=*/{v}, /*LPG=*/{lpg}, /*kTopK=*/{top_k},
+                                                   /*kTopKGroup=*/{topk_group}, /*kHasBias=*/{has_bias}>;
 }}
 """
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
-NUM_THREADS = 256  # 8 warps, one token each at a time
-# Warps per SM the grid holds at most (all resident: at up to 64 registers four blocks of 8 warps fit an SM):
-# beyond that many tokens, each warp routes T / (SMs · this) consecutive ones, loading the next token's logits
-# while it picks.
-WARPS_PER_SM = 32
 
 
-def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, logits_dtype: torch.dtype,
-         bias_dtype: torch.dtype | None) -> tuple[int, int] | None:
-    """``(V, LPG)`` (experts per lane, lanes per group, 0 without groups) when the kernel covers the call,
-    else None."""
+def num_threads(v: int) -> int:
+    """The header's ``kThreads<V>``: one block per SM, of 32 warps at up to 64 registers, 16 above V = 8."""
+    return 1024 if v <= 8 else 512
+
+
+# Blocks at most (None: one per SM). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one
+# at a time; tests set this to 1 (every token in one block) and to a large number (one token a block).
+MAX_BLOCKS: int | None = None
+
+
+def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, topk_group: int | None,
+         logits_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[int, int, int, int] | None:
+    """``(V, LPG, top_k, topk_group)`` (experts per lane; lanes per group, 0 without groups; the picks; the
+    groups kept, 1 without groups) when the kernel covers the call, else None."""
     if (scoring_func != "sigmoid" or num_experts % 32 or not 32 <= num_experts <= 512 or not 1 <= top_k <= 32
             or logits_dtype not in _CTYPES or (bias_dtype is not None and bias_dtype not in _CTYPES)):
         return None
     v = num_experts // 32
     if not n_group:
-        return v, 0
+        return v, 0, top_k, 1
     per_group = num_experts // n_group
     if num_experts % n_group or per_group % v:  # a group must be whole lanes (then n_group divides 32)
         return None
-    return v, per_group // v
+    return v, per_group // v, top_k, topk_group or 1
 
 
-def kernel_variant(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int) -> tuple[str, str]:
+def kernel_variant(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int, top_k: int,
+                   topk_group: int) -> tuple[str, str]:
     """``(name, source)`` of one specialization, as ``build`` takes them (``moe-fp8 warmup`` too)."""
     source = KERNEL_TEMPLATE.format(logit=_CTYPES[logits_dtype], bias=_CTYPES[bias_dtype or torch.float32], v=v,
-                                    lpg=lpg, has_bias=str(bias_dtype is not None).lower())
-    name = f"select_experts_{str(logits_dtype)[6:]}_{str(bias_dtype)[6:] if bias_dtype else 'nobias'}_v{v}_g{lpg}"
+                                    lpg=lpg, top_k=top_k, topk_group=topk_group,
+                                    has_bias=str(bias_dtype is not None).lower())
+    bias_name = str(bias_dtype)[6:] if bias_dtype else "nobias"
+    name = f"select_experts_{str(logits_dtype)[6:]}_{bias_name}_v{v}_g{lpg}_k{top_k}_{topk_group}"
     return name, source
 
 
 @functools.cache
-def get_kernel(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int):
-    return build(*kernel_variant(logits_dtype, bias_dtype, v, lpg))
+def get_kernel(logits_dtype: torch.dtype, bias_dtype: torch.dtype | None, v: int, lpg: int, top_k: int,
+               topk_group: int):
+    return build(*kernel_variant(logits_dtype, bias_dtype, v, lpg, top_k, topk_group))
 
 
 def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
@@ -66,7 +76,7 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     both ``[T, top_k]``. Arguments are validated by the public wrapper."""
     bias = e_score_correction_bias
     t, e = router_logits.shape
-    shape = plan(e, top_k, scoring_func, n_group, router_logits.dtype, None if bias is None else bias.dtype)
+    shape = plan(e, top_k, scoring_func, n_group, topk_group, router_logits.dtype, None if bias is None else bias.dtype)
     if shape is None:
         from .triton.routing import select_experts
 
@@ -79,24 +89,22 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
     if t == 0:
         return weights, ids
-    v, lpg = shape
-    kernel = get_kernel(router_logits.dtype, None if bias is None else bias.dtype, v, lpg)
+    kernel = get_kernel(router_logits.dtype, None if bias is None else bias.dtype, *shape)
     logits = _aligned_rows(router_logits)
-    num_warps = min(t, get_num_sms() * WARPS_PER_SM)
-    kernel.launch(ceil_div(num_warps, NUM_THREADS // 32), NUM_THREADS,
-                  [logits, bias, weights, ids, t, logits.stride(0), bias.stride(0) if bias is not None else 0,
-                   topk_group or 1, top_k, int(bool(renormalize)), float(routed_scaling_factor), num_warps,
+    if bias is not None:
+        bias = _aligned_rows(bias[None])[0]
+    kernel.launch(min(t, MAX_BLOCKS or get_num_sms()), num_threads(shape[0]),
+                  [logits, bias, weights, ids, t, logits.stride(0), int(bool(renormalize)), float(routed_scaling_factor),
                    int(exact_only())])
     return weights, ids
 
 
-def _aligned_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits``, or a contiguous copy where a row is strided or not 16-byte aligned: the kernel loads each
-    lane's logits as vectors."""
-    if (logits.stride(1) == 1 and logits.data_ptr() % 16 == 0
-            and logits.stride(0) * logits.element_size() % 16 == 0):
-        return logits
-    return logits.clone(memory_format=torch.contiguous_format)
+def _aligned_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows``, or a contiguous copy where a row is strided or not 16-byte aligned: the kernel loads each
+    lane's logits (and bias) as vectors."""
+    if rows.stride(1) == 1 and rows.data_ptr() % 16 == 0 and rows.stride(0) * rows.element_size() % 16 == 0:
+        return rows
+    return rows.clone(memory_format=torch.contiguous_format)
 
 
 def exact_only() -> bool:

@@ -6,12 +6,11 @@
 //
 // Two paths compute the picks (the weights are always the float64 scores of the picked experts):
 // - certified (pick_certified): float32 scores from the fast exp2 / reciprocal, within 2^-23 of the
-//   float64-rounded ones, so every choice is known to within a few units u (see Window). Picks are made on
+//   float64-rounded ones, so every choice is known to within a few units u (see make_window). Picks are made on
 //   those estimates, then kept only if every decision had a margin wider than the estimates' error: the
 //   last kept group against the first dropped one, each pick against the next. A token that fails
 //   (near-ties, NaN, a choice outside the window) takes the exact path; random logits fail ~0.1% of the time.
-// - exact (exact_rank, select_exact): float64 scores of every expert, then the selection on them; for the
-//   tokens of a block the certified path left, at the block's end (see kThreads).
+// - exact (pick_exact): float64 scores of every expert, then the selection on them, by the token's warp.
 #pragma once
 
 #include "../common/types.cuh"
@@ -126,45 +125,40 @@ __device__ __forceinline__ void sort_descending(T (&key)[V]) {
 }
 
 // The certified path works on t = estimated choice + 3·2^p, which lies in [2^(p+1), 2^(p+2)) for every
-// choice in [-2^p, 2^p) (p ≥ 1, from the bias's range: the warp's `Window`). There a float's resolution
+// choice in [-2^p, 2^p) (p ≥ 1, from the bias's range: the warp's window). There a float's resolution
 // is u = 2^(p-22), and a float's bits order as its value. Errors, in u (|estimate - score| ≤ 2^-23 ≤ u/4):
 // t - offset is within 1.375 u of the exact choice (estimate u/4, offset and sum roundings u/2 each, the
 // exact choice's own rounding u/8), so picks kPickMargin = 4 units apart are ordered the same by the exact
 // choices (4 u > 2 · 1.375 u); a group score (the sum of two, rounded) is within 4 u of the exact one, so
-// groups group_margin = 16 u apart are (16 u > 2 · 4 u).
-struct Window {
-    float offset;        // 3·2^p, added to every estimated score (with the expert's bias)
-    uint32_t exponent;   // the biased exponent of every t in range: 128 + p
-    float group_margin;  // 16 u
-};
-
+// groups kGroupMargin = 16 u apart are (16 u > 2 · 4 u).
+// make_window: each lane's V offsets 3·2^p + bias, and the bits every t in range has above its mantissa.
 template <uint32_t V, bool kHasBias, typename TBias>
-__device__ __forceinline__ Window make_window(const TBias* bias, uint64_t stride_bias, uint32_t expert0,
-                                              float (&biased_offset)[V]) {
+__device__ __forceinline__ uint32_t make_window(const TBias* bias, uint32_t expert0, float (&biased_offset)[V]) {
     float widest = 1.0f;  // |choice| < max|bias| + 1 (NaN biases leave their t NaN: out of range)
     if constexpr (kHasBias) {
+        load_row(bias + expert0, biased_offset);
 #pragma unroll
-        for (uint32_t j = 0; j < V; ++j) widest = fmaxf(widest, fabsf(load_f32(bias + (expert0 + j) * stride_bias)) + 1.0f);
+        for (uint32_t j = 0; j < V; ++j) widest = fmaxf(widest, fabsf(biased_offset[j]) + 1.0f);
         widest = __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(widest)));  // positive: bits order
     }
     // p: the least ≥ 1 with 2^p > widest (capped where 3·2^p would overflow: such a window fails every token)
     const uint32_t p = min(max((__float_as_uint(widest) >> 23) - 127 + 1, 1u), 126u);
-    Window w{__uint_as_float((127 + p) << 23) * 3.0f, 128 + p, __uint_as_float((127 + p - 18) << 23)};
+    const float offset = __uint_as_float((127 + p) << 23) * 3.0f;
 #pragma unroll
-    for (uint32_t j = 0; j < V; ++j) {
-        biased_offset[j] = kHasBias ? load_f32(bias + (expert0 + j) * stride_bias) + w.offset : w.offset;
-    }
-    return w;
+    for (uint32_t j = 0; j < V; ++j) biased_offset[j] = kHasBias ? biased_offset[j] + offset : offset;
+    return (128 + p) << 23;
 }
 
-constexpr uint32_t kPickMargin = 4;  // units u between consecutive picks (> 2 · 1.375)
+constexpr uint32_t kPickMargin = 4;   // units u between consecutive picks (> 2 · 1.375)
+constexpr uint32_t kGroupMargin = 16;  // units u between the last kept group and the first dropped (> 2 · 4)
 constexpr uint32_t kCodeBits = 9;    // the expert in a certified key: 511 - e (lower expert first)
 
-// Certified picks (see the file comment): true, and lane k < top_k holds pick k in `my_id`, when every
+// Certified picks (see the file comment): true, and lane k < kTopK holds pick k in `my_id`, when every
 // decision had its margin; false (warp-uniform) when the token must take the exact path.
-template <uint32_t V, uint32_t LPG>
-__device__ __forceinline__ bool pick_certified(const float (&logit)[V], const float (&biased_offset)[V], const Window& win,
-                                               uint32_t lane, uint32_t topk_group, uint32_t top_k, int32_t& my_id) {
+template <uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup>
+__device__ __forceinline__ bool pick_certified(const float (&logit)[V], const float (&biased_offset)[V],
+                                               uint32_t in_range, uint32_t lane, int32_t& my_id) {
+    constexpr uint32_t kDepth = kTopK <= 8 && V > 5 ? 5 : V;  // the keys a lane lists for the picks
     const uint32_t expert0 = lane * V;
     uint32_t key[V], all_bits = ~0u, any_bits = 0;  // in range iff every t has the window's exponent
 #pragma unroll
@@ -173,7 +167,6 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
         all_bits &= bits, any_bits |= bits;
         key[j] = (bits << kCodeBits) | (511 - (expert0 + j));  // t's mantissa, then the expert
     }
-    const uint32_t in_range = win.exponent << 23;
     bool ok = (all_bits & 0xff800000u) == in_range && (any_bits & 0xff800000u) == in_range;
     sort_descending(key);
 
@@ -187,46 +180,50 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
         }
         const float best_t = __uint_as_float(in_range | (first >> kCodeBits));
         const float score = LPG * V >= 2 ? best_t + __uint_as_float(in_range | (second >> kCodeBits)) : best_t;
-        // positive floats: the bits order as the values; a group is kept in the round its score is the best left
-        uint32_t left = __float_as_uint(score), worst_kept = 0;
+        // A score lies in one binade (twice t's), of resolution 2 u: its key is its mantissa, then the group (unique:
+        // one group kept a round). A group is kept in the round its key is the best left.
+        uint32_t left = (__float_as_uint(score) << kCodeBits) | (31 - lane / LPG), worst_kept = 0;
         bool kept = false;
-        for (uint32_t r = 0; r < topk_group; ++r) {
+#pragma unroll
+        for (uint32_t r = 0; r < kTopKGroup; ++r) {
             worst_kept = __reduce_max_sync(kFullMask, left);
             if (left == worst_kept) kept = true, left = 0;
         }
         const uint32_t best_dropped = __reduce_max_sync(kFullMask, left);
-        // exactly topk_group groups (a tie kept two in a round), and the cut has its margin
-        ok &= __popc(__ballot_sync(kFullMask, kept)) == topk_group * LPG &&
-              (best_dropped == 0 || __uint_as_float(worst_kept) - __uint_as_float(best_dropped) > win.group_margin);
+        ok &= best_dropped == 0 || (worst_kept >> kCodeBits) > (best_dropped >> kCodeBits) + kGroupMargin / 2;
         if (!kept) {
 #pragma unroll
-            for (uint32_t j = 0; j < V; ++j) key[j] = 0;
+            for (uint32_t j = 0; j < kDepth; ++j) key[j] = 0;
         }
     }
 
-    // top-k: each pick is the warp's largest head (keys are unique); then the next one, to certify the last
-    uint32_t my_key = 0;
-    for (uint32_t k = 0; k < top_k; ++k) {
-        const uint32_t best = __reduce_max_sync(kFullMask, key[0]);
+    // top-k: each pick is the warp's largest head (keys are unique), popped from its lane's list of kDepth; then
+    // one more, to certify the last pick. A lane that gives its whole list fails the token (its next key was not
+    // in it): with 8 experts a lane, 5 of the 9 picks from one lane's 8 is rare (~1e-5 of random tokens).
+    const bool listed = key[0] != 0;
+    uint32_t my_key = 0, best = 0;
+#pragma unroll
+    for (uint32_t k = 0; k <= kTopK; ++k) {
+        best = __reduce_max_sync(kFullMask, key[0]);
         if (key[0] == best) {  // this lane's head won: pop it (or no keys left: all zero)
 #pragma unroll
-            for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
-            key[V - 1] = 0;
+            for (uint32_t j = 0; j + 1 < kDepth; ++j) key[j] = key[j + 1];
+            key[kDepth - 1] = 0;
         }
-        if (lane == k) my_key = best;
+        if (k < kTopK && lane == k) my_key = best;
     }
-    const uint32_t extra = __reduce_max_sync(kFullMask, key[0]);
+    if constexpr (kDepth < V) ok &= !listed || key[0] != 0;
     const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
-    const uint32_t next = lane + 1 == top_k ? extra : below;
-    ok &= lane >= top_k || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
+    const uint32_t next = lane + 1 == kTopK ? best : below;
+    ok &= lane >= kTopK || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
     my_id = static_cast<int32_t>(511 - (my_key & 511));
     return __all_sync(kFullMask, ok);
 }
 
 // The exact (float64) rank of expert e of score `score`: its choice's sort key, then E-1-e (lower expert first)
 template <uint32_t kNumExperts, bool kHasBias, typename TBias>
-__device__ __forceinline__ int64_t exact_rank(float score, const TBias* bias, uint64_t stride_bias, uint32_t e) {
-    return rank(sort_key(kHasBias ? score + load_f32(bias + e * stride_bias) : score), kNumExperts - 1 - e);
+__device__ __forceinline__ int64_t exact_rank(float score, const TBias* bias, uint32_t e) {
+    return rank(sort_key(kHasBias ? score + load_f32(bias + e) : score), kNumExperts - 1 - e);
 }
 
 // Exact picks from the lane's V ranks, sorted descending: the group stage on them, then each pick two
@@ -277,12 +274,14 @@ __device__ __forceinline__ int32_t select_exact(int64_t (&key)[V], uint32_t lane
     return my_id;
 }
 
-// The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + top_k) of a token (0 in
+// The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + kTopK) of a token (0 in
 // lanes without one): the score, divided by the sum of the token's in pick order when `renormalize`.
-__device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint32_t top_k, uint32_t renormalize) {
+template <uint32_t kTopK>
+__device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint32_t renormalize) {
     if (renormalize) {
         float sum = 0.0f;
-        for (uint32_t k = 0; k < top_k; ++k) sum += __shfl_sync(kFullMask, weight, lane0 + k);
+#pragma unroll
+        for (uint32_t k = 0; k < kTopK; ++k) sum += __shfl_sync(kFullMask, weight, lane0 + k);
         // = __fdiv_rn(weight, sum) without its call: the float64 quotient is within 2^-51 and a quotient of two
         // floats is a float rounding midpoint or 2^-50 away from one (0 / 0 stays NaN)
         weight = static_cast<float>(static_cast<double>(weight) * reciprocal_rn(sum));
@@ -290,96 +289,167 @@ __device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint3
     return weight;
 }
 
-// Tokens the certified path leaves are deferred to the end of their block, where its 256 threads compute one
-// token's 32·V float64 ranks at once and one warp selects from them (a warp alone, one float64 score per lane
-// at a time, took ~3 µs a token, and that held up the whole grid). The deferred tokens form a list through
-// their own first id slot (unwritten until then): the block's head in shared memory, -1 at the end.
-constexpr uint32_t kThreads = 256;
-
-// Warp w of `num_warps` routes tokens [w·T / num_warps, (w+1)·T / num_warps), one at a time, the next one's
-// logits loading while it picks; their weights are then computed together, 32 / top_k tokens a pass.
-// `exact_only`: skip the certified path (a measurement switch, MOE_FP8_ROUTING_EXACT=1). The register cap
-// (64 up to V = 8) is stated: left to itself ptxas chose 48 for V = 5 and spilled.
-template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, bool kHasBias>
-__global__ void __launch_bounds__(kThreads, V <= 8 ? 4 : 2) select_experts_kernel(
-    const TLogit* __restrict__ logits, const TBias* __restrict__ bias, float* __restrict__ weights,
-    int32_t* __restrict__ ids, uint32_t num_tokens, uint64_t stride_t, uint64_t stride_bias,
-    uint32_t topk_group, uint32_t top_k, uint32_t renormalize, float routed_scaling_factor, uint32_t num_warps,
-    uint32_t exact_only) {
-    static_assert(V >= 1 && V <= 16, "32 to 512 experts");
-    static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
-    constexpr uint32_t kNumExperts = 32 * V;
-    __shared__ int32_t deferred_head;
-    __shared__ int64_t exact_ranks[kNumExperts];
-    __shared__ float exact_scores[kNumExperts];
-    // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
-    ptx::launch_dependents();
-    const uint32_t warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t warp = blockIdx.x * (kThreads / 32) + warp_in_block;
-    if (threadIdx.x == 0) deferred_head = -1;
-    __syncthreads();
-
-    if (warp < num_warps) {  // (no early return: the block meets at the barriers below)
-        const uint32_t first = static_cast<uint64_t>(warp) * num_tokens / num_warps;
-        const uint32_t last = static_cast<uint64_t>(warp + 1) * num_tokens / num_warps;
-        const TLogit* lane_logits = logits + lane * V;
-        float biased_offset[V];
-        const Window win = make_window<V, kHasBias>(bias, stride_bias, lane * V, biased_offset);
-        float next_logit[V];
-        load_row(lane_logits + first * stride_t, next_logit);
-        // a pass computes the weights of 32 / top_k tokens: lane j those of pick j % top_k of token j / top_k
-        const uint32_t per_pass = 32 / top_k, lane_token = lane / top_k, lane_pick = lane % top_k;
-        for (uint32_t pass = first; pass < last; pass += per_pass) {
-            const uint32_t pass_end = min(pass + per_pass, last);
-            int32_t pass_id = 0;
-            bool pass_deferred = false;
-            for (uint32_t t = pass; t < pass_end; ++t) {
-                float logit[V];
+// Exact picks from every expert's float64 score, by 64-bit ranks: any input (NaN, infinities, choices far
+// apart). `lane_logits`: the lane's V logits (reloaded: L1 hits).
+template <uint32_t V, uint32_t LPG, bool kHasBias, typename TLogit, typename TBias>
+__device__ __noinline__ int32_t pick_exact_wide(const TLogit* lane_logits, const TBias* bias, uint32_t lane,
+                                                uint32_t topk_group, uint32_t top_k) {
+    float logit[V];
+    load_row(lane_logits, logit);
+    int64_t key[V];
 #pragma unroll
-                for (uint32_t j = 0; j < V; ++j) logit[j] = next_logit[j];
-                if (t + 1 < last) load_row(lane_logits + (t + 1) * stride_t, next_logit);
-                int32_t my_id = 0;
-                const bool defer =
-                    exact_only || !pick_certified<V, LPG>(logit, biased_offset, win, lane, topk_group, top_k, my_id);
-                if (defer && lane == 0) ids[static_cast<uint64_t>(t) * top_k] = atomicExch(&deferred_head, static_cast<int32_t>(t));
-                const int32_t id = __shfl_sync(kFullMask, my_id, lane_pick);
-                if (lane_token == t - pass) pass_id = id, pass_deferred = defer;
-            }
-            const uint32_t token = pass + lane_token;
-            const bool mine = token < pass_end && !pass_deferred;
-            const float score = mine ? sigmoid_f32(load_f32(logits + token * stride_t + pass_id)) : 0.0f;
-            const float weight = pick_weight(score, lane - lane_pick, top_k, renormalize);
-            if (mine) {
-                weights[static_cast<uint64_t>(pass) * top_k + lane] = weight * routed_scaling_factor;
-                ids[static_cast<uint64_t>(pass) * top_k + lane] = pass_id;
-            }
+    for (uint32_t j = 0; j < V; ++j) key[j] = exact_rank<32 * V, kHasBias>(sigmoid_f32(logit[j]), bias, lane * V + j);
+    sort_descending(key);
+    return select_exact<V, LPG>(key, lane, topk_group, top_k);
+}
+
+// Exact picks of a token the certified path leaves, by its own warp: the float64 scores of every expert, then
+// the selection of pick_certified on exact values, in 32-bit keys again. A key holds a choice as its distance
+// below the warp's best (in sort_key steps, up to 2^23 - 2), then the expert; tokens with a non-finite choice,
+// or a pick farther down, take pick_exact_wide. Out of line: a call keeps its registers off the common path, and
+// the block's other warps take over this warp's later tokens while it runs.
+template <uint32_t V, uint32_t LPG, uint32_t kTopK, bool kHasBias, typename TLogit, typename TBias>
+__device__ __noinline__ int32_t pick_exact(const TLogit* lane_logits, const TBias* bias, uint32_t lane,
+                                           uint32_t topk_group) {
+    float choice[V], offset[V];
+    load_row(lane_logits, choice);
+    if constexpr (kHasBias) load_row(bias + lane * V, offset);
+    bool finite = true;
+#pragma unroll
+    for (uint32_t j = 0; j < V; ++j) {
+        choice[j] = kHasBias ? sigmoid_f32(choice[j]) + offset[j] : sigmoid_f32(choice[j]);
+        finite &= isfinite(choice[j]);
+    }
+    if (!__all_sync(kFullMask, finite)) return pick_exact_wide<V, LPG, kHasBias>(lane_logits, bias, lane, topk_group, kTopK);
+
+    bool kept = true;
+    if constexpr (LPG > 0) {
+        // group score: the sum of the group's two best choices; kept when fewer than topk_group groups rank above
+        // (a larger score, or an equal one of a lower group)
+        constexpr uint32_t kNumGroups = 32 / LPG;
+        float first = -__int_as_float(0x7f800000), second = first;
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) second = fmaxf(second, fminf(first, choice[j])), first = fmaxf(first, choice[j]);
+#pragma unroll
+        for (uint32_t m = 1; m < LPG; m <<= 1) {
+            const float o1 = __shfl_xor_sync(kFullMask, first, m), o2 = __shfl_xor_sync(kFullMask, second, m);
+            second = fmaxf(fminf(first, o1), fmaxf(second, o2)), first = fmaxf(first, o1);
         }
+        const float score = LPG * V >= 2 ? first + second : first;
+        const uint32_t group = lane / LPG;
+        uint32_t above = 0;
+#pragma unroll
+        for (uint32_t g = 0; g < kNumGroups; ++g) {
+            const float other = __shfl_sync(kFullMask, score, g * LPG);
+            above += other > score || (other == score && g < group);
+        }
+        kept = above < topk_group;
     }
 
-    // the deferred tokens: the block computes one's ranks, a warp selects from them (warps take turns)
-    __syncthreads();
-    int32_t next = deferred_head;
-    for (uint32_t f = 0; next >= 0; ++f) {
-        const uint32_t t = next;
-        next = ids[static_cast<uint64_t>(t) * top_k];  // read by every thread before the barrier, overwritten after
-        for (uint32_t e = threadIdx.x; e < kNumExperts; e += kThreads) {
-            exact_scores[e] = sigmoid_f32(load_f32(logits + t * stride_t + e));
-            exact_ranks[e] = exact_rank<kNumExperts, kHasBias>(exact_scores[e], bias, stride_bias, e);
-        }
-        __syncthreads();
-        if (warp_in_block == f % (kThreads / 32)) {
-            int64_t key[V];
+    // keys: distance below the best kept choice, from 2^23 - 1 down (0: dropped, or too far down to order)
+    uint32_t key[V], top = 0;
 #pragma unroll
-            for (uint32_t j = 0; j < V; ++j) key[j] = exact_ranks[lane * V + j];
-            sort_descending(key);
-            const int32_t my_id = select_exact<V, LPG>(key, lane, topk_group, top_k);
-            const float weight = pick_weight(lane < top_k ? exact_scores[my_id] : 0.0f, 0, top_k, renormalize);
-            if (lane < top_k) {
-                weights[static_cast<uint64_t>(t) * top_k + lane] = weight * routed_scaling_factor;
-                ids[static_cast<uint64_t>(t) * top_k + lane] = my_id;
-            }
+    for (uint32_t j = 0; j < V; ++j) {
+        key[j] = static_cast<uint32_t>(sort_key(choice[j])) ^ 0x80000000u;  // unsigned, in sort_key's order
+        top = kept ? max(top, key[j]) : top;
+    }
+    top = __reduce_max_sync(kFullMask, top);
+#pragma unroll
+    for (uint32_t j = 0; j < V; ++j) {
+        const uint32_t below = top - key[j];
+        key[j] = kept && below < (1u << (32 - kCodeBits)) - 1 ? (((1u << (32 - kCodeBits)) - 1 - below) << kCodeBits) | (511 - (lane * V + j)) : 0;
+    }
+    sort_descending(key);
+    uint32_t my_key = 0;
+#pragma unroll
+    for (uint32_t k = 0; k < kTopK; ++k) {
+        const uint32_t best = __reduce_max_sync(kFullMask, key[0]);
+        if (key[0] == best) {
+#pragma unroll
+            for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
+            key[V - 1] = 0;
         }
-        __syncthreads();
+        if (lane == k) my_key = best;
+    }
+    if (!__all_sync(kFullMask, lane >= kTopK || (my_key >> kCodeBits) != 0)) {
+        return pick_exact_wide<V, LPG, kHasBias>(lane_logits, bias, lane, topk_group, kTopK);
+    }
+    return static_cast<int32_t>(511 - (my_key & 511));
+}
+
+// One block per SM, of 32 warps (16 above V = 8, for their 128 registers): block b routes tokens
+// [b·T / B, (b+1)·T / B), its warps taking them one at a time from a shared counter (the next one's logits load
+// while a warp picks), so the warps the scheduler favours do more of them and the block ends with its last
+// token, not its slowest warp's share. A token's weights are computed later, with those of 32 / kTopK tokens
+// the warp picked, one pick a lane. `exact_only`: every token takes the exact path (a measurement switch,
+// MOE_FP8_ROUTING_EXACT=1). `bias`: contiguous, 16-byte aligned.
+template <uint32_t V>
+constexpr uint32_t kThreads = V <= 8 ? 1024 : 512;
+
+template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup,
+          bool kHasBias>
+__global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
+    const TLogit* __restrict__ logits, const TBias* __restrict__ bias, float* __restrict__ weights,
+    int32_t* __restrict__ ids, uint32_t num_tokens, uint64_t stride_t, uint32_t renormalize, float routed_scaling_factor,
+    uint32_t exact_only) {
+    static_assert(V >= 1 && V <= 16 && kTopK >= 1 && kTopK <= 32, "32 to 512 experts, top-1 to top-32");
+    static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
+    __shared__ uint32_t taken;  // tokens of the block handed out
+    // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
+    ptx::launch_dependents();
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t per_block = num_tokens / gridDim.x, rest = num_tokens % gridDim.x;
+    const uint32_t first = blockIdx.x * per_block + min(blockIdx.x, rest);
+    const uint32_t count = per_block + (blockIdx.x < rest ? 1 : 0);
+    if (threadIdx.x == 0) taken = 0;
+    __syncthreads();
+    const auto take = [&]() {  // the next token of the block (≥ count: none left)
+        uint32_t i = 0;
+        if (lane == 0) i = ptx::atomic_add_shared(&taken, 1u);
+        return __shfl_sync(kFullMask, i, 0);
+    };
+
+    // the lane's logits of the block's i-th token (from the parameter each time: two registers fewer held)
+    const auto lane_logits = [&](uint32_t i) { return logits + (first + i) * stride_t + lane * V; };
+    uint32_t next = take();
+    float logit[2][V];  // the token being picked and the next one, alternately (no copies)
+    if (next < count) load_row(lane_logits(next), logit[0]);
+    float biased_offset[V];
+    const uint32_t in_range = make_window<V, kHasBias>(bias, lane * V, biased_offset);
+    // a pass computes the weights of 32 / kTopK tokens: lane j those of pick j % kTopK of token j / kTopK
+    constexpr uint32_t kPerPass = 32 / kTopK;
+    const uint32_t lane_token = lane / kTopK, lane_pick = lane % kTopK;
+    while (next < count) {
+        uint32_t pass_token = 0, picked = 0;
+        int32_t pass_id = 0;
+        const auto pick = [&](const float (&cur)[V], float (&upcoming)[V]) {
+            const uint32_t token = next;
+            next = take();
+            if (next < count) load_row(lane_logits(next), upcoming);
+            int32_t my_id = 0;
+            if (exact_only || !pick_certified<V, LPG, kTopK, kTopKGroup>(cur, biased_offset, in_range, lane, my_id)) {
+                my_id = pick_exact<V, LPG, kTopK, kHasBias>(lane_logits(token), bias, lane, kTopKGroup);
+            }
+            const int32_t id = __shfl_sync(kFullMask, my_id, lane_pick);
+            if (lane_token == picked) pass_id = id, pass_token = first + token;
+            ++picked;
+        };
+        while (picked < kPerPass && next < count) {
+            pick(logit[0], logit[1]);
+            if (picked == kPerPass || next >= count) {  // (an odd pass: its next token starts the next one)
+#pragma unroll
+                for (uint32_t j = 0; j < V; ++j) logit[0][j] = logit[1][j];
+                break;
+            }
+            pick(logit[1], logit[0]);
+        }
+        const bool mine = lane_token < picked;
+        const float score = mine ? sigmoid_f32(load_f32(logits + pass_token * stride_t + pass_id)) : 0.0f;
+        const float weight = pick_weight<kTopK>(score, lane - lane_pick, renormalize);
+        if (mine) {
+            weights[static_cast<uint64_t>(pass_token) * kTopK + lane_pick] = weight * routed_scaling_factor;
+            ids[static_cast<uint64_t>(pass_token) * kTopK + lane_pick] = pass_id;
+        }
     }
 }
 

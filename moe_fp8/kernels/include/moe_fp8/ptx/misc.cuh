@@ -18,6 +18,14 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 
 // Programmatic dependent launch: the next kernel on the stream, if launched with the PDL attribute, may
 // start now; it still waits (griddepcontrol.wait) for this grid to complete before touching its outputs.
+// atomicAdd on shared memory, by the calling thread alone (atomicAdd may become a warp-aggregated sequence)
+__device__ __forceinline__ uint32_t atomic_add_shared(uint32_t* ptr, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
+                 : "=r"(old) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(v) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // ... and this grid, if launched so, waits here until the previous one has completed and its writes are
 // visible (a no-op otherwise): nothing before it may read what that kernel writes.
