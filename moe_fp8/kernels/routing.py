@@ -26,9 +26,13 @@ __attribute__((unused)) static void instantiate() {{
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
 
 
-def num_threads(v: int) -> int:
-    """The header's ``kThreads<V>``: one block per SM, of 32 warps at up to 64 registers, 16 above V = 8."""
-    return 1024 if v <= 8 else 512
+def grid(num_tokens: int, v: int) -> tuple[int, int]:
+    """``(blocks, threads)``: one block per SM (``MAX_BLOCKS`` at most), of the header's ``kThreads<V>`` (32 warps
+    at up to 64 registers, 16 above V = 8), or of one warp a token where a block has fewer: at decode sizes the
+    idle warps would hold their SM's registers, which the PDL-launched kernel after routing needs to start."""
+    blocks = min(num_tokens, MAX_BLOCKS or get_num_sms())
+    warps = min(32 if v <= 8 else 16, -(-num_tokens // blocks))
+    return blocks, 32 * warps
 
 
 # Blocks at most (None: one per SM). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one
@@ -93,7 +97,7 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     logits = _aligned_rows(router_logits)
     if bias is not None:
         bias = _aligned_rows(bias[None])[0]
-    kernel.launch(min(t, MAX_BLOCKS or get_num_sms()), num_threads(shape[0]),
+    kernel.launch(*grid(t, shape[0]),
                   [logits, bias, weights, ids, t, logits.stride(0), int(bool(renormalize)), float(routed_scaling_factor),
                    int(exact_only())])
     return weights, ids

@@ -377,12 +377,13 @@ __device__ __noinline__ int32_t pick_exact(const TLogit* lane_logits, const TBia
     return static_cast<int32_t>(511 - (my_key & 511));
 }
 
-// One block per SM, of 32 warps (16 above V = 8, for their 128 registers): block b routes tokens
-// [b·T / B, (b+1)·T / B), its warps taking them one at a time from a shared counter (the next one's logits load
-// while a warp picks), so the warps the scheduler favours do more of them and the block ends with its last
-// token, not its slowest warp's share. A token's weights are computed later, with those of 32 / kTopK tokens
-// the warp picked, one pick a lane. `exact_only`: every token takes the exact path (a measurement switch,
-// MOE_FP8_ROUTING_EXACT=1). `bias`: contiguous, 16-byte aligned.
+// One block per SM, of 32 warps at most (16 above V = 8, for their 128 registers; the wrapper launches one a
+// token where a block has fewer). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one at a
+// time from a shared counter (the next one's logits load while a warp picks), so the warps the scheduler
+// favours do more of them and the block ends with its last token, not its slowest warp's share. A token's
+// weights are computed later, with those of 32 / kTopK tokens the warp picked, one pick a lane. `exact_only`:
+// every token takes the exact path (a measurement switch, MOE_FP8_ROUTING_EXACT=1). `bias`: contiguous,
+// 16-byte aligned.
 template <uint32_t V>
 constexpr uint32_t kThreads = V <= 8 ? 1024 : 512;
 
