@@ -153,6 +153,24 @@ constexpr uint32_t kPickMargin = 4;   // units u between consecutive picks (> 2 
 constexpr uint32_t kGroupMargin = 16;  // units u between the last kept group and the first dropped (> 2 · 4)
 constexpr uint32_t kCodeBits = 9;    // the expert in a certified key: 511 - e (lower expert first)
 
+// kRounds picks from unique keys, sorted descending in each lane: each the warp's largest head, popped from its
+// lane's first kDepth keys (no keys left: zeros). Lane k < kTopK keeps pick k in `my_key`; returns the last pick.
+template <uint32_t kDepth, uint32_t kRounds, uint32_t kTopK, uint32_t V>
+__device__ __forceinline__ uint32_t pop_picks(uint32_t (&key)[V], uint32_t lane, uint32_t& my_key) {
+    uint32_t best = 0;
+#pragma unroll
+    for (uint32_t k = 0; k < kRounds; ++k) {
+        best = __reduce_max_sync(kFullMask, key[0]);
+        if (key[0] == best) {
+#pragma unroll
+            for (uint32_t j = 0; j + 1 < kDepth; ++j) key[j] = key[j + 1];
+            key[kDepth - 1] = 0;
+        }
+        if (k < kTopK && lane == k) my_key = best;
+    }
+    return best;
+}
+
 // Certified picks (see the file comment): true, and lane k < kTopK holds pick k in `my_id`, when every
 // decision had its margin; false (warp-uniform) when the token must take the exact path.
 template <uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup>
@@ -201,17 +219,8 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
     // one more, to certify the last pick. A lane that gives its whole list fails the token (its next key was not
     // in it): with 8 experts a lane, 5 of the 9 picks from one lane's 8 is rare (~1e-5 of random tokens).
     const bool listed = key[0] != 0;
-    uint32_t my_key = 0, best = 0;
-#pragma unroll
-    for (uint32_t k = 0; k <= kTopK; ++k) {
-        best = __reduce_max_sync(kFullMask, key[0]);
-        if (key[0] == best) {  // this lane's head won: pop it (or no keys left: all zero)
-#pragma unroll
-            for (uint32_t j = 0; j + 1 < kDepth; ++j) key[j] = key[j + 1];
-            key[kDepth - 1] = 0;
-        }
-        if (k < kTopK && lane == k) my_key = best;
-    }
+    uint32_t my_key = 0;
+    const uint32_t best = pop_picks<kDepth, kTopK + 1, kTopK>(key, lane, my_key);
     if constexpr (kDepth < V) ok &= !listed || key[0] != 0;
     const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
     const uint32_t next = lane + 1 == kTopK ? best : below;
@@ -361,16 +370,7 @@ __device__ __noinline__ int32_t pick_exact(const TLogit* lane_logits, const TBia
     }
     sort_descending(key);
     uint32_t my_key = 0;
-#pragma unroll
-    for (uint32_t k = 0; k < kTopK; ++k) {
-        const uint32_t best = __reduce_max_sync(kFullMask, key[0]);
-        if (key[0] == best) {
-#pragma unroll
-            for (uint32_t j = 0; j + 1 < V; ++j) key[j] = key[j + 1];
-            key[V - 1] = 0;
-        }
-        if (lane == k) my_key = best;
-    }
+    pop_picks<V, kTopK, kTopK>(key, lane, my_key);
     if (!__all_sync(kFullMask, lane >= kTopK || (my_key >> kCodeBits) != 0)) {
         return pick_exact_wide<V, LPG, kHasBias>(lane_logits, bias, lane, topk_group, kTopK);
     }
