@@ -101,7 +101,8 @@ def test_matches_reference(t, e, k, renorm, n_group, topk_group, bias_dtype, sca
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_ties_nan_inf_and_strided_logits(seed):
-    """Small-integer logits (ties between experts and between groups), NaN / ±Inf rows, strided views."""
+    """Small-integer logits (ties between experts and between groups), NaN / ±Inf rows, strided views of
+    the logits and of the bias, a misaligned bias."""
     from moe_fp8.kernels.routing import select_experts_hopper
 
     g = torch.Generator().manual_seed(seed)
@@ -116,8 +117,11 @@ def test_ties_nan_inf_and_strided_logits(seed):
     wide[:, 1::2] = logits
     strided = wide.cuda()[:, 1::2]  # column stride 2
     bias = torch.tensor([0.0, 0.25, -0.5])[torch.randint(0, 3, (256,), generator=g)].cuda()
+    strided_bias = torch.stack([bias, -bias], 1).flatten()[::2]  # stride 2 (the kernel reads vectors: copied)
+    misaligned_bias = torch.cat([bias[:1], bias])[1:]  # 4 bytes past a 16-byte boundary (copied too)
+    assert strided_bias.stride(0) == 2 and misaligned_bias.data_ptr() % 16 == 4
     for n_group, topk_group in ((8, 4), (None, None), (8, 8), (32, 3)):
-        for b in (None, bias):
+        for b in (None, bias, strided_bias, misaligned_bias):
             for renorm in (True, False):
                 got = select_experts_hopper(strided, 8, "sigmoid", renorm, n_group, topk_group, b, 2.5)
                 want = ref.select_experts(strided, 8, scoring_func="sigmoid", renormalize=renorm, n_group=n_group,

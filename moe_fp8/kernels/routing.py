@@ -96,7 +96,7 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     kernel = get_kernel(router_logits.dtype, None if bias is None else bias.dtype, *shape)
     logits = _aligned_rows(router_logits)
     if bias is not None:
-        bias = _aligned_rows(bias[None])[0]
+        bias = _aligned_rows(bias)
     kernel.launch(*grid(t, shape[0]),
                   [logits, bias, weights, ids, t, logits.stride(0), int(bool(renormalize)), float(routed_scaling_factor),
                    int(exact_only())])
@@ -104,9 +104,10 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
 
 
 def _aligned_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows``, or a contiguous copy where a row is strided or not 16-byte aligned: the kernel loads each
-    lane's logits (and bias) as vectors."""
-    if rows.stride(1) == 1 and rows.data_ptr() % 16 == 0 and rows.stride(0) * rows.element_size() % 16 == 0:
+    """``rows`` (the ``[T, E]`` logits, or the ``[E]`` bias), or a contiguous copy where a row is strided or
+    not 16-byte aligned: the kernel loads each lane's logits (and bias) as vectors."""
+    if (rows.stride(-1) == 1 and rows.data_ptr() % 16 == 0
+            and (rows.dim() == 1 or rows.stride(0) * rows.element_size() % 16 == 0)):
         return rows
     return rows.clone(memory_format=torch.contiguous_format)
 

@@ -71,31 +71,18 @@ __device__ __forceinline__ float sigmoid_estimate(float x) {
     return s;
 }
 
-// the lane's V logits, as floats (rows are contiguous, and 16-byte aligned: the wrapper makes them so)
-template <uint32_t V>
-__device__ __forceinline__ void load_row(const float* row, float (&x)[V]) {
-    if constexpr (V % 4 == 0) {
+// the lane's V logits (or bias), as floats: 16-byte vectors where V fills them (rows are contiguous and
+// 16-byte aligned: the wrapper makes them so)
+template <uint32_t V, typename T>
+__device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
+    constexpr uint32_t kVec = 16 / sizeof(T);
+    if constexpr (V % kVec == 0) {
 #pragma unroll
-        for (uint32_t j = 0; j < V; j += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(row + j);
-            x[j] = v.x, x[j + 1] = v.y, x[j + 2] = v.z, x[j + 3] = v.w;
-        }
-    } else {
-#pragma unroll
-        for (uint32_t j = 0; j < V; ++j) x[j] = row[j];
-    }
-}
-
-template <uint32_t V>
-__device__ __forceinline__ void load_row(const uint16_t* row, float (&x)[V]) {
-    if constexpr (V % 8 == 0) {
-#pragma unroll
-        for (uint32_t j = 0; j < V; j += 8) {
+        for (uint32_t j = 0; j < V; j += kVec) {
             const uint4 v = *reinterpret_cast<const uint4*>(row + j);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+            const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-            for (uint32_t i = 0; i < 4; ++i) x[j + 2 * i] = __uint_as_float(w[i] << 16),
-                                               x[j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+            for (uint32_t i = 0; i < kVec; ++i) x[j + i] = load_f32(e + i);
         }
     } else {
 #pragma unroll
