@@ -217,14 +217,16 @@ def test_masked_k_split(block_n: int, masked_m: list[int]) -> None:
 
 
 @pytest.mark.parametrize("m,n,k", [(300, 2112, 3200), (1000, 7168, 3088), (129, 4096, 4112), (64, 512, 3072),
-                                   (1206, 4096, 7168), (768, 4096, 7168), (300, 2112, 2048)])
+                                   (1206, 4096, 7168), (768, 4096, 7168), (100, 2048, 7168), (300, 2112, 2048)])
 @pytest.mark.parametrize("block_n", [192, 256])
 @pytest.mark.parametrize("sms", [5, 13, 132])
 def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) -> None:
-    """The last wave as K pieces on 2-4 CTAs per tile, also under one wave (every tile), ragged K included;
-    K = 2048 is too short for two pieces and runs halves, and a last wave of over half the CTAs (768 rows on
-    132 SMs: 96 tiles) runs whole. One group of m rows: right vs the reference, deterministic (pieces are
-    added in order, whichever finishes first), and a second launch finds the flags lowered."""
+    """The last wave as 2-4 K pieces of each tile half (1206 rows on 132 SMs: 2 per half; 100 x 2048 on 132:
+    4) or, where fewer than two per half fit, of each tile (1206 rows on 13 SMs: 3 per tile), also under one
+    wave (every tile), ragged K included; K = 2048 is too short for two pieces and runs halves, and a last
+    wave of over half the CTAs (768 rows on 132 SMs: 96 tiles) runs whole. One group of m rows: right vs the
+    reference, deterministic (pieces are added in order, whichever finishes first), and a second launch
+    finds the counters lowered."""
     inp = make_masked_inputs(1, m, m, n, k, seed=m + sms, device="cuda", masked_m=[m])
     cfg = make_config(128, block_n, sms, k=k, k_split=True)
     outs = []

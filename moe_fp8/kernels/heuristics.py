@@ -73,8 +73,12 @@ WAVE_BLOCK_NS = (192, 256)
 SPLIT_KS = (1, 2, 4)
 # A last wave split into K pieces (sched::TailSplit, epilogue/k_split.cuh): pieces per tile at most
 # (kMaxPieces), 128-K blocks per piece at least (kMinPieceBlocks: at K = 2048, 8-block pieces ran 8% slower
-# than tile halves, at K = 7168 14-block pieces up to 11% faster), and the cost of publishing and
-# gathering the FP32 partial tiles through L2.
+# than tile halves, at K = 7168 14-block pieces up to 11% faster), and the cost of adding the FP32 partials
+# through L2. The model counts whole-tile pieces, as calibrated in session 11; since session 27 the kernel
+# splits tile halves instead where two pieces per half fit (1206 x 4096 x 7168 on an H100: 69.8 -> 66.6 us).
+# With that kernel the model's picks stayed the best tile tried, or within 1% of it, on 5 small-M masked shapes,
+# while two models of the halves' pieces moved 22-68 small-M choices and lost up to 8% on 2 of those 5
+# (session 27, docs/kernels/gemm.md).
 K_SPLIT_MAX_PIECES = 4
 K_SPLIT_MIN_PIECE_BLOCKS = 12
 K_SPLIT_FIXUP_NS = 3000.0

@@ -1,10 +1,16 @@
-// K-split last wave (scheduler/gemm.cuh, TailSplit): a tile's K pieces run at the same time on
-// consecutive CTAs. Every piece but the first publishes its FP32 partial tile in its CTA's workspace
-// slot and raises the CTA's flag; the first piece waits for the flags, adds the partials in piece order
-// (the same order whoever finishes first) and stores the tile.
-// Workspace: kKSplitFlagWords flags (zero between launches: the gatherer lowers them), then one slot
-// of BLOCK_M x BLOCK_N floats per CTA. Waiting is safe: a publishing piece is its CTA's last unit and
-// waits on nothing, and the persistent grid (at most one CTA per SM) is resident at once.
+// K-split last wave (scheduler/gemm.cuh, TailSplit): a tile's p K pieces run at the same time on
+// consecutive CTAs c0 .. c0 + p - 1 and reduce-scatter their FP32 partial tiles. Math warp w (16 rows of
+// the tile) belongs to piece w * p / W (W math warps), so each piece owns one band of rows: it publishes
+// its other warps' fragments, waits for the other pieces to publish theirs, adds the band's p partials in
+// piece order (the same order, and bits, whichever piece finishes first) and stores the band.
+// NOTE: session 27 timeline (1206 x 4096 x 7168, 28 tail tiles of 128x256 in 4 pieces): with piece 0
+// alone gathering three 128 KB partials and storing the tile, its CTA finished ~9 us after the math;
+// each CTA now moves about a quarter of that.
+// Workspace: kKSplitFlagWords words, word c0 for the tile whose first piece runs on CTA c0 (arrived pieces
+// in the low half, math warps done waiting in the high half: the last of the W zeroes it for the next
+// launch), then one slot of BLOCK_M x BLOCK_N floats per CTA. Waiting is safe: a piece is its CTA's last
+// unit, every CTA runs as many whole tiles before it, and the persistent grid (at most one CTA per SM) is
+// resident at once.
 #pragma once
 
 #include "../common/types.cuh"
@@ -22,41 +28,97 @@ __device__ __forceinline__ float* k_split_slot(uint32_t* workspace, uint32_t cta
     return reinterpret_cast<float*>(workspace + kKSplitFlagWords) + cta * kNumAccum * kNumMathThreads;
 }
 
-// `total`: this math thread's D fragment (kNumAccum floats); `bar_id`: a named barrier of the math threads.
-template <uint32_t kNumAccum, uint32_t kNumMathThreads>
-__device__ __forceinline__ void publish_partial(uint32_t* workspace, const float* total, uint32_t bar_id) {
-    static_assert(kNumAccum % 4 == 0, "whole float4s per thread");
-    float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, blockIdx.x) + 4 * threadIdx.x;
-#pragma unroll
-    for (uint32_t q = 0; q < kNumAccum / 4; ++q)
-        ptx::st_global_cg_v4(slot + 4 * q * kNumMathThreads, total[4 * q], total[4 * q + 1], total[4 * q + 2],
-                             total[4 * q + 3]);
-    ptx::fence_acq_rel_gpu();  // each thread's partial before the flag, raised after every thread's fence
-    ptx::named_barrier_sync(bar_id, kNumMathThreads);
-    if (threadIdx.x == 0) ptx::st_release_gpu_u32(workspace + blockIdx.x, 1);
+// First row of piece `piece`'s band of the tile (piece `num_pieces`: the band's end): the rows of math
+// warps ceil(piece * W / num_pieces) ..
+template <uint32_t kNumMathWarps>
+__device__ __forceinline__ uint32_t piece_band_row0(uint32_t piece, uint32_t num_pieces) {
+    return (piece * kNumMathWarps + num_pieces - 1) / num_pieces * 16;
 }
 
-// total += the partials of CTAs blockIdx.x + 1 .. last_cta, in that order.
-template <uint32_t kNumAccum, uint32_t kNumMathThreads>
-__device__ __forceinline__ void gather_partials(uint32_t* workspace, float* total, uint32_t last_cta,
-                                                uint32_t bar_id) {
-    if (threadIdx.x == 0) {
-        for (uint32_t cta = blockIdx.x + 1; cta <= last_cta; ++cta) {
-            while (!ptx::ld_acquire_gpu_u32(workspace + cta)) __nanosleep(64);
-            workspace[cta] = 0;  // for the next launch, whose publishers stream order puts after this kernel
-        }
+// Bytes of shared memory reduce_scatter_pieces needs: the other pieces' fragments of the largest band.
+template <uint32_t kNumAccum, uint32_t kNumMathThreads, uint32_t kMaxPieces>
+constexpr uint32_t piece_buffer_bytes() {
+    constexpr uint32_t kWarps = kNumMathThreads / 32;
+    uint32_t most = 0;
+    for (uint32_t p = 2; p <= kMaxPieces; ++p) {
+        const uint32_t bytes = (p - 1) * ceil_div(kWarps, p) * 32 * kNumAccum * 4;
+        most = bytes > most ? bytes : most;
     }
-    ptx::named_barrier_sync(bar_id, kNumMathThreads);  // thread 0's acquires order every thread's loads
-#pragma unroll 1
-    for (uint32_t cta = blockIdx.x + 1; cta <= last_cta; ++cta) {
-        const float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, cta) + 4 * threadIdx.x;
+    return most;
+}
+
+// `total`: this math thread's partial D fragment (kNumAccum floats) of piece `piece` of `num_pieces`.
+// Returns whether this thread's warp belongs to the piece's band; if so, `total` is now the sum of every
+// piece's partial. `buffer`: piece_buffer_bytes() of shared memory that no one else uses from here on
+// (the drained pipeline stages); `bar_id`: a named barrier of the math threads.
+template <uint32_t kNumAccum, uint32_t kNumMathThreads, uint32_t kMaxPieces>
+__device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float* total, uint32_t piece,
+                                                      uint32_t num_pieces, uint8_t* buffer, uint32_t bar_id) {
+    static_assert(kNumAccum % 4 == 0, "whole float4s per thread");
+    constexpr uint32_t kWarps = kNumMathThreads / 32, kQuads = kNumAccum / 4;
+    const uint32_t warp = threadIdx.x / 32, cta0 = blockIdx.x - piece;
+    const bool in_band = warp * num_pieces / kWarps == piece;
+    if (!in_band) {  // publish for the piece that owns these rows
+        float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, blockIdx.x) + 4 * threadIdx.x;
 #pragma unroll
-        for (uint32_t q = 0; q < kNumAccum / 4; ++q) {
-            float x, y, z, w;
-            ptx::ld_global_cg_v4(slot + 4 * q * kNumMathThreads, x, y, z, w);
-            total[4 * q] += x, total[4 * q + 1] += y, total[4 * q + 2] += z, total[4 * q + 3] += w;
+        for (uint32_t q = 0; q < kQuads; ++q)
+            ptx::st_global_cg_v4(slot + 4 * q * kNumMathThreads, total[4 * q], total[4 * q + 1], total[4 * q + 2],
+                                 total[4 * q + 3]);
+        ptx::fence_acq_rel_gpu();  // each thread's stores before the count, raised after every thread's fence
+    }
+    // (also: every math warp is past its mainloop, so the stage buffers are free)
+    ptx::named_barrier_sync(bar_id, kNumMathThreads);
+    if (threadIdx.x == 0) ptx::red_release_gpu_add_u32(workspace + cta0, 1);
+    if (!in_band) return false;
+
+    while ((ptx::ld_acquire_gpu_u32(workspace + cta0) & 0xFFFFu) < num_pieces) __nanosleep(32);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0 && ptx::atomic_add_gpu_u32(workspace + cta0, 1u << 16) >> 16 == kWarps - 1)
+        workspace[cta0] = 0;  // every math warp of the tile's CTAs has seen the count (each is in one band)
+
+    // the other pieces' fragments of this thread, j-th other piece's quad q at float4
+    // (j * kQuads + q) * band_threads + band index
+    const uint32_t band_warp0 = piece_band_row0<kWarps>(piece, num_pieces) / 16;
+    const uint32_t band_threads = piece_band_row0<kWarps>(piece + 1, num_pieces) * 2 - band_warp0 * 32;
+    float4* mine = reinterpret_cast<float4*>(buffer) + (threadIdx.x - band_warp0 * 32);
+    auto other = [&](uint32_t j, uint32_t q) -> float4& { return mine[(j * kQuads + q) * band_threads]; };
+    // NOTE: this runs once per CTA from a cold instruction cache: the loops over pieces stay loops (ptxas
+    // unrolling them into the 32 quads made 19k instructions, which took ~10 us to fetch)
+#pragma unroll 1
+    for (uint32_t j = 0; j < num_pieces; ++j) {
+        if (j == piece) continue;
+        const float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, cta0 + j) + 4 * threadIdx.x;
+#pragma unroll
+        for (uint32_t q = 0; q < kQuads; ++q)
+            ptx::cp_async_cg_16(&other(j - (j > piece), q), slot + 4 * q * kNumMathThreads);
+    }
+    ptx::cp_async_wait_all();  // (each thread reads back only what it copied)
+
+    // in piece order: the partials before this piece's (summed in the first one's place), + this piece's,
+    // + each later one
+    auto add = [](float4& acc, const float4& v) { acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w; };
+#pragma unroll 1
+    for (uint32_t j = 1; j < piece; ++j) {
+#pragma unroll 8
+        for (uint32_t q = 0; q < kQuads; ++q) add(other(0, q), other(j, q));
+    }
+    if (piece > 0) {
+#pragma unroll
+        for (uint32_t q = 0; q < kQuads; ++q) {
+            float4 sum = other(0, q);
+            add(sum, make_float4(total[4 * q], total[4 * q + 1], total[4 * q + 2], total[4 * q + 3]));
+            total[4 * q] = sum.x, total[4 * q + 1] = sum.y, total[4 * q + 2] = sum.z, total[4 * q + 3] = sum.w;
         }
     }
+#pragma unroll 1
+    for (uint32_t j = piece; j + 1 < num_pieces; ++j) {
+#pragma unroll
+        for (uint32_t q = 0; q < kQuads; ++q) {
+            const float4 v = other(j, q);
+            total[4 * q] += v.x, total[4 * q + 1] += v.y, total[4 * q + 2] += v.z, total[4 * q + 3] += v.w;
+        }
+    }
+    return true;
 }
 
 }  // namespace moe_fp8::epi

@@ -211,6 +211,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                   "SiLU·mul + quant: 256-wide tiles (a gate and an up block) on [gate; up] weights, no cluster");
     static_assert(!kTailSplit || (kTwoBoxB && (kActQuant == 0 || (kKPieces && !Tail::kHalves))),
                   "tail halves: plain two-wave tiles; under the fused epilogue, K pieces only");
+    static_assert(!kKPieces || epi::piece_buffer_bytes<kNumAccum, kNumMathThreads, Tail::kMaxPieces>() <=
+                                   kNumStages * (Smem::kABytes + Smem::kBBytes),
+                  "K pieces reduce through the drained stage buffers");
 
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* smem_a = smem + Smem::kA;
@@ -283,11 +286,26 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             arrive_each(kBarStagingEmpty);  // the staging tile starts empty
             while (scheduler.next(tile, k_split)) {
                 stage_next_scales();
-                // (a published K piece still signals here: the math warpgroups are done with its scales)
 #pragma unroll
                 for (uint32_t g = 0; g < kNumMathWGs; ++g)
                     ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
-                if (Tail::publishes(tile)) {  // a partial tile, stored by another CTA
+                if (Tail::is_piece(tile)) {  // a K piece: the band of rows it summed (epilogue/k_split.cuh)
+                    constexpr uint32_t kMathWarps = kNumMathThreads / 32;
+                    const uint32_t r0 = epi::piece_band_row0<kMathWarps>(tile.piece, tile.num_pieces);
+                    const uint32_t row_end =
+                        min(tile.row_end, tile.row0 + epi::piece_band_row0<kMathWarps>(tile.piece + 1, tile.num_pieces));
+                    if constexpr (kActQuant)
+                        epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(
+                            smem_d + r0 * epi::StagingTile<64>::kPitchBytes, out, tile.row0 + r0, row_end,
+                            tile.n_block * 64, store_idx);
+                    else if (tile.num_waves == 1)  // a piece of a half: the half's columns
+                        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
+                            smem_d + r0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, tile.row0 + r0, row_end,
+                            tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
+                    else
+                        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(
+                            smem_d + r0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, tile.row0 + r0, row_end,
+                            tile.n_block * BLOCK_N, store_idx);
                 } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
                                                                               tile.n_block * 64, store_idx);
@@ -524,9 +542,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             // NOTE: each split tail half, and a K piece, gets its own copy of the loop. Testing the wave inside
             // one shared loop cost whole tiles 6-10% at 4096x7168 (session 8 sweep), even on grids that never
             // split; a run-time K range in the whole tiles' loop cost 4-13% at long K (session 11 record).
-            if (kTailSplit && Tail::kHalves && tile.num_waves == 1) {
-                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, kb0, num_kb);
-                else mainloop(Count<1>{}, Count<1>{}, kb0, num_kb);
+            if (kTailSplit && Tail::kHalves && tile.num_waves == 1) {  // a half, or a K piece of one
+                const uint32_t k0 = kKPieces ? tile.k_block0 : kb0, nk = kKPieces ? tile.num_k_blocks : num_kb;
+                if (tile.wave0 == 0) mainloop(Count<0>{}, Count<1>{}, k0, nk);
+                else mainloop(Count<1>{}, Count<1>{}, k0, nk);
             } else if (kKPieces && tile.num_k_blocks != kNumKBlocks) {
                 mainloop(Count<0>{}, Count<kNumWaves>{}, tile.k_block0, tile.num_k_blocks);
             } else {
@@ -534,15 +553,29 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             }
         }
 
-        // K pieces of a split tail (epilogue/k_split.cuh): publish the partial tile, or add the others'
-        if (Tail::publishes(tile))
-            epi::publish_partial<kNumAccum, kNumMathThreads>(k_split_workspace, total, kBarPartial);
-        else if (Tail::gathers(tile))
-            epi::gather_partials<kNumAccum, kNumMathThreads>(k_split_workspace, total, tile.last_piece_cta,
-                                                             kBarPartial);
+        // K pieces of a split tail (epilogue/k_split.cuh): the pieces' CTAs sum and store a band of rows each,
+        // using the drained stage buffers. Pieces of halves reduce their wave's totals (moved to the front:
+        // the wave is known at run time only, and an indexed `total` would live in local memory).
+        bool stores = true;  // this warp's rows are stored by this CTA
+        if (Tail::is_piece(tile)) {
+            if (Tail::kHalves && tile.num_waves == 1) {  // a piece of a half: its wave's totals, at the front
+                const bool moved = tile.wave0 == 1;
+#pragma unroll
+                for (uint32_t i = 0; i < kWaveAccum; ++i)
+                    if (moved) total[i] = total[kWaveAccum + i];
+                stores = epi::reduce_scatter_pieces<kWaveAccum, kNumMathThreads, Tail::kMaxPieces>(
+                    k_split_workspace, total, tile.piece, tile.num_pieces, smem_a, kBarPartial);
+#pragma unroll
+                for (uint32_t i = 0; i < kWaveAccum; ++i)
+                    if (moved) total[kWaveAccum + i] = total[i];
+            } else {
+                stores = epi::reduce_scatter_pieces<kNumAccum, kNumMathThreads, Tail::kMaxPieces>(
+                    k_split_workspace, total, tile.piece, tile.num_pieces, smem_a, kBarPartial);
+            }
+        }
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
         ptx::named_barrier_sync(kBarStagingEmpty + warpgroup, kNumStagingThreads);
-        if (Tail::publishes(tile)) {  // nothing to stage; the handshake keeps the store warps in step
+        if (!stores) {  // another piece's rows; the handshake keeps the store warps in step
         } else if constexpr (kSplitK > 1) {
             // one tile per CTA: its stage buffers are drained and hold the partial sums
             epi::reduce_split_k<BLOCK_N, kNumMathThreads, kSplitK>(reinterpret_cast<float*>(smem), reduce_bar, total,

@@ -18,6 +18,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 
 // Programmatic dependent launch: the next kernel on the stream, if launched with the PDL attribute, may
 // start now; it still waits (griddepcontrol.wait) for this grid to complete before touching its outputs.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// ... and this grid, if launched so, waits here until the previous one has completed and its writes are
+// visible (a no-op otherwise): nothing before it may read what that kernel writes.
+__device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // atomicAdd on shared memory, by the calling thread alone (atomicAdd may become a warp-aggregated sequence)
 __device__ __forceinline__ uint32_t atomic_add_shared(uint32_t* ptr, uint32_t v) {
     uint32_t old;
@@ -26,10 +31,25 @@ __device__ __forceinline__ uint32_t atomic_add_shared(uint32_t* ptr, uint32_t v)
     return old;
 }
 
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-// ... and this grid, if launched so, waits here until the previous one has completed and its writes are
-// visible (a no-op otherwise): nothing before it may read what that kernel writes.
-__device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// atomicAdd on global memory by the calling thread alone, relaxed, returning the old value
+__device__ __forceinline__ uint32_t atomic_add_gpu_u32(uint32_t* ptr, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+    return old;
+}
+
+// Adds v with release semantics (the caller's earlier writes become visible first); no value back.
+__device__ __forceinline__ void red_release_gpu_add_u32(uint32_t* ptr, uint32_t v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+// 16 bytes global -> shared without registers (through L2 only); complete after cp_async_wait_all.
+__device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Orders generic-proxy shared-memory accesses before later async-proxy (TMA, wgmma) ones.
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -101,17 +121,8 @@ __device__ __forceinline__ void st_global_cg_v4(float* ptr, float x, float y, fl
     asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
 
-__device__ __forceinline__ void ld_global_cg_v4(const float* ptr, float& x, float& y, float& z, float& w) {
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x), "=f"(y), "=f"(z), "=f"(w) : "l"(ptr)
-                 : "memory");
-}
-
 __device__ __forceinline__ void fence_acq_rel_gpu() {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-
-__device__ __forceinline__ void st_release_gpu_u32(uint32_t* ptr, uint32_t v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const uint32_t* ptr) {

@@ -21,7 +21,8 @@ struct Tile {
     uint32_t num_k_blocks;
     uint32_t wave0;      // two-wave tiles with TailSplit: the 96 / 128-column waves to run,
     uint32_t num_waves;  //   [wave0, wave0 + num_waves) (both, or one half of a split tail tile)
-    uint32_t last_piece_cta;  // K pieces: the CTA holding the tile's last piece (see TailSplit)
+    uint32_t piece;       // K pieces: this piece's index and the tile's piece count (see TailSplit); the
+    uint32_t num_pieces;  //   pieces run on CTAs blockIdx.x - piece .. + num_pieces - 1
 
     __device__ __forceinline__ bool runs_wave(uint32_t w) const { return w >= wave0 && w < wave0 + num_waves; }
 };
@@ -33,18 +34,24 @@ struct Tile {
 // - halves: when the last wave holds at most half as many tiles as there are CTAs, its tiles are handed
 //   out as halves, one 96 / 128-column wave each, to twice as many CTAs: unit full + h is the half h % 2
 //   of tile full + h / 2. Bit-identical to whole tiles.
-// - K pieces (the kernel got a K-split workspace, and K holds two pieces of kMinPieceBlocks): each of
-//   the last wave's tiles is split into parts = min(kMaxPieces, K blocks / kMinPieceBlocks, CTAs / tiles)
-//   equal K ranges on consecutive CTAs (halves when that is under 2): unit full + j is piece
-//   j % parts of tile full + j / parts. Pieces 1.. publish FP32 partial tiles; piece 0 adds them in
-//   piece order (deterministic) and stores the tile (epilogue/k_split.cuh). The pieces of different
-//   tiles run the same K range at the same time, so CTAs on one n-block still share B in L2.
+// - K pieces (the kernel got a K-split workspace, and K holds two pieces of kMinPieceBlocks): each of the
+//   last wave's halves is split into parts = min(kMaxPieces, K blocks / kMinPieceBlocks, CTAs / halves) equal
+//   K ranges on consecutive CTAs where that is 2 or more (unit full + j is piece j % parts of half
+//   (j / parts) % 2 of tile full + j / parts / 2); else each tile, into parts = min(..., CTAs / tiles) pieces
+//   where that is kMinParts or more (unit full + j is piece j % parts of tile full + j / parts); else halves.
+//   The pieces reduce-scatter their FP32 partials: each sums one band of the rows, in piece order
+//   (deterministic), and stores it (epilogue/k_split.cuh). The pieces of different tiles run the same K
+//   range at the same time, so CTAs on one n-block still share B in L2.
+//   NOTE: pieces of halves first: on as many CTAs or more they run the same math with half the partial
+//   traffic per piece (session 27, 1206 x 4096 x 7168, 28 tail tiles: as 4 whole-width pieces, ~10 us to
+//   publish, copy and add 10.7 MB through L2 after ~12 us of math; as 2 pieces of each half, ~4.5 us after
+//   ~14 us: kernel 69.8 -> 66.6 us).
 // The split is recomputed from the tile count at every tile rather than held: the math warpgroups of
 // 256-wide tiles and the store warps (two schedulers in 40 registers) have no registers to spare.
 // kKPieces: K pieces compiled in (the masked scheduler only: in the normal and contiguous kernels, which
 // never get a workspace, the code alone cost 128x256 tiles 4-8% at long K, session 11 A/B).
 // kHalves: halves allowed (not under the fused SiLU·mul + quant epilogue, which needs a tile's gate and up
-// waves together: there the last wave runs as K pieces or not split at all).
+// waves together: there the last wave runs as K pieces of whole tiles or not split at all).
 // kMinParts: fewer K pieces per tile than this run as halves, or whole. Without halves (the fused epilogue) 4:
 // at decode two pieces per tile ran 2% slower than whole tiles (48-64 tiles of 64x256 on 132 SMs), four
 // 10-26% faster (16-32 tiles).
@@ -64,32 +71,36 @@ struct TailSplit {
                                                Tile& t) {
         t.wave0 = 0, t.num_waves = 2, t.k_block0 = 0, t.num_k_blocks = kNumKBlocks;
         const uint32_t num_ctas = gridDim.x, last = num_tiles % num_ctas;
-        const uint32_t k_parts = kKPieces && k_split ? min(min(kMaxPieces, kNumKBlocks / kMinPieceBlocks), num_ctas / max(last, 1u)) : 0;
-        const bool pieces = k_parts >= kMinParts;  // else halves, where they apply
-        const uint32_t parts = pieces ? k_parts : 2;
+        const uint32_t most = kKPieces && k_split ? min(kMaxPieces, kNumKBlocks / kMinPieceBlocks) : 0;
+        // K pieces of halves where two or more per half fit, else of whole tiles where kMinParts fit
+        const uint32_t half_parts = kHalves ? min(most, num_ctas / max(2 * last, 1u)) : 0;
+        const bool of_halves = half_parts >= 2;
+        const uint32_t k_parts = of_halves ? half_parts : min(most, num_ctas / max(last, 1u));
+        const bool pieces = of_halves || k_parts >= kMinParts;  // else halves, where they apply
+        const bool halves = kHalves && (of_halves || !pieces);
+        const uint32_t parts = pieces ? k_parts : 1;  // per half (tile)
+        const uint32_t splits = halves ? 2 : 1;       // halves (or the tile) per tile
         const bool split = kEnabled && last > 0 && (pieces || (kHalves && 2 * last <= num_ctas));
         const uint32_t full = split ? num_tiles - last : num_tiles;
         if (unit < full) {
             tile_idx = unit;
             return true;
         }
-        if (!split || unit - full >= parts * last) return false;
-        const uint32_t j = unit - full, piece = j % parts;
-        tile_idx = full + j / parts;
-        if (!pieces) {
-            t.wave0 = piece, t.num_waves = 1;
-        } else {
+        if (!split || unit - full >= splits * parts * last) return false;
+        const uint32_t j = unit - full;
+        tile_idx = full + j / (splits * parts);
+        if (halves) t.wave0 = j / parts % 2, t.num_waves = 1;
+        if (pieces) {
+            const uint32_t piece = j % parts;
             t.k_block0 = piece * kNumKBlocks / parts;
             t.num_k_blocks = (piece + 1) * kNumKBlocks / parts - t.k_block0;
-            t.last_piece_cta = blockIdx.x + parts - 1 - piece;  // piece 0: the tile's last piece's CTA
+            t.piece = piece, t.num_pieces = parts;
         }
         return true;
     }
-    // a K piece that publishes its partial tile (it does not start at K block 0)
-    __device__ __forceinline__ static bool publishes(const Tile& t) { return kKPieces && t.k_block0 > 0; }
-    // a K piece that adds the published partials of CTAs blockIdx.x + 1 .. t.last_piece_cta
-    __device__ __forceinline__ static bool gathers(const Tile& t) {
-        return kKPieces && t.k_block0 == 0 && t.num_k_blocks < kNumKBlocks;
+    // one K piece of a half or tile (the others run on the neighbouring CTAs)
+    __device__ __forceinline__ static bool is_piece(const Tile& t) {
+        return kKPieces && t.num_k_blocks < kNumKBlocks;
     }
 };
 
