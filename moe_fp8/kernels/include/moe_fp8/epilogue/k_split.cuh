@@ -1,13 +1,15 @@
-// K-split last wave (scheduler/gemm.cuh, TailSplit): a tile's p K pieces run at the same time on
-// consecutive CTAs c0 .. c0 + p - 1 and reduce-scatter their FP32 partial tiles. Math warp w (16 rows of
-// the tile) belongs to piece w * p / W (W math warps), so each piece owns one band of rows: it publishes
-// its other warps' fragments, waits for the other pieces to publish theirs, adds the band's p partials in
-// piece order (the same order, and bits, whichever piece finishes first) and stores the band.
-// NOTE: session 27 timeline (1206 x 4096 x 7168, 28 tail tiles of 128x256 in 4 pieces): with piece 0
-// alone gathering three 128 KB partials and storing the tile, its CTA finished ~9 us after the math;
-// each CTA now moves about a quarter of that.
+// K-split last wave (scheduler/gemm.cuh, TailSplit): the p K pieces of a tile (or of a tile half) run at
+// the same time on consecutive CTAs c0 .. c0 + p - 1 and reduce-scatter their FP32 partials. Math warp w
+// (16 rows of the tile) belongs to piece w * p / W (W math warps), so each piece owns one band of rows: it
+// publishes its other warps' fragments, waits for the other pieces to publish theirs, adds the band's p
+// partials in piece order (the same order, and bits, whichever piece finishes first) and stores the band.
+// Warps whose rows are all past the tile's stored rows take no part (decode: most of a 64-row tile).
+// NOTE: the traffic through L2, not any one SM, bounds this step: at 1206 x 4096 x 7168 (28 tail tiles of
+// 128x256 as 4 whole-width pieces, 10.7 MB of partials) piece 0 gathering everything and every piece
+// adding its band both took ~9-10 us after the math (session 27 timelines); pieces of tile halves, half the
+// traffic per piece, ~4.5 us.
 // Workspace: kKSplitFlagWords words, word c0 for the tile whose first piece runs on CTA c0 (arrived pieces
-// in the low half, math warps done waiting in the high half: the last of the W zeroes it for the next
+// in the low half, live math warps done waiting in the high half: the last of them zeroes it for the next
 // launch), then one slot of BLOCK_M x BLOCK_N floats per CTA. Waiting is safe: a piece is its CTA's last
 // unit, every CTA runs as many whole tiles before it, and the persistent grid (at most one CTA per SM) is
 // resident at once.
@@ -47,18 +49,21 @@ constexpr uint32_t piece_buffer_bytes() {
     return most;
 }
 
-// `total`: this math thread's partial D fragment (kNumAccum floats) of piece `piece` of `num_pieces`.
-// Returns whether this thread's warp belongs to the piece's band; if so, `total` is now the sum of every
-// piece's partial. `buffer`: piece_buffer_bytes() of shared memory that no one else uses from here on
-// (the drained pipeline stages); `bar_id`: a named barrier of the math threads.
+// `total`: this math thread's partial D fragment (kNumAccum floats) of piece `piece` of `num_pieces`, in a
+// tile whose first `num_rows` rows (>= 1) are stored. Returns whether this thread's warp belongs to the piece's
+// band and holds stored rows; if so, `total` is now the sum of every piece's partial. A warp with no stored
+// rows (decode: most of a 64-row tile) neither publishes nor adds. `buffer`: piece_buffer_bytes() of shared
+// memory that no one else uses from here on (the drained pipeline stages); `bar_id`: a named barrier of the
+// math threads.
 template <uint32_t kNumAccum, uint32_t kNumMathThreads, uint32_t kMaxPieces>
 __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float* total, uint32_t piece,
-                                                      uint32_t num_pieces, uint8_t* buffer, uint32_t bar_id) {
+                                                      uint32_t num_pieces, uint32_t num_rows, uint8_t* buffer,
+                                                      uint32_t bar_id) {
     static_assert(kNumAccum % 4 == 0, "whole float4s per thread");
     constexpr uint32_t kWarps = kNumMathThreads / 32, kQuads = kNumAccum / 4;
     const uint32_t warp = threadIdx.x / 32, cta0 = blockIdx.x - piece;
-    const bool in_band = warp * num_pieces / kWarps == piece;
-    if (!in_band) {  // publish for the piece that owns these rows
+    const bool in_band = warp * num_pieces / kWarps == piece, live = warp * 16 < num_rows;
+    if (!in_band && live) {  // publish for the piece that owns these rows
         float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, blockIdx.x) + 4 * threadIdx.x;
 #pragma unroll
         for (uint32_t q = 0; q < kQuads; ++q)
@@ -69,12 +74,14 @@ __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float
     // (also: every math warp is past its mainloop, so the stage buffers are free)
     ptx::named_barrier_sync(bar_id, kNumMathThreads);
     if (threadIdx.x == 0) ptx::red_release_gpu_add_u32(workspace + cta0, 1);
-    if (!in_band) return false;
+    if (!in_band || !live) return false;
 
     while ((ptx::ld_acquire_gpu_u32(workspace + cta0) & 0xFFFFu) < num_pieces) __nanosleep(32);
     __syncwarp();
-    if (threadIdx.x % 32 == 0 && ptx::atomic_add_gpu_u32(workspace + cta0, 1u << 16) >> 16 == kWarps - 1)
-        workspace[cta0] = 0;  // every math warp of the tile's CTAs has seen the count (each is in one band)
+    // every live math warp of the tile's CTAs has seen the count (each is in one band): the last zeroes it
+    const uint32_t live_warps = min(kWarps, ceil_div(num_rows, 16u));
+    if (threadIdx.x % 32 == 0 && ptx::atomic_add_gpu_u32(workspace + cta0, 1u << 16) >> 16 == live_warps - 1)
+        workspace[cta0] = 0;
 
     // the other pieces' fragments of this thread, j-th other piece's quad q at float4
     // (j * kQuads + q) * band_threads + band index

@@ -558,19 +558,20 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         // the wave is known at run time only, and an indexed `total` would live in local memory).
         bool stores = true;  // this warp's rows are stored by this CTA
         if (Tail::is_piece(tile)) {
+            const uint32_t num_rows = min(BLOCK_M, tile.row_end - tile.row0);  // (a tile has rows)
             if (Tail::kHalves && tile.num_waves == 1) {  // a piece of a half: its wave's totals, at the front
                 const bool moved = tile.wave0 == 1;
 #pragma unroll
                 for (uint32_t i = 0; i < kWaveAccum; ++i)
                     if (moved) total[i] = total[kWaveAccum + i];
                 stores = epi::reduce_scatter_pieces<kWaveAccum, kNumMathThreads, Tail::kMaxPieces>(
-                    k_split_workspace, total, tile.piece, tile.num_pieces, smem_a, kBarPartial);
+                    k_split_workspace, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
 #pragma unroll
                 for (uint32_t i = 0; i < kWaveAccum; ++i)
                     if (moved) total[kWaveAccum + i] = total[i];
             } else {
                 stores = epi::reduce_scatter_pieces<kNumAccum, kNumMathThreads, Tail::kMaxPieces>(
-                    k_split_workspace, total, tile.piece, tile.num_pieces, smem_a, kBarPartial);
+                    k_split_workspace, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
             }
         }
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
