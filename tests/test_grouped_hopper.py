@@ -165,6 +165,24 @@ def test_masked(num_groups: int, max_m: int, expected_m: int, num_empty: int, n:
     _check_masked(inp, out)
 
 
+@pytest.mark.parametrize("block_m,block_n,sms", [(64, 128, 132), (64, 256, 132), (64, 256, 7), (128, 256, 132),
+                                                 (128, 128, 5)])
+@pytest.mark.parametrize("pattern", ["last", "sparse", "ones"])
+def test_masked_many_groups_first_tiles(block_m: int, block_n: int, sms: int, pattern: str) -> None:
+    """Each CTA starts at the group of its first tile (found from the tile counts: sched::MaskedScheduler::seek),
+    over rounds of 32 groups: 200 groups (8 with 128-row tiles, the most whose tiles are counted), only the last
+    touched, a sparse few, or a row in every one; whole tiles, tail halves and K pieces (K = 3072)."""
+    g = 8 if block_m == 128 else 200
+    counts = {"last": [0] * (g - 1) + [70], "sparse": [(37 * i) % 100 if i % 9 == 4 else 0 for i in range(g)],
+              "ones": [1] * g}[pattern]
+    inp = make_masked_inputs(g, 128, 8, 512, 3072, seed=g + block_n, device="cuda", masked_m=counts)
+    out = torch.full((g, 128, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cfg = make_config(block_m, block_n, sms, k=3072, k_split=block_n == 256)
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 8, out, config=cfg)
+    torch.cuda.synchronize()
+    _check_masked(inp, out)
+
+
 def test_masked_full_and_empty_groups() -> None:
     inp = make_masked_inputs(4, 192, 96, 1024, 512, seed=3, device="cuda", masked_m=[0, 192, 1, 0])
     out = torch.full((4, 192, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -243,8 +243,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     ptx::wait_prerequisites();
     ptx::launch_dependents();
 
-    Scheduler scheduler(shape_m, grouped_layout, num_groups, m_rows);
     const bool k_split = k_split_workspace != nullptr;
+    Scheduler scheduler(shape_m, grouped_layout, num_groups, m_rows, k_split);
     sched::Tile tile;
 
     // NOTE: the epilogue is split: math warpgroups write the bf16 tile into shared memory and go on

@@ -151,7 +151,7 @@ struct NormalScheduler {
     int32_t iter = -1;
 
     __device__ __forceinline__ NormalScheduler(uint32_t shape_m_, const int32_t* /*layout*/, uint32_t /*groups*/,
-                                               const int32_t* /*m_rows*/)
+                                               const int32_t* /*m_rows*/, bool /*k_split*/)
         : shape_m(shape_m_), num_m_blocks(ceil_div(shape_m_, BLOCK_M)) {
         num_units_m = kMulticastOnA ? num_m_blocks : ceil_div(num_m_blocks, kMulticast);
         num_units_n = kMulticastOnA ? ceil_div(kNumNBlocks, kMulticast) : kNumNBlocks;
@@ -217,7 +217,7 @@ struct ContiguousScheduler {
     int32_t iter = -1;
 
     __device__ __forceinline__ ContiguousScheduler(uint32_t shape_m_, const int32_t* m_indices_, uint32_t /*groups*/,
-                                                   const int32_t* m_rows)
+                                                   const int32_t* m_rows, bool /*k_split*/)
         : m_indices(m_indices_),
           shape_m(m_rows == nullptr ? shape_m_ : min(shape_m_, static_cast<uint32_t>(max(ptx::ldg_s32(m_rows), 0)))),
           num_m_blocks(ceil_div(shape_m, BLOCK_M)) {}
@@ -271,16 +271,53 @@ struct MaskedScheduler {
     uint32_t num_tiles = kUncounted;
     int32_t iter = -1;
 
-    // Every thread of the CTA constructs it (converged warps): each warp counts the tiles, a group per lane.
+    // Every thread of the CTA constructs it (converged warps): each warp counts the tiles, a group per lane, and
+    // where it counted them (and there are kSeekGroups or more) starts at the group of the CTA's first tile.
+    // NOTE: walking there in next() took the decode GEMMs ~1.5 us at the start (31 empty groups of 32, 4 counts
+    // a round: each round an L2 round trip, in the one producer thread as in every other warp); the seek took
+    // them 1.1-1.3 us less (7168x2048, one or two of 32 experts touched: 13.4 -> 12.2 and 19.0 -> 17.7 us) but
+    // a 1-group GEMM ~0.9 us more (session 27, same process).
+    static constexpr uint32_t kSeekGroups = 4;
     __device__ __forceinline__ MaskedScheduler(uint32_t max_m_, const int32_t* masked_m_, uint32_t num_groups_,
-                                               const int32_t* /*m_rows*/)
+                                               const int32_t* /*m_rows*/, bool k_split)
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
         if (num_groups <= kMaxCountedGroups) {
-            uint32_t m_blocks = 0;
-            for (uint32_t g = threadIdx.x % 32; g < num_groups; g += 32) m_blocks += ceil_div(rows_of(g), BLOCK_M);
+            const uint32_t lane = threadIdx.x % 32;
+            uint32_t m_blocks = 0, lane_tiles = 0;  // (lane_tiles: of group `lane`, when there are at most 32)
+            for (uint32_t g = lane; g < num_groups; g += 32) {
+                const uint32_t tiles = ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
+                m_blocks += tiles / kNumNBlocks, lane_tiles = tiles;
+            }
             num_tiles = __reduce_add_sync(kFullMask, m_blocks) * kNumNBlocks;
+            Tile unused;
+            uint32_t first = blockIdx.x;
+            if (num_groups >= kSeekGroups && (!kTailSplit || Tail::map(num_tiles, k_split, blockIdx.x, first, unused)))
+                seek(first, lane, lane_tiles);
         }
         load_group();
+    }
+
+    // To the group holding tile `first` (if any): 32 groups a round, by a prefix sum over the lanes.
+    __device__ __forceinline__ void seek(uint32_t first, uint32_t lane, uint32_t lane_tiles) {
+        uint32_t before = 0;  // tiles of the groups before this round's
+        for (uint32_t g0 = 0; g0 < num_groups; g0 += 32) {
+            uint32_t tiles = num_groups <= 32 ? lane_tiles
+                                              : (g0 + lane < num_groups ? ceil_div(rows_of(g0 + lane), BLOCK_M) : 0) * kNumNBlocks;
+            uint32_t end = tiles;
+#pragma unroll
+            for (uint32_t d = 1; d < 32; d <<= 1) {
+                const uint32_t o = __shfl_up_sync(kFullMask, end, d);
+                end += lane >= d ? o : 0;
+            }
+            end += before;
+            const uint32_t past = __ballot_sync(kFullMask, g0 + lane < num_groups && end > first);
+            if (past) {
+                const uint32_t l = __ffs(past) - 1;
+                group = g0 + l, group_first_tile = __shfl_sync(kFullMask, end - tiles, l);
+                return;
+            }
+            before = __shfl_sync(kFullMask, end, 31);
+        }
     }
 
     // clamp: an out-of-range count must not write past the group's rows
