@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..utils import get_num_sms, truthy
+from ..utils import ceil_div, get_num_sms, truthy
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/routing.cuh"
@@ -26,18 +26,18 @@ __attribute__((unused)) static void instantiate() {{
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
 
 
+# Blocks at most (None: one per SM). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one
+# at a time; tests set this to 1 (every token in one block) and to a large number (one token a block).
+MAX_BLOCKS: int | None = None
+
+
 def grid(num_tokens: int, v: int) -> tuple[int, int]:
     """``(blocks, threads)``: one block per SM (``MAX_BLOCKS`` at most), of the header's ``kThreads<V>`` (32 warps
     at up to 64 registers, 16 above V = 8), or of one warp a token where a block has fewer: at decode sizes the
     idle warps would hold their SM's registers, which the PDL-launched kernel after routing needs to start."""
     blocks = min(num_tokens, MAX_BLOCKS or get_num_sms())
-    warps = min(32 if v <= 8 else 16, -(-num_tokens // blocks))
+    warps = min(32 if v <= 8 else 16, ceil_div(num_tokens, blocks))
     return blocks, 32 * warps
-
-
-# Blocks at most (None: one per SM). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one
-# at a time; tests set this to 1 (every token in one block) and to a large number (one token a block).
-MAX_BLOCKS: int | None = None
 
 
 def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, topk_group: int | None,

@@ -101,24 +101,16 @@ __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float
     }
     ptx::cp_async_wait_all();  // (each thread reads back only what it copied)
 
-    // in piece order: the partials before this piece's (summed in the first one's place), + this piece's,
-    // + each later one
+    // in piece order: the partials before this piece's summed in the last of their places, then added to this
+    // piece's, then each later one (float adds commute, so each step's bits are the single gatherer's)
     auto add = [](float4& acc, const float4& v) { acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w; };
 #pragma unroll 1
     for (uint32_t j = 1; j < piece; ++j) {
 #pragma unroll 8
-        for (uint32_t q = 0; q < kQuads; ++q) add(other(0, q), other(j, q));
-    }
-    if (piece > 0) {
-#pragma unroll
-        for (uint32_t q = 0; q < kQuads; ++q) {
-            float4 sum = other(0, q);
-            add(sum, make_float4(total[4 * q], total[4 * q + 1], total[4 * q + 2], total[4 * q + 3]));
-            total[4 * q] = sum.x, total[4 * q + 1] = sum.y, total[4 * q + 2] = sum.z, total[4 * q + 3] = sum.w;
-        }
+        for (uint32_t q = 0; q < kQuads; ++q) add(other(j, q), other(j - 1, q));
     }
 #pragma unroll 1
-    for (uint32_t j = piece; j + 1 < num_pieces; ++j) {
+    for (uint32_t j = piece > 0 ? piece - 1 : 0; j + 1 < num_pieces; ++j) {
 #pragma unroll
         for (uint32_t q = 0; q < kQuads; ++q) {
             const float4 v = other(j, q);

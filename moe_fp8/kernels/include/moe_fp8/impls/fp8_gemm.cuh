@@ -289,35 +289,29 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 #pragma unroll
                 for (uint32_t g = 0; g < kNumMathWGs; ++g)
                     ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
-                if (Tail::is_piece(tile)) {  // a K piece: the band of rows it summed (epilogue/k_split.cuh)
+                // a K piece stores the band of rows it summed (epilogue/k_split.cuh), any other tile all its rows
+                uint32_t band0 = 0, band_end = BLOCK_M;
+                if (Tail::is_piece(tile)) {
                     constexpr uint32_t kMathWarps = kNumMathThreads / 32;
-                    const uint32_t r0 = epi::piece_band_row0<kMathWarps>(tile.piece, tile.num_pieces);
-                    const uint32_t row_end =
-                        min(tile.row_end, tile.row0 + epi::piece_band_row0<kMathWarps>(tile.piece + 1, tile.num_pieces));
-                    if constexpr (kActQuant)
-                        epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(
-                            smem_d + r0 * epi::StagingTile<64>::kPitchBytes, out, tile.row0 + r0, row_end,
-                            tile.n_block * 64, store_idx);
-                    else if (tile.num_waves == 1)  // a piece of a half: the half's columns
-                        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
-                            smem_d + r0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, tile.row0 + r0, row_end,
-                            tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
-                    else
-                        epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads>(
-                            smem_d + r0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, tile.row0 + r0, row_end,
-                            tile.n_block * BLOCK_N, store_idx);
-                } else if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
-                    epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(smem_d, out, tile.row0, tile.row_end,
-                                                                              tile.n_block * 64, store_idx);
-                } else if (kTailSplit && tile.num_waves == 1) {  // a tail half: its wave's columns
+                    band0 = epi::piece_band_row0<kMathWarps>(tile.piece, tile.num_pieces);
+                    band_end = epi::piece_band_row0<kMathWarps>(tile.piece + 1, tile.num_pieces);
+                }
+                const uint32_t row0 = tile.row0 + band0, row_end = min(tile.row_end, tile.row0 + band_end);
+                if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
+                    epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(
+                        smem_d + band0 * epi::StagingTile<64>::kPitchBytes, out, row0, row_end, tile.n_block * 64,
+                        store_idx);
+                } else if (kTailSplit && tile.num_waves == 1) {  // a tail half (or a K piece of one): its columns
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
-                        smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
+                        smem_d + band0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, row0, row_end,
+                        tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
                 } else {
                     // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
                     constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
                     const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
-                        smem_d, out, tile.row0, tile.row_end, tile.n_block * BLOCK_N, store_idx, chunk0);
+                        smem_d + band0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, row0, row_end,
+                        tile.n_block * BLOCK_N, store_idx, chunk0);
                 }
                 arrive_each(kBarStagingEmpty);
             }

@@ -283,12 +283,12 @@ struct MaskedScheduler {
         : masked_m(masked_m_), max_m(max_m_), num_groups(num_groups_) {
         if (num_groups <= kMaxCountedGroups) {
             const uint32_t lane = threadIdx.x % 32;
-            uint32_t m_blocks = 0, lane_tiles = 0;  // (lane_tiles: of group `lane`, when there are at most 32)
+            uint32_t tiles = 0, lane_tiles = 0;  // (lane_tiles: of group `lane`, when there are at most 32)
             for (uint32_t g = lane; g < num_groups; g += 32) {
-                const uint32_t tiles = ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
-                m_blocks += tiles / kNumNBlocks, lane_tiles = tiles;
+                lane_tiles = ceil_div(rows_of(g), BLOCK_M) * kNumNBlocks;
+                tiles += lane_tiles;
             }
-            num_tiles = __reduce_add_sync(kFullMask, m_blocks) * kNumNBlocks;
+            num_tiles = __reduce_add_sync(kFullMask, tiles);
             Tile unused;
             uint32_t first = blockIdx.x;
             if (num_groups >= kSeekGroups && (!kTailSplit || Tail::map(num_tiles, k_split, blockIdx.x, first, unused)))
