@@ -6,7 +6,8 @@ CUDA-event loop with the same flush is used.
 
 The GEMM benches also time each impl the way ANCHORS.md's DeepGEMM figures were taken
 (``bench_chilled_us``: DeepGEMM's ``bench_kineto`` puts an 8 GB memset before every call and reads the
-kernels' own durations from the profiler). The two differ for long FP8 GEMMs: back to back, they hold an
+kernels' own durations from the profiler; we also synchronise after the memset, so no PDL-launched kernel
+overlaps it). The two differ for long FP8 GEMMs: back to back, they hold an
 H100 at its 700 W cap, which lowers the SM clock (1.2–1.5 GHz against 1.98 in our runs); a memset between
 calls keeps it near the top. For short ones the kernel durations leave out the ~2–4 µs of launch latency
 that CUDA events around a call include.
@@ -72,7 +73,9 @@ def bench_chilled_us(fn: Callable[[], Any], calls: int = 30) -> float:
     measures its kernels: ~8 GB of memset before every call (L2 flushed, and the GPU kept off its power
     cap), a round of ``calls`` calls to warm up, then ``calls`` profiled ones; a call's time is the sum of
     the profiler's (CUPTI) durations of the kernels it launched, so launch latency and host gaps between
-    its kernels are left out, as they are from ANCHORS.md's DeepGEMM figures."""
+    its kernels are left out, as they are from ANCHORS.md's DeepGEMM figures. The stream is synchronised
+    after the memset: a kernel launched as a programmatic dependent (our GEMMs) would otherwise start
+    during the memset's last blocks and wait there, and its duration would include that wait (~0.3 µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     if not _CHILL:
@@ -84,6 +87,7 @@ def bench_chilled_us(fn: Callable[[], Any], calls: int = 30) -> float:
     def chill() -> None:
         for _ in range(memsets):
             buf.zero_()
+        torch.cuda.synchronize()
 
     if not _CHILL_KERNELS:  # what the memset runs as, to tell it from fn's kernels in the trace
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> None:
             _header(title, device, commit, date, f"bash scripts/gpu_check.sh {kind}",
                     " (timings: `triton.testing.do_bench` medians, L2 flushed"
                     + ("; the *chilled* tables time each call as DeepGEMM's `bench_kineto`, the method of "
-                       "ANCHORS.md's DeepGEMM figures: an 8 GB memset before every call, the kernels' own durations from "
-                       "the profiler, median of 30"
+                       "ANCHORS.md's DeepGEMM figures: an 8 GB memset before every call and the stream synchronised, the "
+                       "kernels' own durations from the profiler, median of 30"
                        if kind in ("gemm", "grouped") else "") + ")") + figure + table)
         print("wrote", docs / f"{slug}-{kind}.md")
     parts = [_header("GPU check: tests and JIT timings", device, commit, date,
