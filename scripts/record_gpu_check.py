@@ -26,7 +26,9 @@ def _device(run: Path) -> str:
 
 
 def _strip_progress(text: str) -> str:
-    return "\n".join(ln for ln in text.splitlines() if not re.match(r"^\[\d+/\d+\] ", ln)).strip() + "\n"
+    """The bench's table text without its progress lines and the profiler's warning (printed to stderr)."""
+    noise = re.compile(r"^\[\d+/\d+\] |^\S*profiler\.py:\d+: UserWarning|^\s+_warn_once\(")
+    return "\n".join(ln for ln in text.splitlines() if not noise.match(ln)).strip() + "\n"
 
 
 def _header(title: str, device: str, commit: str, date: str, command: str, timing: str = "") -> str:
