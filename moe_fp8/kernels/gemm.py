@@ -57,6 +57,20 @@ K_SPLIT_SLOT_WORDS = 128 * 256
 _K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
 _K_SPLIT_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones; a captured graph may still use them
 
+# L2 warm-up before a masked GEMM's first loads (impls/fp8_gemm.cuh): the weights' first WARM_K_BLOCKS K blocks,
+# for at most WARM_MAX_GROUPS groups of at most WARM_MAX_ROWS expected rows. Session 28 (H100, one process,
+# kernel durations): 1-2 groups of 1-70 rows 0.6-1.0 us faster (10.5 -> 9.8 us at 7168x2048, one row), 2 x ~450
+# rows 0.1-0.5 us; at 1 x 1206 rows (4096x7168) 0.5 us slower, hence the row bound. 5 K blocks, or the
+# activation rows prefetched too, were slower everywhere; with more groups their weights are not known before
+# the counts.
+WARM_K_BLOCKS, WARM_MAX_GROUPS, WARM_MAX_ROWS = 2, 2, 512
+
+
+def warm_k_blocks(layout: Layout, num_groups: int, expected_m: int | None) -> int:
+    """K blocks of the weights a launch prefetches into L2 before reading its counts (0: none)."""
+    small = layout == "masked" and num_groups <= WARM_MAX_GROUPS and (expected_m or 0) <= WARM_MAX_ROWS
+    return WARM_K_BLOCKS if small else 0
+
 
 def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     """The K-split workspace of the current stream on ``device_index``, or None (run the tail as halves).
@@ -194,7 +208,8 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # num_sms CTAs; the grid above is the fallback when no workspace can be had (_k_split_workspace).
     # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
     k_split = cfg.k_split and _tail_split(cfg, act_quant) and k_pieces_fit(k)
-    return kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg
+    return (kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg,
+            warm_k_blocks(layout, num_groups, expected_m))
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -218,12 +233,12 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
             _PREPARED.clear()
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
-    kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg = prep
+    kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg, warm = prep
     workspace = _k_split_workspace(x_fp8.device.index, cfg.num_sms) if k_split else None
     if workspace is not None:
         grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,
-                                num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace],
+                                num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace, warm],
                   smem_bytes=smem, cluster=cluster, pdl=_pdl())
     return cfg
 

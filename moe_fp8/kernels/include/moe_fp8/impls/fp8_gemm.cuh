@@ -160,7 +160,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     uint32_t num_groups,
                     float* __restrict__ out_scale,  // kActQuant only
                     uint32_t out_scale_stride,
-                    uint32_t* __restrict__ k_split_workspace) {  // tail split: K pieces, not halves (or null)
+                    uint32_t* __restrict__ k_split_workspace,  // tail split: K pieces, not halves (or null)
+                    uint32_t warm_k_blocks) {  // the weights' first K blocks to prefetch into L2 first (gemm.py)
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
@@ -179,6 +180,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     // two-wave tiles (192 / 256 wide) of single CTAs load B as two 96 / 128-row boxes, one per wave:
     // the gate and up blocks (kActQuant), or only the wave a split tail half runs (scheduler's TailSplit)
     constexpr bool kTwoBoxB = kNumWaves == 2 && !kCluster;
+    constexpr uint32_t kBBoxRows = kTwoBoxB ? kWaveN : BLOCK_N;  // (no cluster where the warm-up runs)
     constexpr bool kTailSplit = Scheduler::kTailSplit;
     using Tail = typename Scheduler::Tail;
     constexpr bool kKPieces = Tail::kKPieces;  // the last wave may run as K pieces (masked layout)
@@ -237,6 +239,17 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     }
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
     if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
+    // A masked GEMM issues its first loads only once it has read the groups' counts. For small ones of one or two
+    // groups (gemm.py decides) one thread a CTA first prefetches a share of the weights' first K blocks into L2
+    // (not the previous kernel's outputs: before the wait), so the DRAM latency of the first loads overlaps the
+    // counts' (and, under PDL, the previous kernel's end).
+    if (warm_k_blocks > 0 && threadIdx.x == kNumMathThreads + 32) {
+        constexpr uint32_t kBoxes = ceil_div(SHAPE_N, kBBoxRows);
+        const uint32_t boxes = num_groups * kBoxes, blocks = min(warm_k_blocks, kNumKBlocks);
+        for (uint32_t i = blockIdx.x; i < boxes * blocks; i += gridDim.x)
+            ptx::tma_prefetch_l2_2d(&tmap_b, static_cast<int32_t>(i / boxes * kBlockK),
+                                    static_cast<int32_t>(i % boxes / kBoxes * SHAPE_N + i % kBoxes * kBBoxRows));
+    }
     // Launched as a programmatic dependent (gemm.py), the CTAs got here while the previous kernel still ran;
     // from here on they read its outputs (the scheduler reads the grouped layout). The next kernel may
     // become resident on the SMs this grid leaves idle (at decode most of them) and wait there.

@@ -10,6 +10,12 @@ __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* desc) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(desc)) : "memory");
 }
 
+// The box at (c0 inner, c1 outer) into L2 only (no shared memory, no barrier).
+__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaDesc* desc, int32_t c0, int32_t c1) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+                 ::"l"(reinterpret_cast<uint64_t>(desc)), "r"(c0), "r"(c1) : "memory");
+}
+
 // Load the box at (c0 inner, c1 outer) into `dst`; out-of-bounds elements are filled with zeros and
 // still count towards the barrier's transaction bytes.
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaDesc* desc, uint64_t* bar, int32_t c0, int32_t c1) {
