@@ -59,7 +59,7 @@ _K_SPLIT_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones; a capture
 
 # L2 warm-up before a masked GEMM's first loads (impls/fp8_gemm.cuh): the weights' first WARM_K_BLOCKS K blocks,
 # for at most WARM_MAX_GROUPS groups of at most WARM_MAX_ROWS expected rows. Session 28 (H100, one process,
-# kernel durations, docs/kernels/gemm.md): 1-2 groups of 1-120 rows 0.8-1.2 us faster (10.7 -> 9.9 us at
+# kernel durations, docs/kernels/gemm.md): 1-2 groups of 1-120 rows 0.7-1.2 us faster (10.7 -> 9.9 us at
 # 7168x2048, one row), 2 x ~450 rows 0.1-0.6 us; at 1 x 1206 rows (4096x7168) 0.5 us slower, hence the row
 # bound. Five K blocks with the activation rows' first two were slower than two K blocks everywhere; with more
 # groups, which weights the first tiles need is not known before the counts.
