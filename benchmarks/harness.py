@@ -8,8 +8,9 @@ The GEMM benches also time each impl the way ANCHORS.md's DeepGEMM figures were 
 (``bench_chilled_us``: DeepGEMM's ``bench_kineto`` puts an 8 GB memset before every call and reads the
 kernels' own durations from the profiler; we also synchronise after the memset, so no PDL-launched kernel
 overlaps it). The two differ for long FP8 GEMMs: back to back, they hold an H100 at its 700 W cap, which
-lowers the SM clock (1.2–1.5 GHz against 1.98 in our runs); a memset between calls keeps it near the top. For short ones the kernel durations leave out the ~2–4 µs of launch latency
-that CUDA events around a call include.
+lowers the SM clock (1.2–1.5 GHz against 1.98 in our runs); a memset between calls keeps it near the top.
+For short ones the kernel durations leave out the ~2–4 µs of launch latency that CUDA events around a call
+include.
 """
 
 from __future__ import annotations
