@@ -58,18 +58,20 @@ _K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
 _K_SPLIT_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones; a captured graph may still use them
 
 # L2 warm-up before a masked GEMM's first loads (impls/fp8_gemm.cuh): the weights' first WARM_K_BLOCKS K blocks,
-# for at most WARM_MAX_GROUPS groups of at most WARM_MAX_ROWS expected rows. Session 28 (H100, one process,
-# kernel durations, docs/kernels/gemm.md): 1-2 groups of 1-120 rows 0.7-1.2 us faster (10.7 -> 9.9 us at
-# 7168x2048, one row), 2 x ~450 rows 0.1-0.6 us; at 1 x 1206 rows (4096x7168) 0.5 us slower, hence the row
-# bound. Five K blocks with the activation rows' first two were slower than two K blocks everywhere; with more
-# groups, which weights the first tiles need is not known before the counts.
-WARM_K_BLOCKS, WARM_MAX_GROUPS, WARM_MAX_ROWS = 2, 2, 512
+# for at most WARM_MAX_GROUPS groups. Session 28 (H100, one process, kernel durations, docs/kernels/gemm.md): 1-2
+# groups of 1-120 rows 0.7-1.2 us faster (10.7 -> 9.9 us at 7168x2048, one row), 2 x ~450 rows 0.1-0.6 us. Session
+# 29, same method, 4 rounds: one group of 700-1839 rows 0.2-1.1 us faster (805 rows at 7168x2048 25.2 -> 25.0, 900 /
+# 1206 rows at 4096x7168 50.7 -> 49.6 / 68.4 -> 67.5), 2 x ~1200 rows 0.5 us, 1300 and 4096 rows at 7168x2048
+# unchanged (session 28 had seen 1 x 1206 rows 0.5 us slower and bounded the rows at 512). Four groups of ~230
+# rows: 0.9 us slower. Five K blocks with the activation rows' first two were slower than two K blocks
+# everywhere, and the activation rows' first two K blocks on top of the weights' gained nothing at 805 rows;
+# with more groups, which weights the first tiles need is not known before the counts.
+WARM_K_BLOCKS, WARM_MAX_GROUPS = 2, 2
 
 
-def warm_k_blocks(layout: Layout, num_groups: int, expected_m: int | None) -> int:
+def warm_k_blocks(layout: Layout, num_groups: int) -> int:
     """K blocks of the weights a launch prefetches into L2 before reading its counts (0: none)."""
-    small = layout == "masked" and num_groups <= WARM_MAX_GROUPS and (expected_m or 0) <= WARM_MAX_ROWS
-    return WARM_K_BLOCKS if small else 0
+    return WARM_K_BLOCKS if layout == "masked" and num_groups <= WARM_MAX_GROUPS else 0
 
 
 def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
@@ -209,7 +211,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
     k_split = cfg.k_split and _tail_split(cfg, act_quant) and k_pieces_fit(k)
     return (kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg,
-            warm_k_blocks(layout, num_groups, expected_m))
+            warm_k_blocks(layout, num_groups))
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,

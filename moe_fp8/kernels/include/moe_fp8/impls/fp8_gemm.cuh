@@ -239,8 +239,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     }
     // the peer's barriers must be initialised before its multicasts or arrivals reach them
     if constexpr (kCluster) ptx::cluster_sync(); else __syncthreads();
-    // A masked GEMM issues its first loads only once it has read the groups' counts. For small ones of one or two
-    // groups (gemm.py decides) one thread a CTA first prefetches a share of the weights' first K blocks into L2
+    // A masked GEMM issues its first loads only once it has read the groups' counts. For those of one or two groups
+    // (gemm.py decides) one thread a CTA first prefetches a share of the weights' first K blocks into L2
     // (not the previous kernel's outputs: before the wait), so the DRAM latency of the first loads overlaps the
     // counts' (and, under PDL, the previous kernel's end).
     if (warm_k_blocks > 0 && threadIdx.x == kNumMathThreads + 32) {
