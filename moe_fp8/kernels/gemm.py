@@ -58,14 +58,11 @@ _K_SPLIT_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
 _K_SPLIT_OUTGROWN: list[torch.Tensor] = []  # replaced by larger ones; a captured graph may still use them
 
 # L2 warm-up before a masked GEMM's first loads (impls/fp8_gemm.cuh): the weights' first WARM_K_BLOCKS K blocks,
-# for at most WARM_MAX_GROUPS groups. Session 28 (H100, one process, kernel durations, docs/kernels/gemm.md): 1-2
-# groups of 1-120 rows 0.7-1.2 us faster (10.7 -> 9.9 us at 7168x2048, one row), 2 x ~450 rows 0.1-0.6 us. Session
-# 29, same method, 4 rounds: one group of 700-1839 rows 0.2-1.1 us faster (805 rows at 7168x2048 25.2 -> 25.0, 900 /
-# 1206 rows at 4096x7168 50.7 -> 49.6 / 68.4 -> 67.5), 2 x ~1200 rows 0.5 us, 1300 and 4096 rows at 7168x2048
-# unchanged (session 28 had seen 1 x 1206 rows 0.5 us slower and bounded the rows at 512). Four groups of ~230
-# rows: 0.9 us slower. Five K blocks with the activation rows' first two were slower than two K blocks
-# everywhere, and the activation rows' first two K blocks on top of the weights' gained nothing at 805 rows;
-# with more groups, which weights the first tiles need is not known before the counts.
+# for at most WARM_MAX_GROUPS groups (with more, which weights the first tiles need is not known before the counts;
+# four groups of ~230 rows measured 0.9 us slower). Measured (H100, kernel durations, docs/kernels/gemm.md,
+# sessions 28-29): 0.7-1.2 us faster for 1-2 groups of 1-120 rows (10.7 -> 9.9 us: one row at 7168x2048), 0.2-1.1
+# us for single groups of 700-1839 rows, even at 1300 and 4096 rows of 7168x2048. Five K blocks, or the activation
+# rows' first K blocks as well, were no better anywhere.
 WARM_K_BLOCKS, WARM_MAX_GROUPS = 2, 2
 
 
