@@ -455,3 +455,75 @@ def test_masked_silu_mul_quant_k_pieces_cuda_graph() -> None:
             _check_act(new, act, scale, valid, False, masked_m=new.masked_m)
         else:
             assert (act.view(torch.uint8) == POISON_CODE).all() and scale.isnan().all()
+
+
+def _async_case(case: str) -> tuple[object, ...]:
+    """``(launch, outputs)`` of one store-path case on few CTAs (each runs many tiles): ``launch()`` writes
+    ``outputs``, which the caller poisons first."""
+    from moe_fp8.kernels.gemm import fp8_gemm_hopper, fp8_grouped_gemm_silu_mul_quant_hopper
+    from moe_fp8.testing import make_gemm_inputs
+
+    nan = float("nan")
+    if case.startswith("normal"):  # whole, two-wave and (on 3 CTAs: a last wave of 1 tile) tail-half tiles
+        inp = make_gemm_inputs(1000, 2112, 576, seed=5, device="cuda")
+        block_n, sms = {"normal": (128, 7), "normal_two_wave": (256, 7), "normal_tail_halves": (192, 3)}[case]
+        cfg = make_config(128, block_n, sms, k=576, tail_split=case == "normal_tail_halves")
+        out = torch.full((1000, 2112), nan, dtype=torch.bfloat16, device="cuda")
+        return lambda: fp8_gemm_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, out, config=cfg), (out,)
+    if case.startswith("contiguous"):  # an empty group, and (m_total) the rows from the middle on unvisited
+        inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=6, device="cuda", num_empty=1)
+        rows = inp.x_fp8.shape[0]
+        m_total = torch.tensor([rows // 2 // 128 * 128], dtype=torch.int32, device="cuda") if case.endswith("total") else None
+        out = torch.full((rows, 2112), nan, dtype=torch.bfloat16, device="cuda")
+        return (lambda: fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices,
+                                                           out, m_total=m_total, config=make_config(128, 128, 7, k=1024)),
+                (out,))
+    if case == "masked":
+        inp = make_masked_inputs(4, 256, 150, 2112, 1024, seed=7, device="cuda", masked_m=[200, 77, 0, 129])
+        out = torch.full((4, 256, 2112), nan, dtype=torch.bfloat16, device="cuda")
+        return (lambda: fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                                       150, out, config=make_config(64, 128, 7, k=1024)), (out,))
+    if case == "masked_k_pieces":  # 160 tiles on 13 CTAs: the last wave as K pieces storing a band of rows each
+        inp = make_masked_inputs(1, 1206, 1206, 4096, 7168, seed=8, device="cuda", masked_m=[1206])
+        out = torch.full((1, 1206, 4096), nan, dtype=torch.bfloat16, device="cuda")
+        cfg = make_config(128, 256, 13, k=7168, k_split=True)
+        return (lambda: fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                                       1206, out, config=cfg), (out,))
+    # the fused SiLU·mul + quant epilogue: FP8 rows and their scales
+    if case == "silu_contiguous":
+        inp = make_contiguous_inputs(6, 150, 512, 2048, seed=9, device="cuda", num_empty=1)
+        act, scale = _poisoned_act((inp.x_fp8.shape[0], 256))
+        m_indices, masked_m, cfg = inp.m_indices, None, make_config(128, 256, 5, k=2048)
+    else:
+        inp = make_masked_inputs(4, 256, 100, 512, 2048, seed=10, device="cuda", masked_m=[200, 77, 0, 129])
+        act, scale = _poisoned_act((4, 256, 256), groups=4)
+        m_indices, masked_m, cfg = None, inp.masked_m, make_config(64, 256, 5, k=2048)
+    return (lambda: fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, m_indices,
+                                                           masked_m, 100, False, act, scale, config=cfg),
+            (act, scale))
+
+
+@pytest.mark.parametrize("case", ["normal", "normal_two_wave", "normal_tail_halves", "contiguous", "contiguous_m_total",
+                                  "masked", "masked_k_pieces", "silu_contiguous", "silu_masked"])
+def test_async_stores_write_the_same_bits(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Tiles stored by bulk copies (``gemm.async_stores``, forced on) against the same launch storing directly:
+    the same bits in every output, the rows neither may write (past a group's rows, past m_total, all-padding
+    blocks) left poisoned by both."""
+    import moe_fp8.kernels.gemm as G
+
+    launch, outputs = _async_case(case)
+    poison = [POISON_CODE if t.dtype == torch.float8_e4m3fn else 0xFF for t in outputs]  # 0xFF..: NaN
+    results = []
+    for threshold in (float("inf"), 0.0):  # direct, then bulk-copied (a CTA's last tile: direct either way)
+        monkeypatch.setattr(G, "ASYNC_STORE_MIN_TILES", threshold)
+        G._PREPARED.clear()
+        for t, p in zip(outputs, poison, strict=True):
+            t.view(torch.uint8).fill_(p)
+        launch()
+        torch.cuda.synchronize()
+        results.append([t.view(torch.uint8).clone() for t in outputs])
+    G._PREPARED.clear()
+    direct, bulk = results
+    assert (direct[0] != poison[0]).any(), "nothing was written"
+    for a, b in zip(direct, bulk, strict=True):
+        assert torch.equal(a, b), f"{case}: {int((a != b).sum())} bytes differ"

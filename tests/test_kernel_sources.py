@@ -73,6 +73,8 @@ def test_variant_compiles_to_qgmma(compiler, layout, n, k, cfg, tmp_path) -> Non
     assert len(qgmma) % 4 == 0, "one 128-K block = four K=32 wgmmas (the compiler may duplicate the loop)"
     assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
     assert count_instructions(sass, "UTMAPF") > 0, "the weights' L2 warm-up (a launch option)"
+    # bulk-copied tile stores (a launch option; a split-K CTA runs one tile, which it stores directly)
+    assert (count_instructions(sass, "UBLKCP") > 0) == (cfg.split_k == 1)
     for fn in res.ptxas.values():
         assert fn.get("spill_stores", 0) == 0 and fn.get("spill_loads", 0) == 0, res.ptxas
     assert_wgmma_pipelined(res.log)

@@ -71,6 +71,21 @@ def warm_k_blocks(layout: Layout, num_groups: int) -> int:
     return WARM_K_BLOCKS if layout == "masked" and num_groups <= WARM_MAX_GROUPS else 0
 
 
+# Bulk-copied tile stores (epilogue/store.cuh) where a launch's CTAs run ASYNC_STORE_MIN_TILES tiles each or more:
+# every tile but a CTA's last leaves shared memory as one cp.async.bulk a row, so the store warps issue a few
+# instructions a tile instead of ~40 each beside the math. Session 29 (H100, one process, kernel durations,
+# docs/kernels/gemm.md): normal 4096x7168x2048 / 4096x32768x512 / 4096x7168x16384 2.7 / 6.9 / 1.9% faster,
+# contiguous 8 x 4096 rows at 7168x2048 4.0%, 4 x 8192 at 4096x7168 1.6%, decode GEMMs even. With fewer tiles a
+# CTA they cost: 1 x 1206 masked rows at 4096x7168 (1.2 tiles a CTA) 2% slower, 805 at 7168x2048 (3.0) 0.5%.
+ASYNC_STORE_MIN_TILES = 3.5
+
+
+def async_stores(num_tiles: int, num_ctas: int) -> bool:
+    """Whether a launch of ``num_tiles`` tiles (an upper bound when masked) on ``num_ctas`` persistent CTAs stores
+    its tiles by bulk copies."""
+    return num_tiles >= ASYNC_STORE_MIN_TILES * num_ctas
+
+
 def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     """The K-split workspace of the current stream on ``device_index``, or None (run the tail as halves).
 
@@ -208,7 +223,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
     k_split = cfg.k_split and _tail_split(cfg, act_quant) and k_pieces_fit(k)
     return (kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg,
-            warm_k_blocks(layout, num_groups))
+            warm_k_blocks(layout, num_groups), async_stores(tiles, grid))
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -232,12 +247,12 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
             _PREPARED.clear()
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
-    kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg, warm = prep
+    kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg, warm, bulk = prep
     workspace = _k_split_workspace(x_fp8.device.index, cfg.num_sms) if k_split else None
     if workspace is not None:
         grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,
-                                num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace, warm],
+                                num_groups, out_scale, get_tma_aligned_m(rows_per_group), workspace, warm, bulk],
                   smem_bytes=smem, cluster=cluster, pdl=_pdl())
     return cfg
 

@@ -5,6 +5,7 @@
 #include "../common/types.cuh"
 #include "../ptx/barrier.cuh"
 #include "../ptx/misc.cuh"
+#include "../ptx/tma.cuh"
 
 namespace moe_fp8::epi {
 
@@ -60,11 +61,29 @@ __device__ __forceinline__ void write_fragment_to_smem(uint8_t* smem_d, const fl
 // All `kNumThreads` epilogue threads copy the staged tile out; row r of the tile goes to global row
 // row0 + r when row0 + r < row_end, columns n0.. only below SHAPE_N (a multiple of 8). Only the
 // kNumChunks 8-column chunks from `chunk0` are copied (a split-K CTA stores its share of the tile).
+// `bulk`: each row leaves as one asynchronous bulk copy (the TMA unit moves it) instead of 16-byte loads and
+// stores by these threads, which then issue a few instructions a tile rather than ~40 each (gemm.py decides
+// when). Either way the staging tile is free again on return; the bulk copies' writes land later (the store
+// warps wait for them before the CTA exits).
 template <uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t SHAPE_N, uint32_t kNumThreads, uint32_t kNumChunks = BLOCK_N / 8>
 __device__ __forceinline__ void store_tile(const uint8_t* smem_d, uint16_t* out, uint32_t row0, uint32_t row_end,
-                                           uint32_t n0, uint32_t thread_idx, uint32_t chunk0 = 0) {
+                                           uint32_t n0, uint32_t thread_idx, uint32_t chunk0, bool bulk) {
     constexpr uint32_t kPitch = StagingTile<BLOCK_N>::kPitchBytes;
     const uint32_t num_rows = min(BLOCK_M, row_end > row0 ? row_end - row0 : 0u);
+    if (bulk) {
+        const uint32_t col0 = n0 + chunk0 * 8;
+        const uint32_t cols = SHAPE_N % BLOCK_N == 0 ? kNumChunks * 8
+                              : col0 < SHAPE_N      ? min(kNumChunks * 8, SHAPE_N - col0)
+                                                    : 0u;
+        if (cols > 0) {
+            for (uint32_t r = thread_idx; r < num_rows; r += kNumThreads)
+                ptx::bulk_store(out + static_cast<uint64_t>(row0 + r) * SHAPE_N + col0, smem_d + r * kPitch + chunk0 * 16,
+                                cols * 2);
+        }
+        ptx::bulk_commit();
+        ptx::bulk_wait_read();
+        return;
+    }
     for (uint32_t idx = thread_idx; idx < num_rows * kNumChunks; idx += kNumThreads) {
         const uint32_t r = idx / kNumChunks, c = chunk0 + idx % kNumChunks;
         const uint32_t col = n0 + c * 8;

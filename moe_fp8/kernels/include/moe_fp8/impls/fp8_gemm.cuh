@@ -161,7 +161,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     float* __restrict__ out_scale,  // kActQuant only
                     uint32_t out_scale_stride,
                     uint32_t* __restrict__ k_split_workspace,  // tail split: K pieces, not halves (or null)
-                    uint32_t warm_k_blocks) {  // the weights' first K blocks to prefetch into L2 first (gemm.py)
+                    uint32_t warm_k_blocks,  // the weights' first K blocks to prefetch into L2 first (gemm.py)
+                    uint32_t async_stores) {  // every tile but a CTA's last leaves by bulk copies (gemm.py)
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
     constexpr uint32_t kNumMathThreads = kNumMathWGs * 128;
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, kBlockK);
@@ -282,8 +283,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
 #pragma unroll
                 for (uint32_t g = 0; g < kNumMathWGs; ++g) ptx::named_barrier_arrive(bar + g, kNumStagingThreads);
             };
-            auto stage_next_scales = [&]() {
-                if (!ahead.next(next_tile, k_split)) return;
+            auto stage_next_scales = [&]() -> bool {  // false: no next tile
+                if (!ahead.next(next_tile, k_split)) return false;
                 // the tile's two weight-scale blocks: its gate and up blocks (kActQuant), or its first
                 // and next, both clamped to the last (a multicast partner tile past N, or the second
                 // wave of N's last tile, reads it for columns that are never stored)
@@ -294,11 +295,15 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     smem_sb + scale_buf * 2 * Smem::kSBPitch, w_scale, next_tile.group, sb0, sb1, store_idx);
                 arrive_each(kBarScalesFull + 2 * scale_buf);
                 scale_buf ^= 1;
+                return true;
             };
             stage_next_scales();
             arrive_each(kBarStagingEmpty);  // the staging tile starts empty
             while (scheduler.next(tile, k_split)) {
-                stage_next_scales();
+                // NOTE: a CTA's last tile keeps the direct stores: bulk-copied, its rows' writes end the kernel
+                // later (805 x 7168 x 2048 masked rows, three tiles a CTA: 4% slower with every tile bulk-copied).
+                // Not held across tiles: one more live register spills the store warps' 40.
+                const bool has_next = stage_next_scales();
 #pragma unroll
                 for (uint32_t g = 0; g < kNumMathWGs; ++g)
                     ptx::named_barrier_sync(kBarStagingFull + g, kNumStagingThreads);
@@ -310,24 +315,26 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     band_end = epi::piece_band_row0<kMathWarps>(tile.piece + 1, tile.num_pieces);
                 }
                 const uint32_t row0 = tile.row0 + band0, row_end = min(tile.row_end, tile.row0 + band_end);
+                const bool bulk = async_stores && has_next;
                 if constexpr (kActQuant) {  // 128 FP8 bytes a row: stored as a 64-column bf16 tile
                     epi::store_tile<BLOCK_M, 64, SHAPE_N / 4, kNumStoreThreads>(
                         smem_d + band0 * epi::StagingTile<64>::kPitchBytes, out, row0, row_end, tile.n_block * 64,
-                        store_idx);
+                        store_idx, 0, bulk);
                 } else if (kTailSplit && tile.num_waves == 1) {  // a tail half (or a K piece of one): its columns
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, BLOCK_N / 16>(
                         smem_d + band0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, row0, row_end,
-                        tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16);
+                        tile.n_block * BLOCK_N, store_idx, tile.wave0 * BLOCK_N / 16, bulk);
                 } else {
                     // a split-K CTA stores the share of the tile it summed (epi::reduce_split_k)
                     constexpr uint32_t kChunks = BLOCK_N / 8 / kSplitK;
                     const uint32_t chunk0 = kSplitK > 1 ? ptx::cluster_cta_rank() * kChunks : 0;
                     epi::store_tile<BLOCK_M, BLOCK_N, SHAPE_N, kNumStoreThreads, kChunks>(
                         smem_d + band0 * epi::StagingTile<BLOCK_N>::kPitchBytes, out, row0, row_end,
-                        tile.n_block * BLOCK_N, store_idx, chunk0);
+                        tile.n_block * BLOCK_N, store_idx, chunk0, bulk);
                 }
                 arrive_each(kBarStagingEmpty);
             }
+            if (async_stores) ptx::bulk_wait();  // the earlier tiles' bulk copies have written their rows
         } else if (threadIdx.x % 128 == 0) {
             // ---- producer: one thread issues every TMA load ----
             ptx::tma_prefetch_desc(&tmap_a);
@@ -598,6 +605,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
         } else {
             epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);
         }
+        // the store warps' bulk copies read the tile through the async proxy: order these writes before them
+        if (async_stores) ptx::fence_proxy_async_shared();
         ptx::named_barrier_arrive(kBarStagingFull + warpgroup, kNumStagingThreads);
     }
     }
