@@ -512,16 +512,18 @@ def test_async_stores_write_the_same_bits(monkeypatch: pytest.MonkeyPatch, case:
     import moe_fp8.kernels.gemm as G
 
     launch, outputs = _async_case(case)
-    poison = [POISON_CODE if t.dtype == torch.float8_e4m3fn else 0xFF for t in outputs]  # 0xFF..: NaN
+    # the outputs' bits as integers of their size (the scales' column-major view too); all ones is NaN
+    bits = [t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) for t in outputs]
+    poison = [POISON_CODE if t.dtype == torch.float8_e4m3fn else -1 for t in outputs]
     results = []
     for threshold in (float("inf"), 0.0):  # direct, then bulk-copied (a CTA's last tile: direct either way)
         monkeypatch.setattr(G, "ASYNC_STORE_MIN_TILES", threshold)
         G._PREPARED.clear()
-        for t, p in zip(outputs, poison, strict=True):
-            t.view(torch.uint8).fill_(p)
+        for b, p in zip(bits, poison, strict=True):
+            b.fill_(p)
         launch()
         torch.cuda.synchronize()
-        results.append([t.view(torch.uint8).clone() for t in outputs])
+        results.append([b.clone() for b in bits])
     G._PREPARED.clear()
     direct, bulk = results
     assert (direct[0] != poison[0]).any(), "nothing was written"
