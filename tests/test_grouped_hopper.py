@@ -516,8 +516,8 @@ def test_async_stores_write_the_same_bits(monkeypatch: pytest.MonkeyPatch, case:
     bits = [t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) for t in outputs]
     poison = [POISON_CODE if t.dtype == torch.float8_e4m3fn else -1 for t in outputs]
     results = []
-    for threshold in (float("inf"), 0.0):  # direct, then bulk-copied (a CTA's last tile: direct either way)
-        monkeypatch.setattr(G, "ASYNC_STORE_MIN_TILES", threshold)
+    for bulk in (False, True):  # direct, then bulk-copied (a CTA's last tile: direct either way), any tile shape
+        monkeypatch.setattr(G, "async_stores", lambda *_, bulk=bulk: bulk)
         G._PREPARED.clear()
         for b, p in zip(bits, poison, strict=True):
             b.fill_(p)

@@ -275,11 +275,12 @@ def test_weights_warm_up_only_for_masked_gemms_of_few_groups() -> None:
     assert warm_k_blocks("contiguous", 1) == warm_k_blocks("normal", 1) == 0
 
 
-def test_async_stores_only_where_ctas_run_several_tiles() -> None:
-    """Bulk-copied tile stores: only where a launch's CTAs run ASYNC_STORE_MIN_TILES tiles each (fewer: slower)."""
+def test_async_stores_only_where_ctas_run_several_128_row_tiles() -> None:
+    """Bulk-copied tile stores: only for 128-row tiles, where a launch's CTAs run ASYNC_STORE_MIN_TILES each."""
     from moe_fp8.kernels.gemm import ASYNC_STORE_MIN_TILES, async_stores
 
     assert ASYNC_STORE_MIN_TILES > 1
-    assert async_stores(896, 132)  # 4096x7168x2048 on 128x256 tiles
-    assert not async_stores(392, 132)  # 805 masked rows at 7168x2048 on 128x128 tiles: 3 a CTA
-    assert not async_stores(160, 132) and not async_stores(0, 132)
+    assert async_stores(896, 132, 128)  # 4096x7168x2048 on 128x256 tiles
+    assert not async_stores(392, 132, 128)  # 805 masked rows at 7168x2048 on 128x128 tiles: 3 a CTA
+    assert not async_stores(160, 132, 128) and not async_stores(0, 132, 128)
+    assert not async_stores(512, 132, 64)  # 128x32768x512 on 64x128 tiles: measured slower

@@ -71,19 +71,21 @@ def warm_k_blocks(layout: Layout, num_groups: int) -> int:
     return WARM_K_BLOCKS if layout == "masked" and num_groups <= WARM_MAX_GROUPS else 0
 
 
-# Bulk-copied tile stores (epilogue/store.cuh) where a launch's CTAs run ASYNC_STORE_MIN_TILES tiles each or more:
-# every tile but a CTA's last leaves shared memory as one cp.async.bulk a row, so the store warps issue a few
-# instructions a tile instead of ~40 each beside the math. Session 29 (H100, one process, kernel durations,
-# docs/kernels/gemm.md): normal 4096x7168x2048 / 4096x32768x512 / 4096x7168x16384 2.7 / 6.9 / 1.9% faster,
-# contiguous 8 x 4096 rows at 7168x2048 4.0%, 4 x 8192 at 4096x7168 1.6%, decode GEMMs even. With fewer tiles a
-# CTA they cost: 1 x 1206 masked rows at 4096x7168 (1.2 tiles a CTA) 2% slower, 805 at 7168x2048 (3.0) 0.5%.
+# Bulk-copied tile stores (epilogue/store.cuh) for 128-row tiles where a launch's CTAs run ASYNC_STORE_MIN_TILES
+# tiles each or more: every tile but a CTA's last leaves shared memory as one cp.async.bulk a row, so the store
+# warps issue a few instructions a tile instead of ~40 each beside the math. Session 29 (H100, kernel durations,
+# docs/kernels/gemm.md), same process: normal 4096x7168x2048 / 4096x32768x512 / 4096x7168x16384 2.7 / 6.9 / 1.9%
+# faster, contiguous 8 x 4096 rows at 7168x2048 4.0%, 4 x 8192 at 4096x7168 1.6%. With fewer tiles a CTA they
+# cost (1 x 1206 masked rows at 4096x7168, 1.2 tiles a CTA: 2% slower; 805 at 7168x2048, 3.0: 0.5%), and 64-row
+# tiles gained nothing (decode GEMMs even) or lost (128x32768x512 on 64x128 tiles, 3.9 a CTA: 13.0 -> 14.2 us in
+# the record of ca3585e, which bulk-copied them).
 ASYNC_STORE_MIN_TILES = 3.5
 
 
-def async_stores(num_tiles: int, num_ctas: int) -> bool:
-    """Whether a launch of ``num_tiles`` tiles (an upper bound when masked) on ``num_ctas`` persistent CTAs stores
-    its tiles by bulk copies."""
-    return num_tiles >= ASYNC_STORE_MIN_TILES * num_ctas
+def async_stores(num_tiles: int, num_ctas: int, block_m: int) -> bool:
+    """Whether a launch of ``num_tiles`` tiles of ``block_m`` rows (an upper bound when masked) on ``num_ctas``
+    persistent CTAs stores its tiles by bulk copies."""
+    return block_m == 128 and num_tiles >= ASYNC_STORE_MIN_TILES * num_ctas
 
 
 def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
@@ -223,7 +225,7 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     # Under two pieces of K the kernel has no K pieces compiled (sched::TailSplit) and runs halves.
     k_split = cfg.k_split and _tail_split(cfg, act_quant) and k_pieces_fit(k)
     return (kernel, (grid, 1, 1), k_split, (cfg.num_threads, 1, 1), cfg.smem_bytes, (cluster, 1, 1), tmaps, cfg,
-            warm_k_blocks(layout, num_groups), async_stores(tiles, grid))
+            warm_k_blocks(layout, num_groups), async_stores(tiles, grid, cfg.block_m))
 
 
 def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
