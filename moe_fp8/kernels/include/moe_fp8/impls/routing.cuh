@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     __syncthreads();
     const auto take = [&]() {  // the next token of the block (≥ count: none left)
         uint32_t i = 0;
-        if (lane == 0) i = ptx::atomic_add_shared(&taken, 1u);
+        if (lane == 0) i = ptx::atomic_inc_shared(&taken, 0x7fffffffu);  // (a block's tokens never wrap)
         return __shfl_sync(kFullMask, i, 0);
     };
 

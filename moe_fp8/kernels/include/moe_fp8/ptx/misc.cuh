@@ -23,11 +23,13 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 // visible (a no-op otherwise): nothing before it may read what that kernel writes.
 __device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// atomicAdd on shared memory, by the calling thread alone (atomicAdd may become a warp-aggregated sequence)
-__device__ __forceinline__ uint32_t atomic_add_shared(uint32_t* ptr, uint32_t v) {
+// *ptr + 1 on shared memory by the calling thread alone (wrapping to 0 past `wrap`), returning the old value.
+// `atom.inc`, not `atom.add`: ptxas turns an add (even an inline-asm one, even under `if (lane == 0)`) into a
+// warp-aggregated sequence of ~15 instructions (vote, find-leader, popc, shuffle), not an inc.
+__device__ __forceinline__ uint32_t atomic_inc_shared(uint32_t* ptr, uint32_t wrap) {
     uint32_t old;
-    asm volatile("atom.shared.add.u32 %0, [%1], %2;"
-                 : "=r"(old) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(v) : "memory");
+    asm volatile("atom.shared.inc.u32 %0, [%1], %2;"
+                 : "=r"(old) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(ptr))), "r"(wrap) : "memory");
     return old;
 }
 
