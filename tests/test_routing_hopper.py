@@ -158,6 +158,40 @@ def test_near_ties_below_the_estimates_resolution(seed):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_near_tied_picks_of_a_clear_set(seed, monkeypatch):
+    """2 to 8 picks within the estimates' margin of each other (many tied exactly), all far above the experts
+    left and in groups far above the groups dropped: the certified path keeps the set and leaves the order to
+    the float64 scores (order_picks). Ids and weights bit-identical to every token on the exact path, and ids
+    to the reference."""
+    from moe_fp8.kernels import routing
+
+    g = torch.Generator().manual_seed(seed)
+    t, e = 2048, 256
+    logits = torch.randn(t, e, generator=g) - 2.0
+    steps = torch.randint(-40, 40, (t, e), generator=g).float() * 2.0**-22
+    for row in range(t):
+        groups = torch.randperm(8, generator=g)[:4]  # the kept groups hold the band (two each at most)
+        slots = (groups[:, None] * 32 + torch.randperm(32, generator=g)[:2]).flatten()
+        band = slots[torch.randperm(8, generator=g)[: 2 + row % 7]]
+        logits[row, band] = 3.0 + steps[row, band]
+    bias = (torch.randint(-2, 3, (e,), generator=g).float() * 2.0**-23).cuda()
+    x = logits.cuda()
+    for b in (None, bias):
+        for renorm in (True, False):
+            want = ref.select_experts(x, 8, scoring_func="sigmoid", renormalize=renorm, n_group=8, topk_group=4,
+                                      e_score_correction_bias=b, routed_scaling_factor=2.5)
+            got = []
+            for exact in ("0", "1"):
+                monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
+                got.append(routing.select_experts_hopper(x, 8, "sigmoid", renorm, 8, 4, b, 2.5))
+                check_routing(got[-1], want, renorm)
+            assert_same_bits(got[0][1], got[1][1], "topk_ids")
+            assert_same_bits(got[0][0], got[1][0], "topk_weights")
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 def test_uncovered_calls_run_the_triton_kernel():
     from moe_fp8.kernels.routing import select_experts_hopper
 
@@ -207,7 +241,7 @@ def test_sigmoids_over_every_float():
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_blocks", [1, None, 10**6])  # every token in one block, one block an SM, one token each
 def test_certified_path_matches_exact_path(max_blocks, monkeypatch):
-    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.1% of tokens fall back to the exact path: the
+    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.05% of tokens fall back to the exact path: the
     default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1 (every token exact), and both
     match the reference, with biases of several widths (the certified window grows with them, and the exact
     path's 32-bit keys reach farther down), and with a NaN bias (every token takes the wide exact path)."""

@@ -7,9 +7,11 @@
 // Two paths compute the picks (the weights are always the float64 scores of the picked experts):
 // - certified (pick_certified): float32 scores from the fast exp2 / reciprocal, within 2^-23 of the
 //   float64-rounded ones, so every choice is known to within a few units u (see make_window). Picks are made on
-//   those estimates, then kept only if every decision had a margin wider than the estimates' error: the
-//   last kept group against the first dropped one, each pick against the next. A token that fails
-//   (near-ties, NaN, a choice outside the window) takes the exact path; random logits fail ~0.1% of the time.
+//   those estimates, then kept only if every decision that sets them had a margin wider than the estimates'
+//   error: the last kept group against the first dropped one, the last pick against the next expert. A token
+//   that fails (near-ties at a cut, NaN, a choice outside the window) takes the exact path; random logits fail
+//   ~0.05% of the time. Picks closer to each other than the margin are a certain set in an uncertain order:
+//   the weights' pass, which computes their float64 scores anyway, sorts them on those (order_picks).
 // - exact (pick_exact): float64 scores of every expert, then the selection on them, by the token's warp.
 #pragma once
 
@@ -159,7 +161,9 @@ __device__ __forceinline__ uint32_t pop_picks(uint32_t (&key)[V], uint32_t lane,
 }
 
 // Certified picks (see the file comment): true, and lane k < kTopK holds pick k in `my_id`, when every
-// decision had its margin; false (warp-uniform) when the token must take the exact path.
+// decision that sets them had its margin; false (warp-uniform) when the token must take the exact path. A pick
+// that lacked the margin to the next one has its id's sign bit set (kUnordered): order_picks settles the order.
+constexpr int32_t kUnordered = -0x7fffffff - 1;
 template <uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup>
 __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const float (&biased_offset)[V],
                                                uint32_t in_range, uint32_t lane, int32_t& my_id) {
@@ -211,8 +215,10 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
     if constexpr (kDepth < V) ok &= !listed || key[0] != 0;
     const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
     const uint32_t next = lane + 1 == kTopK ? best : below;
-    ok &= lane >= kTopK || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
-    my_id = static_cast<int32_t>(511 - (my_key & 511));
+    // the last pick against the next key sets the picks; each earlier pair only their order
+    const bool apart = lane >= kTopK || (my_key >> kCodeBits) >= (next >> kCodeBits) + kPickMargin;
+    ok &= apart || lane != kTopK - 1;
+    my_id = static_cast<int32_t>((my_key & 511) ^ (apart ? 511u : 511u | kUnordered));  // 511 - code, flagged
     return __all_sync(kFullMask, ok);
 }
 
@@ -268,6 +274,27 @@ __device__ __forceinline__ int32_t select_exact(int64_t (&key)[V], uint32_t lane
         if (lane == k) my_id = static_cast<int32_t>(kNumExperts - 1 - code);
     }
     return my_id;
+}
+
+// Puts each token's picks in the order of their exact choices (score + bias; ties: lower expert first), for the
+// tokens whose certified picks came without it. Lanes [lane0, lane0 + kTopK) hold one token's picks, lane0 + j
+// pick j: its expert `id` and float64 score `score`, which move to the lane of their place. Tokens already in
+// order stay so (their exact order is the certified one).
+template <uint32_t kNumExperts, uint32_t kTopK, bool kHasBias, typename TBias>
+__device__ __forceinline__ void order_picks(float& score, int32_t& id, const TBias* bias, uint32_t lane0) {
+    const uint32_t lane = threadIdx.x % 32;
+    const int64_t my_rank = exact_rank<kNumExperts, kHasBias>(score, bias, static_cast<uint32_t>(id));
+    uint32_t place = 0;  // picks of the token ranked above this one (ranks are unique: one per expert)
+#pragma unroll
+    for (uint32_t j = 0; j < kTopK; ++j) place += __shfl_sync(kFullMask, my_rank, (lane0 + j) % 32) > my_rank;
+    uint32_t from = lane;  // the lane whose pick takes this lane's place
+#pragma unroll
+    for (uint32_t j = 0; j < kTopK; ++j) {
+        const uint32_t holders = __ballot_sync(kFullMask, place == j) >> lane0;  // this token's lowest bits first
+        if (lane == lane0 + j && holders != 0) from = lane0 + __ffs(holders) - 1;
+    }
+    score = __shfl_sync(kFullMask, score, from);
+    id = __shfl_sync(kFullMask, id, from);
 }
 
 // The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + kTopK) of a token (0 in
@@ -431,8 +458,10 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
             }
             pick(logit[1], logit[0]);
         }
-        const bool mine = lane_token < picked;
-        const float score = mine ? sigmoid_f32(load_f32(logits + pass_token * stride_t + pass_id)) : 0.0f;
+        const bool mine = lane_token < picked, unordered = __any_sync(kFullMask, pass_id < 0);
+        pass_id &= ~kUnordered;
+        float score = mine ? sigmoid_f32(load_f32(logits + pass_token * stride_t + pass_id)) : 0.0f;
+        if (unordered) order_picks<32 * V, kTopK, kHasBias>(score, pass_id, bias, lane - lane_pick);
         const float weight = pick_weight<kTopK>(score, lane - lane_pick, renormalize);
         if (mine) {
             weights[static_cast<uint64_t>(pass_token) * kTopK + lane_pick] = weight * routed_scaling_factor;
