@@ -161,9 +161,8 @@ def test_near_ties_below_the_estimates_resolution(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_near_tied_picks_of_a_clear_set(seed, monkeypatch):
     """2 to 8 picks within the estimates' margin of each other (many tied exactly), all far above the experts
-    left and in groups far above the groups dropped: the certified path keeps the set and leaves the order to
-    the float64 scores (order_picks). Ids and weights bit-identical to every token on the exact path, and ids
-    to the reference."""
+    left, their groups kept: the certified path keeps the set and leaves the order to the float64 scores
+    (order_picks). Ids and weights bit-identical to every token on the exact path, and ids to the reference."""
     from moe_fp8.kernels import routing
 
     g = torch.Generator().manual_seed(seed)
