@@ -156,6 +156,22 @@ def test_near_ties_below_the_estimates_resolution(seed):
                 check_routing(got, want, True)
 
 
+def _check_default_against_exact(monkeypatch, x, renorm, n_group, topk_group, bias) -> None:
+    """Top-8 of ``x`` (scale 2.5) by the default path, then by MOE_FP8_ROUTING_EXACT=1 (every token exact): each
+    against the reference, and the two bit-identical."""
+    from moe_fp8.kernels import routing
+
+    want = ref.select_experts(x, 8, scoring_func="sigmoid", renormalize=renorm, n_group=n_group, topk_group=topk_group,
+                              e_score_correction_bias=bias, routed_scaling_factor=2.5)
+    got = []
+    for exact in ("0", "1"):
+        monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
+        got.append(routing.select_experts_hopper(x, 8, "sigmoid", renorm, n_group, topk_group, bias, 2.5))
+        check_routing(got[-1], want, renorm)
+    assert_same_bits(got[0][1], got[1][1], "topk_ids")
+    assert_same_bits(got[0][0], got[1][0], "topk_weights")
+
+
 @pytest.mark.hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(3))
@@ -163,8 +179,6 @@ def test_near_tied_picks_of_a_clear_set(seed, monkeypatch):
     """2 to 8 picks within the estimates' margin of each other (many tied exactly), all far above the experts
     left, their groups kept: the certified path keeps the set and leaves the order to the float64 scores
     (order_picks). Ids and weights bit-identical to every token on the exact path, and ids to the reference."""
-    from moe_fp8.kernels import routing
-
     g = torch.Generator().manual_seed(seed)
     t, e = 2048, 256
     logits = torch.randn(t, e, generator=g) - 2.0
@@ -178,15 +192,7 @@ def test_near_tied_picks_of_a_clear_set(seed, monkeypatch):
     x = logits.cuda()
     for b in (None, bias):
         for renorm in (True, False):
-            want = ref.select_experts(x, 8, scoring_func="sigmoid", renormalize=renorm, n_group=8, topk_group=4,
-                                      e_score_correction_bias=b, routed_scaling_factor=2.5)
-            got = []
-            for exact in ("0", "1"):
-                monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
-                got.append(routing.select_experts_hopper(x, 8, "sigmoid", renorm, 8, 4, b, 2.5))
-                check_routing(got[-1], want, renorm)
-            assert_same_bits(got[0][1], got[1][1], "topk_ids")
-            assert_same_bits(got[0][0], got[1][0], "topk_weights")
+            _check_default_against_exact(monkeypatch, x, renorm, 8, 4, b)
 
 
 @pytest.mark.hopper
@@ -253,12 +259,4 @@ def test_certified_path_matches_exact_path(max_blocks, monkeypatch):
     for b in (bias, 40.0 * bias, 1e4 * bias + 3.0, nan_bias, None):
         for x in (logits, logits.bfloat16()):
             for n_group, topk_group in ((8, 4), (None, None)):
-                want = ref.select_experts(x, 8, scoring_func="sigmoid", renormalize=True, n_group=n_group,
-                                          topk_group=topk_group, e_score_correction_bias=b, routed_scaling_factor=2.5)
-                got = []
-                for exact in ("0", "1"):
-                    monkeypatch.setenv("MOE_FP8_ROUTING_EXACT", exact)
-                    got.append(routing.select_experts_hopper(x, 8, "sigmoid", True, n_group, topk_group, b, 2.5))
-                    check_routing(got[-1], want, True)
-                assert_same_bits(got[0][1], got[1][1], "topk_ids")
-                assert_same_bits(got[0][0], got[1][0], "topk_weights")
+                _check_default_against_exact(monkeypatch, x, True, n_group, topk_group, b)
