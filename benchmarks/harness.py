@@ -64,6 +64,34 @@ def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
     return ms[len(ms) // 2] * 1e3
 
 
+_CLEAN: list[torch.Tensor] = []
+
+
+def bench_clean_us(fn: Callable[[], Any], reps: int = 50) -> float:
+    """Median microseconds of one ``fn()`` call, timed as ``bench_us`` times it (CUDA events around the call,
+    the L2 flushed before it) except that the flush *reads* 256 MB instead of writing them. do_bench's flush
+    leaves the L2 full of dirty lines, and a kernel whose reads evict them pays their write-back to DRAM too;
+    after a model's previous layer (weights streamed, small activations written) the L2 holds mostly clean
+    lines, so this is what a decode step sees there (docs/kernels/gemm.md, session 32)."""
+    if not _CLEAN:
+        _CLEAN.append(torch.zeros(64 << 20, dtype=torch.float32, device="cuda"))  # 256 MB
+    buf = _CLEAN[0]
+    sink = torch.zeros((), dtype=torch.float32, device="cuda")
+    fn()
+    sink.add_(buf.sum())  # (the first pass also writes back what the zeroing left dirty)
+    times = []
+    for _ in range(reps):
+        sink.add_(buf.sum())
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return ms[len(ms) // 2] * 1e3
+
+
 _CHILL: list[torch.Tensor] = []
 _CHILL_KERNELS: set[str] = set()
 
