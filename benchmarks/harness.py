@@ -64,32 +64,37 @@ def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
     return ms[len(ms) // 2] * 1e3
 
 
-_CLEAN: list[torch.Tensor] = []
+_SPAN_BUFFERS: list[torch.Tensor] = []
 
 
-def bench_clean_us(fn: Callable[[], Any], reps: int = 50) -> float:
-    """Median microseconds of one ``fn()`` call, timed as ``bench_us`` times it (CUDA events around the call,
-    the L2 flushed before it) except that the flush *reads* 256 MB instead of writing them. do_bench's flush
-    leaves the L2 full of dirty lines, and a kernel whose reads evict them pays their write-back to DRAM too;
-    after a model's previous layer (weights streamed, small activations written) the L2 holds mostly clean
-    lines, so this is what a decode step sees there (docs/kernels/gemm.md, session 32)."""
-    if not _CLEAN:
-        _CLEAN.append(torch.zeros(64 << 20, dtype=torch.float32, device="cuda"))  # 256 MB
-    buf = _CLEAN[0]
+def flushed_spans_us(fn: Callable[[], Any], reps: int = 9) -> tuple[float, float]:
+    """``(dirty, clean)``: median microseconds from the first GPU activity of one ``fn()`` call to the end of
+    its last (the profiler's span: a CUDA-graph replay's GPU time, launch left out), after do_bench's flush (a
+    256 MB memset, which leaves the L2 full of dirty lines) and after the same flush followed by a 96 MB read
+    (the L2 then holds clean lines, as a model's previous layer leaves it: weights streamed, small activations
+    written). A kernel whose reads evict dirty lines pays their write-back to DRAM as well; the two kinds
+    alternate, the stream synchronised before each call (docs/kernels/gemm.md, session 32)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not _SPAN_BUFFERS:
+        _SPAN_BUFFERS.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+        _SPAN_BUFFERS.append(torch.zeros(24 << 20, dtype=torch.float32, device="cuda"))  # 96 MB
+    flush, clean = _SPAN_BUFFERS
     sink = torch.zeros((), dtype=torch.float32, device="cuda")
+    spans: dict[bool, list[float]] = {False: [], True: []}
     fn()
-    sink.add_(buf.sum())  # (the first pass also writes back what the zeroing left dirty)
-    times = []
     for _ in range(reps):
-        sink.add_(buf.sum())
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in times)
-    return ms[len(ms) // 2] * 1e3
+        for is_clean in (False, True):
+            flush.zero_()
+            if is_clean:
+                sink.add_(clean.sum())
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            events = gpu_events(prof)
+            spans[is_clean].append(max(end for _, _, end in events) - min(start for _, start, _ in events))
+    return tuple(sorted(v)[len(v) // 2] for v in (spans[False], spans[True]))  # type: ignore[return-value]
 
 
 _CHILL: list[torch.Tensor] = []

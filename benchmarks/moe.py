@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import BenchKind, Step, parse_ints
-from .harness import bench_clean_us, bench_us, gpu_events, measure_ceilings, row
+from .harness import bench_us, flushed_spans_us, gpu_events, measure_ceilings, row
 
 NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
 N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
@@ -191,12 +191,13 @@ def _capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> to
     return graph
 
 
-def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str = "masked") -> tuple[float, float]:
-    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches,
-    after do_bench's flush and after a clean one (``bench_clean_us``: the L2 as a model's previous layer leaves
-    it). Decode: the masked path, what an engine replays every step."""
+def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor,
+              path: str = "masked") -> tuple[float, tuple[float, float]]:
+    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches
+    (``bench_us``), and its profiled spans after a dirty and a clean flush (``flushed_spans_us``). Decode: the
+    masked path, what an engine replays every step."""
     graph = _capture(layer, hidden, logits, path)
-    return bench_us(graph.replay), bench_clean_us(graph.replay)
+    return bench_us(graph.replay), flushed_spans_us(graph.replay)
 
 
 def _graph_gemm_share(graph: torch.cuda.CUDAGraph, reps: int = 5) -> float:
@@ -248,14 +249,14 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
         notes.append(f"tokens {t}: moe_fp8 vs bf16 loop diff {d:.2e} > 2e-3")
     rows.append(row("moe_layer", shape, "moe_fp8", bench_us(lambda: layer(hidden, logits)), flops, nbytes))
     if is_decode:
-        g_us, clean_us = _graph_us(layer, hidden, logits)
+        g_us, (dirty_us, clean_us) = _graph_us(layer, hidden, logits)
         rows.append(row("moe_layer", shape, "moe_fp8_graph", g_us, flops, nbytes))
         floor_us = touched * expert_bytes / copy_gbps / 1e3
-        notes.append(f"decode {t} tokens (CUDA graph): {g_us:.1f} us ({clean_us:.1f} us with the L2 holding clean "
-                     f"lines, as after a model's previous layer); reading the {touched} touched local experts' "
+        notes.append(f"decode {t} tokens (CUDA graph): {g_us:.1f} us; reading the {touched} touched local experts' "
                      f"FP8 weights at {copy_gbps:.0f} GB/s takes {floor_us:.1f} us"
-                     + (f" -> {g_us / floor_us:.2f}x ({clean_us / floor_us:.2f}x)" if touched
-                        else " (no local expert touched)"))
+                     + (f" -> {g_us / floor_us:.2f}x" if touched else " (no local expert touched)")
+                     + f"; profiled replay {dirty_us:.1f} us after do_bench's flush, {clean_us:.1f} us with the L2 "
+                     f"holding clean lines (as after a model's previous layer)")
     rows.append(row("moe_layer", shape, "torch_blockwise_loop",
                     bench_us(lambda: _blockwise_layer(layer, hidden, logits)), flops, nbytes))
     rows.append(row("moe_layer", shape, "torch_bf16", bench_us(lambda: _bf16_loop(layer, bf16, hidden, logits)),
