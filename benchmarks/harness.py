@@ -64,37 +64,44 @@ def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
     return ms[len(ms) // 2] * 1e3
 
 
-_SPAN_BUFFERS: list[torch.Tensor] = []
+_FLUSH_BUFFERS: list[torch.Tensor] = []
+
+
+def flushed_events(fn: Callable[[], Any], clean: bool = False) -> list[tuple[str, float, float]]:
+    """The GPU activities of one ``fn()`` call (``gpu_events``), the stream synchronised before it, after
+    do_bench's flush (a 256 MB memset, which leaves the L2 full of dirty lines) or, ``clean``, after that flush
+    and a 96 MB read, which leaves clean lines as a model's previous layer does (weights streamed, small
+    activations written). A kernel whose reads evict dirty lines pays their write-back to DRAM as well
+    (docs/kernels/gemm.md, session 32)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not _FLUSH_BUFFERS:
+        _FLUSH_BUFFERS.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+        _FLUSH_BUFFERS.append(torch.zeros(24 << 20, dtype=torch.float32, device="cuda"))  # 96 MB
+    flush, lines = _FLUSH_BUFFERS
+    flush.zero_()
+    if clean:
+        lines.sum()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return gpu_events(prof)
+
+
+def span_us(events: Iterable[tuple[str, float, float]]) -> float:
+    """From the first activity's start to the last one's end (a CUDA-graph replay's GPU time, launch left out)."""
+    events = list(events)
+    return max(end for _, _, end in events) - min(start for _, start, _ in events)
 
 
 def flushed_spans_us(fn: Callable[[], Any], reps: int = 9) -> tuple[float, float]:
-    """``(dirty, clean)``: median microseconds from the first GPU activity of one ``fn()`` call to the end of
-    its last (the profiler's span: a CUDA-graph replay's GPU time, launch left out), after do_bench's flush (a
-    256 MB memset, which leaves the L2 full of dirty lines) and after the same flush followed by a 96 MB read
-    (the L2 then holds clean lines, as a model's previous layer leaves it: weights streamed, small activations
-    written). A kernel whose reads evict dirty lines pays their write-back to DRAM as well; the two kinds
-    alternate, the stream synchronised before each call (docs/kernels/gemm.md, session 32)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if not _SPAN_BUFFERS:
-        _SPAN_BUFFERS.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
-        _SPAN_BUFFERS.append(torch.zeros(24 << 20, dtype=torch.float32, device="cuda"))  # 96 MB
-    flush, clean = _SPAN_BUFFERS
-    sink = torch.zeros((), dtype=torch.float32, device="cuda")
-    spans: dict[bool, list[float]] = {False: [], True: []}
+    """``(dirty, clean)``: median ``span_us`` of one ``fn()`` call after each of ``flushed_events``' flushes, the
+    two alternating."""
     fn()
-    for _ in range(reps):
-        for is_clean in (False, True):
-            flush.zero_()
-            if is_clean:
-                sink.add_(clean.sum())
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            events = gpu_events(prof)
-            spans[is_clean].append(max(end for _, _, end in events) - min(start for _, start, _ in events))
-    return tuple(sorted(v)[len(v) // 2] for v in (spans[False], spans[True]))  # type: ignore[return-value]
+    spans = [[span_us(flushed_events(fn, clean)) for clean in (False, True)] for _ in range(reps)]
+    dirty, clean = (sorted(s[i] for s in spans)[reps // 2] for i in (0, 1))
+    return dirty, clean
 
 
 _CHILL: list[torch.Tensor] = []

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import BenchKind, Step, parse_ints
-from .harness import bench_us, flushed_spans_us, gpu_events, measure_ceilings, row
+from .harness import bench_us, flushed_events, flushed_spans_us, measure_ceilings, row, span_us
 
 NUM_EXPERTS, LOCAL_EXPERTS, HIDDEN, INTER, TOP_K = 256, 32, 7168, 2048, 8
 N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
@@ -204,20 +204,11 @@ def _graph_gemm_share(graph: torch.cuda.CUDAGraph, reps: int = 5) -> float:
     """The grouped GEMM kernels' share of the kernel span of one replay of ``graph`` (a captured forward), as
     the profiler sees them (L2 flushed before each replay; median over ``reps``): the GEMMs in place, with
     no host gap anywhere."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     shares = []
     for _ in range(reps):
-        flush.zero_()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay()
-            torch.cuda.synchronize()
-        kernels = gpu_events(prof)
-        span = max(end for _, _, end in kernels) - min(start for _, start, _ in kernels)
+        kernels = flushed_events(graph.replay)
         gemm = sum(end - start for name, start, end in kernels if "fp8_gemm_kernel" in name)
-        shares.append(gemm / span)
+        shares.append(gemm / span_us(kernels))
     return statistics.median(shares)
 
 
