@@ -92,6 +92,8 @@ def flushed_events(fn: Callable[[], Any], clean: bool = False) -> list[tuple[str
 def span_us(events: Iterable[tuple[str, float, float]]) -> float:
     """From the first activity's start to the last one's end (a CUDA-graph replay's GPU time, launch left out)."""
     events = list(events)
+    if not events:
+        raise ValueError("span_us: no GPU activity was recorded (did the call launch anything on the GPU?)")
     return max(end for _, _, end in events) - min(start for _, start, _ in events)
 
 

@@ -191,12 +191,11 @@ def _capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> to
     return graph
 
 
-def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor,
-              path: str = "masked") -> tuple[float, tuple[float, float]]:
-    """One forward replayed from a captured CUDA graph: the GPU's time alone, without the host's launches
-    (``bench_us``), and its profiled spans after a dirty and a clean flush (``flushed_spans_us``). Decode: the
-    masked path, what an engine replays every step."""
-    graph = _capture(layer, hidden, logits, path)
+def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[float, tuple[float, float]]:
+    """One decode forward (the masked path, what an engine replays every step) replayed from a captured CUDA
+    graph: the GPU's time alone, without the host's launches (``bench_us``), and its profiled spans after a
+    dirty and a clean flush (``flushed_spans_us``)."""
+    graph = _capture(layer, hidden, logits, "masked")
     return bench_us(graph.replay), flushed_spans_us(graph.replay)
 
 

@@ -403,3 +403,12 @@ def test_chilled_timing_sums_each_calls_kernels() -> None:
               ("gemm_a", 172, 175), ("gemm_b", 180, 184), ("fill<uchar>", 190, 240), ("gemm", 241, 250)]
     assert harness.kernel_us_per_call(events, chill) == [10, 7, 9]
     assert harness.kernel_us_per_call([("fill<uchar>", 0, 1)], chill) == []
+
+
+def test_span_covers_first_start_to_last_end() -> None:
+    """``span_us``: from the earliest start to the latest end, overlaps and gaps included (a PDL-launched
+    kernel starts before the previous one ends); no activity at all is an error, not a span of nothing."""
+    assert harness.span_us([("a", 10.0, 20.0), ("b", 15.0, 40.0), ("c", 45.0, 50.0)]) == 40.0
+    assert harness.span_us(iter([("a", 3.0, 4.5)])) == 1.5
+    with pytest.raises(ValueError, match="no GPU activity"):
+        harness.span_us([])
