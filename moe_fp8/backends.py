@@ -35,12 +35,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
-from .utils import truthy
+from .utils import env, truthy
 
 __all__ = [
     "BACKENDS",
@@ -247,25 +246,6 @@ def explain(op: str, device: torch.device | str | int | None = None) -> list[tup
     return rows
 
 
-# NOTE: os.environ.get costs ~1.7 µs per *unset* variable on the CI machine (Mapping.get raises and
-# catches KeyError inside), i.e. two of them would be a third of the launch budget. os.environ keeps
-# its raw items in the dict ``os.environ._data`` (keys via ``os.environ.encodekey``; CPython on
-# POSIX and Windows), which a plain dict lookup reads in ~60 ns and which os.environ[...] = ... /
-# monkeypatch.setenv update. Fall back to os.environ.get if that ever changes.
-try:
-    _ENV_KEYS = (os.environ.encodekey(ENV_BACKEND), os.environ.encodekey(ENV_STRICT))
-    if not isinstance(os.environ._data, dict):
-        raise AttributeError("os.environ._data is not a dict")
-except AttributeError:  # pragma: no cover - non-CPython os.environ
-    _ENV_KEYS = None
-
-
-def _decode(raw: object) -> str | None:
-    if raw is None:
-        return None
-    return os.fsdecode(raw) if isinstance(raw, bytes) else str(raw)
-
-
 def select(op: str, device: torch.device) -> tuple[str, Callable]:
     """``(backend_name, fn)`` that runs ``op`` for tensors on ``device`` (see the module docstring).
 
@@ -273,15 +253,11 @@ def select(op: str, device: torch.device) -> tuple[str, Callable]:
     or when ``MOE_FP8_STRICT=1`` and only a fallback could; ``ValueError`` for an unknown op or an
     unknown ``MOE_FP8_BACKEND`` value.
     """
-    if _ENV_KEYS is not None:
-        data = os.environ._data
-        key = (op, device, data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]))
-    else:  # pragma: no cover
-        key = (op, device, os.environ.get(ENV_BACKEND), os.environ.get(ENV_STRICT))
+    key = (op, device, env(ENV_BACKEND), env(ENV_STRICT))
     hit = _select_cache.get(key)
     if hit is not None:
         return hit
-    hit = _select_uncached(op, device, _decode(key[2]), _decode(key[3]))
+    hit = _select_uncached(op, device, key[2], key[3])
     _select_cache[key] = hit
     return hit
 

@@ -242,7 +242,7 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
     overrides the heuristic (tests and benchmark sweeps). Returns the config used.
     """
     key = (layout, x_fp8.data_ptr(), x_fp8.shape, x_scale.data_ptr(), x_scale.stride(), w.data_ptr(), w.shape,
-           rows_per_group, num_groups, expected_m, get_num_sms(), config, x_fp8.device.index, act_quant)
+           rows_per_group, num_groups, expected_m, get_num_sms(), config, x_fp8.get_device(), act_quant)
     prep = _PREPARED.get(key)
     if prep is None:
         if len(_PREPARED) >= _PREPARED_MAX:
@@ -250,7 +250,7 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
     kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg, warm, bulk = prep
-    workspace = _k_split_workspace(x_fp8.device.index, cfg.num_sms) if k_split else None
+    workspace = _k_split_workspace(x_fp8.get_device(), cfg.num_sms) if k_split else None
     if workspace is not None:
         grid = (cfg.num_sms, 1, 1)
     kernel.launch(grid, block, [tmap_a, tmap_b, tmap_sa, w_scale, out, grouped_layout, m_rows, rows_per_group,

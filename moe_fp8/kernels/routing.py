@@ -9,11 +9,10 @@ scoring, other expert counts, float16) to the Triton kernel, which computes the 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ..utils import ceil_div, get_num_sms, truthy
+from ..utils import ceil_div, env, get_num_sms, truthy
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/routing.cuh"
@@ -115,4 +114,4 @@ def _aligned_rows(rows: torch.Tensor) -> torch.Tensor:
 def exact_only() -> bool:
     """``MOE_FP8_ROUTING_EXACT=1``: every token takes the kernel's exact path (float64 scores for every expert)
     instead of the certified float32 estimate; the results are the same. For A/B measurements and tests."""
-    return truthy(os.environ.get("MOE_FP8_ROUTING_EXACT", "0"))
+    return truthy(env("MOE_FP8_ROUTING_EXACT"))

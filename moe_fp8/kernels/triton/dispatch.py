@@ -77,6 +77,7 @@ import triton.language as tl
 
 from moe_fp8.kernels.triton.common import (
     check_launch_device,
+    launch,
     native_cvt,
     native_fp8,
     pdl_args,
@@ -773,11 +774,11 @@ def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | 
                                                    device=device)
     count, seg_start, status, stats = i64.split([num_experts, num_experts, 4, 3 * num_chunks])
     if num_chunks > 0:
-        _count_kernel[(num_chunks,)](
+        launch(_count_kernel, (num_chunks,),
             ids, emap if emap is not None else ids, local, rank, hist, stats, count, num_pairs, num_experts,
             num_global, CHUNK=cfg.chunk, E_P2=cfg.e_p2, HIST_E=cfg.hist_experts, HAS_MAP=emap is not None,
             ADD_COUNT=not masked, RANK_SUB=cfg.rank_sub, num_warps=cfg.route_warps, **pdl_args(device))
-    _scan_kernel[(ceil_div(num_experts, cfg.scan_experts) + (0 if masked else 1),)](
+    launch(_scan_kernel, (ceil_div(num_experts, cfg.scan_experts) + (0 if masked else 1),),
         hist, base, count, seg_start, stats, status, masked_m if masked else count, num_chunks, num_experts,
         max_m, align_m, E_P2=cfg.e_p2,
         SCAN_C=cfg.scan_chunks if num_chunks > 64 else max(triton.next_power_of_2(num_chunks), 16),
@@ -839,13 +840,13 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
                 UE8M0=quant is not None and bool(quant.ue8m0), NATIVE_FP8=quant is not None and native_fp8(x.device),
                 num_warps=cfg.num_warps, **pdl_args(x.device))
     if cfg.sparse:
-        _scatter_sparse_kernel[(t_blocks, col_blocks)](*head, *tail, **meta)
+        launch(_scatter_sparse_kernel, (t_blocks, col_blocks), *head, *tail, **meta)
         return
     # scales in a pass of their own (contiguous; from x_scale, or from the quantized input's scales)
     apart = cfg.scales_apart and not masked and (quant is None or write_x)
     # (row_map stands in where nothing is recorded: no pointer of an empty tensor reaches the launch)
     src_rows = torch.empty(m_rows, dtype=torch.int32, device=x.device) if apart and m_rows else row_map
-    _scatter_kernel[(t_blocks, col_blocks)](*head, src_rows, *tail, BLOCK_T=cfg.block_t,
+    launch(_scatter_kernel, (t_blocks, col_blocks), *head, src_rows, *tail, BLOCK_T=cfg.block_t,
                                             SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
     if apart and m_rows:
         _scale_rows(src_rows, m_indices, x_scale if quant is None else quant.x_scale, out_scale, routing, m_pad,
@@ -864,7 +865,7 @@ def _scale_rows(src_rows: torch.Tensor, m_indices: torch.Tensor | None, scales: 
     m_rows = 0 if masked else m_indices.shape[0]
     programs = routing.masked_m.shape[0] * ceil_div(max_m, SCALE_ROWS_BLOCK_R) if masked else \
         ceil_div(m_rows, SCALE_ROWS_BLOCK_R)
-    _scale_rows_kernel[(programs, ceil_div(kg, block_g))](
+    launch(_scale_rows_kernel, (programs, ceil_div(kg, block_g)),
         src_rows, routing.masked_m if masked else m_indices, scales, out_scale, routing.status, m_rows, m_pad, max_m,
         kg, *scales.stride(), BLOCK_R=SCALE_ROWS_BLOCK_R, BLOCK_G=block_g, ROWS_ON_DEVICE=rows_on_device,
         M_ALIGN=SCALE_M_ALIGN, MASKED=masked, num_warps=4, **pdl_args(scales.device))
@@ -917,7 +918,7 @@ def _fused(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, e
     col_blocks = max(ceil_div(k, cfg.block_k), 1)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    _dispatch_fused_kernel[_fused_grid(num_tokens, num_experts, col_blocks, cfg)](
+    launch(_dispatch_fused_kernel, _fused_grid(num_tokens, num_experts, col_blocks, cfg),
         x_fp8.view(torch.uint8), x_scale, ids, emap if emap is not None else ids, out.view(torch.uint8),
         out_scale, row_map, masked_m, num_tokens, k, x_scale.shape[1], num_experts,
         emap.shape[0] if emap is not None else num_experts, max_m, m_pad,
@@ -1015,7 +1016,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     col_blocks = max(ceil_div(k, block_k), 1)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {k} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    _quant_dispatch_fused_kernel[_fused_grid(num_tokens, num_experts, col_blocks, cfg)](
+    launch(_quant_dispatch_fused_kernel, _fused_grid(num_tokens, num_experts, col_blocks, cfg),
         x, ids, emap if emap is not None else ids, x_fp8.view(torch.uint8), x_scale, out.view(torch.uint8),
         out_scale, row_map, masked_m, num_tokens, k, kg, num_experts,
         emap.shape[0] if emap is not None else num_experts, max_m, m_pad, get_tma_aligned_m(num_tokens), float(eps),
@@ -1231,7 +1232,7 @@ def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,
     col_blocks = ceil_div(h, cfg.block_h)
     if col_blocks > MAX_GRID_YZ:
         raise ValueError(f"hidden size {h} needs {col_blocks} column blocks (> {MAX_GRID_YZ})")
-    _combine_kernel[(ceil_div(num_tokens, cfg.block_t), col_blocks)](
+    launch(_combine_kernel, (ceil_div(num_tokens, cfg.block_t), col_blocks),
         rows, row_map, topk_weights, shared if shared is not None else rows, out,
         num_tokens, h, rows.shape[0], rows.stride(0), row_map.stride(0), row_map.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), shared.stride(0) if shared is not None else 0,

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from moe_fp8.kernels.triton.common import (
     check_launch_device,
+    launch,
     native_fp8,
     pdl_args,
     pdl_start,
@@ -197,7 +198,7 @@ def _launch(inp: torch.Tensor, n_out: int, group_size: int, ue8m0: bool, eps: fl
     row_programs = cfg.row_programs if masked else ceil_div(rows, cfg.block_r)
     flat = masked and groups <= QUANT_FLAT_MAX_GROUPS
     m_pad = get_tma_aligned_m(rows)
-    _act_quant_kernel[(row_programs, col_blocks, 1 if flat else groups)](
+    launch(_act_quant_kernel, (row_programs, col_blocks, 1 if flat else groups),
         inp, out.view(torch.uint8), out_scale, masked_m if masked else out_scale,
         rows, n_out, inp.shape[-1], kg, m_pad, kg * m_pad, row_programs, groups, float(eps),
         GROUP_SIZE=group_size, GS_P2=cfg.gs_p2, BLOCK_R=cfg.block_r, BLOCK_G=cfg.block_g,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moe_fp8 import reference
-from moe_fp8.kernels.triton.common import check_launch_device, pdl_args, pdl_start, sort_key
+from moe_fp8.kernels.triton.common import check_launch_device, launch, pdl_args, pdl_start, sort_key
 from moe_fp8.kernels.triton.configs import MAX_ROUTING_EXPERTS, RoutingConfig, routing_config
 from moe_fp8.utils import get_num_sms
 
@@ -160,7 +160,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, scoring_func: str, r
     cfg = config or routing_config(t, e, top_k, n_group, get_num_sms())
     bias = e_score_correction_bias
     grid = (triton.cdiv(t, cfg.block_t),)
-    _select_experts_kernel[grid](
+    launch(_select_experts_kernel, grid,
         router_logits, bias if bias is not None else router_logits, weights, ids,
         t, router_logits.stride(0), router_logits.stride(1), bias.stride(0) if bias is not None else 0,
         e // ng, ng, topk_group if grouped else 1, top_k, float(routed_scaling_factor),
