@@ -131,6 +131,42 @@ def test_find_compilers_reports_both_with_reasons() -> None:
             assert i.reason and not i.version
 
 
+def test_nvrtc_probe_is_kept_until_what_it_depends_on_changes(cache_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm process takes NVRTC's version from the memo (no libnvrtc load); a changed library file, search
+    environment or a damaged memo probes again."""
+    probes = []
+    lib = tmp_path / "libnvrtc.so.13"
+    lib.write_bytes(b"x" * 10)
+
+    def probe() -> compiler_mod.CompilerInfo:
+        probes.append(1)
+        return compiler_mod.CompilerInfo("nvrtc", f"13.0 (lib size {lib.stat().st_size})", str(lib), True, "")
+
+    monkeypatch.setattr(compiler_mod, "_probe_nvrtc", probe)
+    first = compiler_mod._nvrtc_info()
+    assert (cache_dir / compiler_mod.NVRTC_MEMO_FILE).is_file() and len(probes) == 1
+    assert compiler_mod._nvrtc_info() == first and len(probes) == 1  # from the memo
+    lib.write_bytes(b"x" * 12)  # another build of the library at the same path
+    assert compiler_mod._nvrtc_info().version == "13.0 (lib size 12)" and len(probes) == 2
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))  # another search path
+    compiler_mod._nvrtc_info()
+    assert len(probes) == 3
+    (cache_dir / compiler_mod.NVRTC_MEMO_FILE).write_text("{not json")
+    assert compiler_mod._nvrtc_info().version == "13.0 (lib size 12)" and len(probes) == 4
+    lib.unlink()  # the library is gone: never trusted from the memo
+    with pytest.raises(FileNotFoundError):
+        compiler_mod._nvrtc_info()
+    # an unavailable NVRTC is kept too (its reason), and an unwritable cache only costs the probe
+    monkeypatch.setattr(compiler_mod, "_probe_nvrtc", lambda: (probes.append(1), compiler_mod.CompilerInfo(
+        "nvrtc", "", "", False, "libnvrtc not loadable: test"))[1])
+    (cache_dir / compiler_mod.NVRTC_MEMO_FILE).unlink()
+    assert compiler_mod._nvrtc_info().reason == "libnvrtc not loadable: test" and len(probes) == 6
+    assert compiler_mod._nvrtc_info().reason == "libnvrtc not loadable: test" and len(probes) == 6
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(lib / "not-a-dir"))
+    assert not compiler_mod._nvrtc_info().available and len(probes) == 7
+
+
 def test_get_compiler_default_prefers_nvcc_and_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler_mod, "_instances", {})
     default = get_compiler()

@@ -17,6 +17,8 @@ with a 64-byte aligned 128-byte struct instead of ``CUtensorMap``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
@@ -296,7 +298,68 @@ def _nvcc_info() -> CompilerInfo:
     return CompilerInfo("nvcc", version, str(path), True, "")
 
 
+# The NVRTC probe loads libnvrtc (~60 ms on the H100 machine, the bulk of a warm process's first kernel load),
+# although a warm cache needs only its version for the keys. Its result is kept in the cache directory
+# under what decides which library cuda.bindings loads and what version that is: the packages providing it,
+# the search environment and the library file itself (size, mtime). Any change there probes again.
+NVRTC_MEMO_FILE = "nvrtc_probe.json"
+
+
+def _nvrtc_memo_signature() -> list:
+    import importlib.metadata as md
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    try:
+        ld_cache = os.stat("/etc/ld.so.cache").st_mtime_ns
+    except OSError:
+        ld_cache = None
+    return [sys.prefix, *(version(d) for d in ("cuda-bindings", "cuda-pathfinder", "nvidia-cuda-nvrtc",
+                                                "nvidia-cuda-nvrtc-cu12")),
+            *(os.environ.get(v) for v in ("CUDA_HOME", "CUDA_PATH", "LD_LIBRARY_PATH", "CONDA_PREFIX")), ld_cache]
+
+
+def _file_identity(path: str) -> list | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
 def _nvrtc_info() -> CompilerInfo:
+    """``_probe_nvrtc()``, from the memo in the cache directory where it still applies."""
+    import json
+
+    from .cache import cache_dir
+
+    memo_path = cache_dir() / NVRTC_MEMO_FILE
+    signature = _nvrtc_memo_signature()
+    try:
+        memo = json.loads(memo_path.read_text())
+        info = CompilerInfo(**memo["info"])
+        library = _file_identity(info.path) if info.available else None
+        if memo["signature"] == signature and memo["library"] == library and (library or not info.available):
+            return info
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, unreadable or stale: probe
+    info = _probe_nvrtc()
+    if not info.available or _file_identity(info.path) is not None:  # (a library at an unknown path: no memo)
+        memo = {"signature": signature, "library": _file_identity(info.path) if info.available else None,
+                "info": dataclasses.asdict(info)}
+        with contextlib.suppress(OSError):  # best effort: an unwritable cache only costs the probe
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(memo))
+            os.replace(tmp, memo_path)
+    return info
+
+
+def _probe_nvrtc() -> CompilerInfo:
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
