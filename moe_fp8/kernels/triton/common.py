@@ -105,8 +105,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     needed) and keeps the compiled kernel; later calls bind the arguments with that kernel's Triton binder
     (so the same specialization: dtypes, 16-byte alignment, ints equal to 1 or multiples of 16, constexprs,
     options), find the kernel under it and call its launcher directly, on torch's current stream as Triton
-    does. The interpreter, ``MOE_FP8_TRITON_FAST_LAUNCH=0`` and Tritons whose internals differ take Triton's
-    path, as does anything but a plain ``@triton.jit`` kernel. (Triton's environment knobs, e.g. ``TRITON_DEBUG``, are read when a signature is first seen.)
+    does. The interpreter, ``MOE_FP8_TRITON_FAST_LAUNCH=0``, anything but a plain ``@triton.jit`` kernel and
+    Tritons whose internals differ take Triton's path. Triton's environment knobs (e.g. ``TRITON_DEBUG``) are
+    read when a signature is first seen.
     """
     global _fast_launch
     if (not _fast_launch or type(kernel) is not JITFunction or interpreting()
@@ -116,7 +117,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
     compiled = key = None
     try:
         hooks = triton.knobs.runtime
-        dev = torch.cuda.current_device()
+        dev = torch._C._cuda_getDevice()
+        stream = torch._C._cuda_getCurrentRawStream(dev)
         bound, spec, options = kernel.device_caches[dev][4](*args, **kwargs)
         key = (id(kernel), dev, tuple(spec), tuple(options.items()))
         compiled = _COMPILED.get(key)
@@ -132,7 +134,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
             _COMPILED[key] = compiled
         return
     g = (*grid, 1, 1)
-    stream = torch._C._cuda_getCurrentRawStream(dev)
     values = bound.values()
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                  compiled.launch_metadata(grid, stream, *values), hooks.launch_enter_hook, hooks.launch_exit_hook,
