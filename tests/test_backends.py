@@ -325,3 +325,17 @@ def test_environment_switches_read_on_and_off(text, on):
     from moe_fp8.utils import truthy
 
     assert truthy(text) is on
+
+
+def test_env_reads_what_os_environ_holds(monkeypatch):
+    """``utils.env`` (the launch paths' switch reader) follows setenv / delenv at once, as os.environ.get does."""
+    from moe_fp8.utils import env
+
+    monkeypatch.delenv("MOE_FP8_TEST_SWITCH", raising=False)
+    assert env("MOE_FP8_TEST_SWITCH") is None
+    monkeypatch.setenv("MOE_FP8_TEST_SWITCH", "on")
+    assert env("MOE_FP8_TEST_SWITCH") == "on"
+    monkeypatch.setenv("MOE_FP8_TEST_SWITCH", "é 0")
+    assert env("MOE_FP8_TEST_SWITCH") == "é 0"
+    monkeypatch.delenv("MOE_FP8_TEST_SWITCH")
+    assert env("MOE_FP8_TEST_SWITCH") is None

@@ -847,7 +847,7 @@ def _scatter(x: torch.Tensor, x_scale: torch.Tensor | None, routing: _Routing, o
     # (row_map stands in where nothing is recorded: no pointer of an empty tensor reaches the launch)
     src_rows = torch.empty(m_rows, dtype=torch.int32, device=x.device) if apart and m_rows else row_map
     launch(_scatter_kernel, (t_blocks, col_blocks), *head, src_rows, *tail, BLOCK_T=cfg.block_t,
-                                            SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
+           SKIP_IDLE=routing.has_map and not write_x, SCALES_APART=apart, **meta)
     if apart and m_rows:
         _scale_rows(src_rows, m_indices, x_scale if quant is None else quant.x_scale, out_scale, routing, m_pad,
                     rows_on_device)
