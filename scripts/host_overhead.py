@@ -1,12 +1,23 @@
-"""Host time per eager launch of the GEMM (tiny shape, so the GPU never limits), with a profile of
-where it goes. DESIGN §7 budget: <= 10 us per launch."""
+"""Host time per eager call of every public op and of an ``Fp8FusedMoE`` forward, on a Hopper GPU, as a table
+(DESIGN §7 budget: <= 10 us per launch), then a profile of where the GEMM's goes.
+
+Each call is timed alone while a sleep kernel keeps the GPU busy, so no launch waits for the GPU: what is left
+is Python, allocations and the launches themselves. Medians of ``--calls`` calls; the host's speed varies
+between machines and processes (up to 2x on the device machine), so compare within one run.
+
+    python scripts/host_overhead.py              # the table, then the GEMM profile
+    python scripts/host_overhead.py --no-profile
+"""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
+import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,26 +25,93 @@ import moe_fp8
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.gemm import fp8_gemm_hopper
 
-x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-x_fp8, x_scale = ref.per_token_group_quant(x)
-w_fp8, w_scale = ref.per_block_quant(w)
-out = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
-for name, fn in [("kernel wrapper", lambda: fp8_gemm_hopper(x_fp8, x_scale, w_fp8, w_scale, out)),
-                 ("public moe_fp8.fp8_gemm", lambda: moe_fp8.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, out=out))]:
-    for _ in range(100):
+
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Median host µs of one ``fn()`` with the GPU busy (a sleep queued before each call)."""
+    for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
+    times = []
+    for _ in range(calls):
+        torch.cuda._sleep(1_000_000)
+        t0 = time.perf_counter()
         fn()
-    host = (time.perf_counter() - t0) / n * 1e6
+        times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    print(f"{name}: {host:.1f} us host time per launch")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(2000):
-    moe_fp8.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, out=out)
-prof.disable()
-pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+    return statistics.median(times)
+
+
+def cases() -> list[tuple[str, Callable[[], object]]]:
+    dev = "cuda"
+    x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    x_fp8, x_scale = ref.per_token_group_quant(x)
+    w_fp8, w_scale = ref.per_block_quant(w)
+    out = torch.empty(64, 256, device=dev, dtype=torch.bfloat16)
+    # DeepSeek-V3 sizes, one expert-parallel rank (32 of 256 experts), 512 tokens
+    t, hidden, experts, local = 512, 7168, 256, 32
+    h = torch.randn(t, hidden, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(t, experts, device=dev)
+    bias = torch.randn(experts, device=dev) * 0.01
+    weights, ids = moe_fp8.layers.select_experts(logits, 8, scoring_func="sigmoid", n_group=8, topk_group=4,
+                                                 e_score_correction_bias=bias, routed_scaling_factor=2.5)
+    expert_map = torch.tensor([e if e < local else -1 for e in range(experts)], device=dev, dtype=torch.int32)
+    act = torch.randn(t, 4096, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(t * 8, hidden, device=dev, dtype=torch.bfloat16)
+    row_map = torch.randint(0, t * 8, (t, 8), device=dev)
+    return [
+        ("fp8_gemm kernel wrapper (64×256×256)", lambda: fp8_gemm_hopper(x_fp8, x_scale, w_fp8, w_scale, out)),
+        ("public moe_fp8.fp8_gemm (64×256×256)", lambda: moe_fp8.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, out=out)),
+        ("layers.select_experts (512 tokens, grouped top-8 of 256)", lambda: moe_fp8.layers.select_experts(
+            logits, 8, scoring_func="sigmoid", n_group=8, topk_group=4, e_score_correction_bias=bias,
+            routed_scaling_factor=2.5)),
+        ("quant.per_token_group (512×7168)", lambda: moe_fp8.quant.per_token_group(h)),
+        ("quant.silu_mul_per_token_group (512×4096)", lambda: moe_fp8.quant.silu_mul_per_token_group(act)),
+        ("layers.quant_dispatch_contiguous (512 tokens, 32 of 256 local, no sync)", lambda: moe_fp8.layers.quant_dispatch_contiguous(
+            h, ids, local, expert_map, sync=False, return_x=False, return_m_total=True)),
+        ("layers.quant_dispatch_masked (512 tokens, 32 of 256 local)", lambda: moe_fp8.layers.quant_dispatch_masked(
+            h, ids, local, t, expert_map)),
+        ("layers.combine (512 tokens × 8 slots × 7168)", lambda: moe_fp8.layers.combine(y, row_map, weights)),
+    ]
+
+
+def layer_cases() -> list[tuple[str, Callable[[], object]]]:
+    from moe_fp8.benchmarks.moe import HIDDEN, NUM_EXPERTS, build_layer
+
+    layer, _ = build_layer()
+    out = []
+    for tokens, path in ((2048, "contiguous"), (64, "masked")):
+        hidden = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, NUM_EXPERTS, device="cuda")
+        out.append((f"Fp8FusedMoE forward ({tokens} tokens, {path}; one EP rank of DeepSeek-V3)",
+                    lambda hidden=hidden, logits=logits, path=path: layer(hidden, logits, path=path)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per op")
+    ap.add_argument("--no-layer", action="store_true", help="skip the layer forward (builds 32 experts' weights)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the GEMM's profile")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = cases() + ([] if args.no_layer else layer_cases())
+    print("| eager call | host µs (median, GPU busy) |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {host_us(fn, args.calls if 'forward' not in name else 40):.1f} |", flush=True)
+    if not args.no_profile:
+        gemm = rows[1][1]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            gemm()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
