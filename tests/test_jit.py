@@ -166,6 +166,12 @@ def test_nvrtc_probe_is_kept_until_what_it_depends_on_changes(cache_dir: Path, t
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(lib / "not-a-dir"))
     assert not compiler_mod._nvrtc_info().available and len(probes) == 7
 
+    def broken_metadata() -> list:
+        raise RuntimeError("metadata unreadable (test)")
+
+    monkeypatch.setattr(compiler_mod, "_nvrtc_memo_signature", broken_metadata)
+    assert not compiler_mod._nvrtc_info().available and len(probes) == 8  # probed; the memo is not in the way
+
 
 def test_get_compiler_default_prefers_nvcc_and_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler_mod, "_instances", {})

@@ -338,7 +338,10 @@ def _nvrtc_info() -> CompilerInfo:
     from .cache import cache_dir
 
     memo_path = cache_dir() / NVRTC_MEMO_FILE
-    signature = _nvrtc_memo_signature()
+    try:
+        signature = _nvrtc_memo_signature()
+    except Exception:  # unreadable package metadata: probe, keep nothing (never lose the compiler over a memo)
+        return _probe_nvrtc()
     try:
         memo = json.loads(memo_path.read_text())
         info = CompilerInfo(**memo["info"])
