@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in rows:
         print(f"| {name} | {host_us(fn, args.calls if 'forward' not in name else 40):.1f} |", flush=True)
     if not args.no_profile:
-        gemm = rows[1][1]
+        gemm = dict(rows)["public moe_fp8.fp8_gemm (64×256×256)"]
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(2000):

@@ -351,9 +351,9 @@ def _nvrtc_info() -> CompilerInfo:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none yet, unreadable or stale: probe
     info = _probe_nvrtc()
-    if not info.available or _file_identity(info.path) is not None:  # (a library at an unknown path: no memo)
-        memo = {"signature": signature, "library": _file_identity(info.path) if info.available else None,
-                "info": dataclasses.asdict(info)}
+    library = _file_identity(info.path) if info.available else None
+    if library is not None or not info.available:  # (a library at an unknown path: no memo)
+        memo = {"signature": signature, "library": library, "info": dataclasses.asdict(info)}
         with contextlib.suppress(OSError):  # best effort: an unwritable cache only costs the probe
             memo_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = memo_path.with_name(f"{memo_path.name}.{os.getpid()}.tmp")
