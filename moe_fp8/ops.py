@@ -19,12 +19,13 @@ Three layers per op:
    op                                backend fn
    ================================  ================================================================
    fp8_gemm                          fn(x_fp8, x_scale, w, w_scale, out) -> None
-   fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out, *, m_total=None)
-                                        -> None (m_total passed only when given)
+   fp8_grouped_gemm_contiguous       fn(x_fp8, x_scale, w, w_scale, m_indices, out, *, m_total=None,
+                                        expected_m=None) -> None (each keyword passed only when given)
    fp8_grouped_gemm_masked           fn(x_fp8, x_scale, w, w_scale, masked_m, expected_m, out) -> None
    fp8_grouped_gemm_silu_mul_quant   fn(x_fp8, x_scale, w13, w13_scale, m_indices, masked_m, expected_m,
                                         ue8m0, out, out_scale, *, m_total=None) -> None (one of
-                                        m_indices / masked_m; m_total passed only when given)
+                                        m_indices / masked_m; m_total passed only when given;
+                                        expected_m 0: no hint, contiguous)
    per_token_group_quant             fn(x, group_size, ue8m0, eps) -> (x_fp8, x_scale[TMA layout])
    per_block_quant                   fn(w, block, ue8m0, eps) -> (w_fp8, w_scale)
    silu_mul_per_token_group_quant    fn(h, group_size, ue8m0, masked_m, eps, *, out=None, out_scale=None)
@@ -135,7 +136,8 @@ def _ref_fp8_gemm(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, ou
 
 
 def _ref_grouped_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
-                            m_indices: Tensor, out: Tensor, *, m_total: Tensor | None = None) -> None:
+                            m_indices: Tensor, out: Tensor, *, m_total: Tensor | None = None,
+                            expected_m: int | None = None) -> None:
     if m_total is not None:  # rows from m_total on are padding (on the device: no sync)
         rows = torch.arange(m_indices.shape[0], device=m_indices.device)
         m_indices = torch.where(rows < m_total, m_indices, -1)
@@ -237,7 +239,8 @@ def _composed_grouped_silu_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor, w1
                                  out: Tensor, out_scale: Tensor, *, m_total: Tensor | None = None) -> None:
     # no fused kernel: the grouped GEMM (bf16 h) then SiLU·mul + quant, each on its own backend
     if masked_m is None:
-        h = fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total)
+        h = fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total,
+                                        expected_m=expected_m or None)
         masked_m = m_total  # (None, or the 2-D row count: rows from it on stay untouched)
     else:
         h = fp8_grouped_gemm_masked(x_fp8, x_scale, w13, w13_scale, masked_m, expected_m)
@@ -351,28 +354,29 @@ def _changed(**values: tuple[object, object]) -> dict[str, object]:
 
 
 def _grouped_contiguous_impl(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
-                             out: Tensor, m_total: Tensor | None = None) -> None:
+                             out: Tensor, m_total: Tensor | None = None, expected_m: int = 0) -> None:
     if out.numel() == 0:
         return
     backends.select("fp8_grouped_gemm_contiguous", x_fp8.device)[1](
-        x_fp8, x_scale, w, w_scale, m_indices, out, **_changed(m_total=(m_total, None)))
+        x_fp8, x_scale, w, w_scale, m_indices, out,
+        **_changed(m_total=(m_total, None), expected_m=(expected_m or None, None)))
 
 
 @torch.library.custom_op("moe_fp8::fp8_grouped_gemm_contiguous", mutates_args=("out",))
 def _grouped_contiguous_op(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor,
-                           out: Tensor, m_total: Tensor | None = None) -> None:
-    _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
+                           out: Tensor, m_total: Tensor | None = None, expected_m: int = 0) -> None:
+    _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total, expected_m)
 
 
 @_grouped_contiguous_op.register_fake
 def _(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor, m_indices: Tensor, out: Tensor,
-      m_total: Tensor | None = None) -> None:
+      m_total: Tensor | None = None, expected_m: int = 0) -> None:
     return None
 
 
 def fp8_grouped_gemm_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: Tensor,
                                 m_indices: Tensor, out: Tensor | None = None, *,
-                                m_total: Tensor | None = None) -> Tensor:
+                                m_total: Tensor | None = None, expected_m: int | None = None) -> Tensor:
     """Grouped FP8 GEMM, contiguous layout (prefill): row ``r`` uses group ``m_indices[r]``.
 
     Args:
@@ -389,16 +393,21 @@ def fp8_grouped_gemm_contiguous(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_sca
             ``m_total[0]`` on is padding, whatever ``m_indices`` says there. The row count of a
             sync-free dispatch (``dispatch_contiguous(sync=False, return_m_total=True)``), whose layout
             is sized by an upper bound: the kernel reads it on the device and never visits those rows.
+        expected_m: optional positive host int, the rows per group the caller expects (a sync-free
+            prefill's ``T·top_k / E``): a hint for the kernel configuration, where ``M_total`` (an upper
+            bound there) says little; it may change speed, never the result.
 
     Returns ``out``.
     """
-    _, m, n, _ = V.check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
+    _, m, n, _ = V.check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total,
+                                                     expected_m)
     if out is None:
         out = torch.empty((m, n), dtype=_BF16, device=x_fp8.device)
+    hint = 0 if expected_m is None else expected_m
     if _compiling():
-        torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
+        torch.ops.moe_fp8.fp8_grouped_gemm_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out, m_total, hint)
     else:
-        _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total)
+        _grouped_contiguous_impl(x_fp8, x_scale, w, w_scale, m_indices, out, m_total, hint)
     return out
 
 
@@ -485,9 +494,9 @@ def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor,
     product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn.
 
     Args:
-        x_fp8, x_scale, m_indices: as ``fp8_grouped_gemm_contiguous`` (contiguous layout), or x_fp8,
-            x_scale, masked_m, expected_m as ``fp8_grouped_gemm_masked`` (masked layout): exactly one of
-            ``m_indices`` / ``masked_m``.
+        x_fp8, x_scale, m_indices (and the optional hint expected_m): as ``fp8_grouped_gemm_contiguous``
+            (contiguous layout), or x_fp8, x_scale, masked_m, expected_m as ``fp8_grouped_gemm_masked``
+            (masked layout): exactly one of ``m_indices`` / ``masked_m``.
         w13: ``float8_e4m3fn [G, 2I, K]`` = ``[gate; up]`` (DeepSeek-V3's fused ``gate_up_proj``),
             ``2I`` a multiple of 256; ``w13_scale`` ``float32 [G, 2I/128, ceil(K/128)]``.
         ue8m0: power-of-two activation scales.

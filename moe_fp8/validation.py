@@ -361,13 +361,16 @@ def _check_grouped_w(w: object, k: int, dev: torch.device) -> tuple[int, int]:
 
 def check_fp8_grouped_gemm_contiguous(x_fp8: object, x_scale: object, w: object, w_scale: object,
                                       m_indices: object, out: object = None,
-                                      m_total: object = None) -> tuple[int, int, int, int]:
+                                      m_total: object = None, expected_m: object = None) -> tuple[int, int, int, int]:
     """Validate the contiguous grouped GEMM; returns ``(G, M_total, N, K)``.
 
     As ``check_fp8_gemm`` with w FP8 [G, N, K], w_scale FP32 [G, ceil(N/128), ceil(K/128)],
     m_indices int32 [M_total] contiguous on x_fp8's device, and M_total % get_align_m() == 0; the
-    optional m_total int32 [1] on x_fp8's device (its value is not read).
+    optional m_total int32 [1] on x_fp8's device (its value is not read); expected_m None or a positive
+    host int (a speed hint only).
     """
+    if expected_m is not None:
+        check_int("expected_m", expected_m, min_value=1)
     fast = _fast_grouped_contiguous(x_fp8, x_scale, w, w_scale, m_indices, out)
     if fast is not None:
         if m_total is not None:
@@ -430,15 +433,16 @@ def check_fp8_grouped_gemm_silu_mul_quant(x_fp8: object, x_scale: object, w13: o
                                           out: object, out_scale: object, m_total: object = None) -> tuple[int, int]:
     """Validate ``ops.fp8_grouped_gemm_silu_mul_quant``; returns ``(G, I)``.
 
-    The contiguous (``m_indices``, optional ``m_total``) or masked (``masked_m``, ``expected_m``) grouped
-    GEMM's operands with ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256 (each output block of
+    The contiguous (``m_indices``, optional ``m_total`` and ``expected_m``) or masked (``masked_m``,
+    ``expected_m``) grouped GEMM's operands with ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256 (each output block of
     128 columns pairs a gate block with its up block); ``out`` / ``out_scale`` as ``check_act_quant_out``
     for ``[..., I]``.
     """
     if (m_indices is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indices (contiguous layout) and masked_m (masked layout)")
     if masked_m is None:
-        g, m, n, _ = check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total)
+        g, m, n, _ = check_fp8_grouped_gemm_contiguous(x_fp8, x_scale, w13, w13_scale, m_indices, m_total=m_total,
+                                                       expected_m=expected_m)
         rows: tuple[int, ...] = (m,)
     elif m_total is not None:
         raise ValueError("m_total ends a contiguous layout (with m_indices); the masked layout has masked_m")

@@ -42,7 +42,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe_fp8.kernels.heuristics import GemmConfig, GemmDesc, Layout, get_config, representative_rows
+from moe_fp8.kernels.heuristics import (
+    CONTIGUOUS_SHORT_MAX_ROWS,
+    GemmConfig,
+    GemmDesc,
+    Layout,
+    get_config,
+    representative_rows,
+)
 from moe_fp8.utils import ALIGN_M, GROUP_K, align
 
 __all__ = [
@@ -267,11 +274,13 @@ def _descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list[tupl
                     for lo, hi in _row_classes(max_tokens)]
         else:
             # M_total = Σ_e align(count_e, 128): a multiple of 128, at most every routed row plus a
-            # padding segment per local expert; each value is enumerated (a few hundred at most)
+            # padding segment per local expert; each value is enumerated (a few hundred at most), with and
+            # without the hint of short groups (the layer's expected rows per expert; see candidates)
             upper = min(align(max_tokens * top_k, ALIGN_M) + ALIGN_M * g.num_groups,
                         g.num_groups * align(max_tokens, ALIGN_M))
-            out += [(layout, m, m, GemmDesc(m, g.n, g.k, g.num_groups, "contiguous", num_sms, act_quant=g.act_quant))
-                    for m in range(ALIGN_M, upper + 1, ALIGN_M)]
+            out += [(layout, m, m, GemmDesc(m, g.n, g.k, g.num_groups, "contiguous", num_sms, expected_m=hint,
+                                            act_quant=g.act_quant))
+                    for m in range(ALIGN_M, upper + 1, ALIGN_M) for hint in (None, CONTIGUOUS_SHORT_MAX_ROWS)]
     return out
 
 

@@ -21,6 +21,7 @@ from moe_fp8.kernels.heuristics import (
     get_config,
     make_config,
     max_stages,
+    num_tiles,
     smem_bytes,
     straddle_ok,
 )
@@ -212,6 +213,30 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
                      GemmDesc(256, 2 * n, k, num_groups=32, layout="masked", expected_m=8, act_quant=1),
                      GemmDesc(256, n, k, num_groups=32, layout="contiguous")):
             assert get_config(desc) == modelled_config(config_key(desc)), desc
+
+
+def test_short_contiguous_groups_take_64_row_tiles() -> None:
+    """A contiguous GEMM whose groups are expected to hold at most CONTIGUOUS_SHORT_MAX_ROWS rows (the layer's
+    sync-free prefill: M_total is an upper bound) gets 64-row tiles, whatever M_total; a longer or no hint
+    keeps the plain choice, and config_key keeps only whether the groups are short."""
+    from moe_fp8.kernels.heuristics import CONTIGUOUS_SHORT_MAX_ROWS, config_key
+
+    for m in (4096, 8192, 20480):
+        for n, k, act_quant in ((4096, 7168, 1), (7168, 2048, 0), (512, 7168, 2), (7168, 256, 0)):
+            plain = get_config(GemmDesc(m, n, k, 32, "contiguous", act_quant=act_quant))
+            for hint in (1, 16, CONTIGUOUS_SHORT_MAX_ROWS):
+                desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
+                cfg = get_config(desc)
+                assert cfg.block_m == 64, desc
+                _valid(cfg, k)
+                assert config_key(desc).expected_m == CONTIGUOUS_SHORT_MAX_ROWS
+            for hint in (CONTIGUOUS_SHORT_MAX_ROWS + 1, 64, 512):
+                desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
+                assert get_config(desc) == plain, desc
+                assert config_key(desc).expected_m is None
+    # the hint never changes the tiles a contiguous kernel's grid is sized for
+    desc = GemmDesc(8192, 7168, 2048, 32, "contiguous")
+    assert num_tiles(desc, 64, 256) == num_tiles(dataclasses.replace(desc, expected_m=8), 64, 256)
 
 
 def test_large_m_fills_the_machine() -> None:

@@ -171,6 +171,8 @@ CONTIGUOUS_CASES = [
     ("m_total device", lambda a: a.update(m_total=torch.zeros(1, dtype=torch.int32, device=META)), ValueError,
      r"m_total must be on the same device as the data"),
     ("m_total not a tensor", lambda a: a.update(m_total=128), TypeError, r"m_total must be a torch\.Tensor, got int"),
+    ("expected_m zero", lambda a: a.update(expected_m=0), ValueError, r"expected_m must be >= 1, got 0"),
+    ("expected_m float", lambda a: a.update(expected_m=8.0), TypeError, r"expected_m must be an int .*got float"),
 ]
 
 

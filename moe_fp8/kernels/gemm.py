@@ -270,14 +270,16 @@ def fp8_gemm_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 
 def fp8_grouped_gemm_contiguous_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                                        w_scale: torch.Tensor, m_indices: torch.Tensor, out: torch.Tensor,
-                                       m_total: torch.Tensor | None = None, config: GemmConfig | None = None) -> None:
+                                       m_total: torch.Tensor | None = None, expected_m: int | None = None,
+                                       config: GemmConfig | None = None) -> None:
     """Contiguous M-grouped GEMM: row r of out = x[r] @ w[m_indices[r]]ᵀ; all-padding tiles skipped, and
-    with ``m_total`` (int32 [1] on the device) every row from ``m_total[0]`` on, unread and unwritten."""
+    with ``m_total`` (int32 [1] on the device) every row from ``m_total[0]`` on, unread and unwritten.
+    ``expected_m``: rows per group the caller expects (a hint for the block shape only)."""
     rows = x_fp8.shape[0]
     if rows == 0:
         return
-    launch_fp8_gemm("contiguous", x_fp8, x_scale, w, w_scale, out, m_indices, rows, w.shape[0], config=config,
-                    m_rows=m_total)
+    launch_fp8_gemm("contiguous", x_fp8, x_scale, w, w_scale, out, m_indices, rows, w.shape[0],
+                    expected_m=expected_m, config=config, m_rows=m_total)
 
 
 def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
@@ -301,15 +303,17 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
     """An expert's first GEMM with SiLU·mul + FP8 quantisation in its epilogue: with
     ``h = x @ w13[g]ᵀ`` in FP32 and ``w13 [G, 2I, K] = [gate; up]``, ``out_fp8 [..., I]`` /
     ``out_scale`` (TMA layout) get ``per_token_group_quant(silu(h[:, :I]) · h[:, I:])``; the bf16 ``h``
-    is never written. Contiguous (``m_indices``, x ``[M_total, K]``) or masked (``masked_m`` and
-    ``expected_m``, x ``[G, max_m, K]``: rows past masked_m are not written); contiguous with ``m_total``
-    (int32 [1] on the device): rows from ``m_total[0]`` on are not visited. Inputs already validated.
+    is never written. Contiguous (``m_indices``, x ``[M_total, K]``; ``expected_m`` a hint, 0 for none) or
+    masked (``masked_m`` and ``expected_m``, x ``[G, max_m, K]``: rows past masked_m are not written);
+    contiguous with ``m_total`` (int32 [1] on the device): rows from ``m_total[0]`` on are not visited.
+    Inputs already validated.
     """
     act_quant = 2 if ue8m0 else 1
     if masked_m is None:
         if x_fp8.shape[0]:
             launch_fp8_gemm("contiguous", x_fp8, x_scale, w13, w13_scale, out_fp8, m_indices, x_fp8.shape[0],
-                            w13.shape[0], config=config, act_quant=act_quant, out_scale=out_scale, m_rows=m_total)
+                            w13.shape[0], expected_m=expected_m or None, config=config, act_quant=act_quant,
+                            out_scale=out_scale, m_rows=m_total)
     elif x_fp8.shape[0] and x_fp8.shape[1]:
         launch_fp8_gemm("masked", x_fp8, x_scale, w13, w13_scale, out_fp8, masked_m, x_fp8.shape[1], x_fp8.shape[0],
                         expected_m=expected_m, config=config, act_quant=act_quant, out_scale=out_scale)

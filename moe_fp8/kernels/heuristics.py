@@ -134,6 +134,14 @@ MASKED_DECODE_MAX_ROWS = 48  # a boundary of representative_rows: the rule reads
 # -0.3% to +1.8%) and 1.3-3.6% faster than its 128x256 at 80-96 rows (32-128 groups), on both expert shapes.
 MASKED_DECODE_WIDE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
 MASKED_DECODE_WIDE_MAX_ROWS = 96  # a boundary of representative_rows too
+# Contiguous layout, groups the caller expects to hold few rows (``expected_m``: a sync-free prefill of an EP
+# rank, ~T·top_k/E rows an expert, each segment 128-row aligned): 64-row tiles only, so an expert of at most 64
+# rows computes and stages one 64-row block and its padding half is skipped, whatever M_total (an upper bound
+# there) tells the model. Session 34 (H100, the bench layer's 32 local experts, kernel durations after a flush,
+# 128x256 -> the model's 64-row pick): T = 256-1280 tokens (8-40 expected rows) GEMM2 (7168x2048) 205-206 ->
+# 185-186 us, the fused GEMM1 (4096x7168) 367-370 -> 349-350; at 48 expected rows the few experts past 64 rows
+# cost more than that (GEMM1 367 -> 384 us), at 64 GEMM1 369 -> 499-527.
+CONTIGUOUS_SHORT_MAX_ROWS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +154,7 @@ class GemmDesc:
     num_groups: int = 1
     layout: Layout = "normal"
     num_sms: int = 132
-    expected_m: int | None = None  # masked only: rows per group the caller expects
+    expected_m: int | None = None  # rows per group the caller expects (masked; contiguous: a hint, see candidates)
     # 1 / 2: the fused SiLU·mul + FP8 quant epilogue (FP32 / UE8M0 scales) on [gate; up] weights of
     # n rows: 256-wide tiles only (a gate and an up block each)
     act_quant: int = 0
@@ -301,11 +309,17 @@ def k_pieces_fit(k: int) -> bool:
     return ceil_div(k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
 
 
+def _short_contiguous(desc: GemmDesc) -> bool:
+    """A contiguous GEMM whose groups the caller expects to hold at most ``CONTIGUOUS_SHORT_MAX_ROWS`` rows."""
+    return desc.layout == "contiguous" and desc.expected_m is not None and desc.expected_m <= CONTIGUOUS_SHORT_MAX_ROWS
+
+
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     """(block_m, block_n, multicast, multicast_on_a) valid for the descriptor; rejected ones, and why:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
-    - block_m 128 for fewer than 65 rows per group only adds zero rows;
+    - block_m 128 for fewer than 65 rows per group only adds zero rows, and for a contiguous layout whose
+      groups are expected to hold at most ``CONTIGUOUS_SHORT_MAX_ROWS`` rows it computes their padding;
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
@@ -313,10 +327,10 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
-    rows = _rows_per_group(desc)
+    short = _rows_per_group(desc) <= 64 or _short_contiguous(desc)
     out = []
     for bm in BLOCK_MS:
-        if bm == 128 and rows <= 64:
+        if bm == 128 and short:
             continue
         for bn in (256,) if desc.act_quant else BLOCK_NS:
             if not straddle_ok(bn):
@@ -409,11 +423,13 @@ def config_key(desc: GemmDesc) -> GemmDesc:
         if desc.expected_m:
             return dataclasses.replace(desc, expected_m=64 * ceil_div(desc.expected_m, 64))
         return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
+    # contiguous: the rows hint only says whether the groups are short (candidates)
+    expected = CONTIGUOUS_SHORT_MAX_ROWS if _short_contiguous(desc) else None
     m_blocks = ceil_div(desc.m, 128)
     if m_blocks * ceil_div(desc.n, 256) >= BUCKET_MIN_WAVES * desc.num_sms:
         step = max(1, (1 << (m_blocks.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
-        return dataclasses.replace(desc, m=128 * align(m_blocks, step))
-    return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
+        return dataclasses.replace(desc, m=128 * align(m_blocks, step), expected_m=expected)
+    return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64), expected_m=expected)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -286,7 +286,7 @@ def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor
 
 
 def masked_expected_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """The masked GEMMs' ``expected_m`` hint: mean copies per global expert (speed only, never the result)."""
+    """The grouped GEMMs' ``expected_m`` hint: mean copies per global expert (speed only, never the result)."""
     return max(1, ceil_div(num_tokens * top_k, num_experts))
 
 
@@ -309,27 +309,30 @@ def _fused_gemm1(w13: Tensor) -> bool:
 
 def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,
                                w2: Tensor, w2_scale: Tensor, *, ue8m0: bool = False,
-                               mark: Callable[[str], None] | None = None, m_total: Tensor | None = None) -> Tensor:
+                               mark: Callable[[str], None] | None = None, m_total: Tensor | None = None,
+                               expected_m: int | None = None) -> Tensor:
     """The expert MLPs on a dispatched contiguous batch: GEMM (w13) → SiLU·mul + quant → GEMM (w2).
 
     ``a_fp8 [M_total, H]`` / ``a_scale`` and ``m_indices`` as ``dispatch_contiguous`` returns them; weights
     as ``Fp8FusedMoE``'s parameters (``[E_local, ...]``). ``m_total``: the device row count of a sync-free
-    dispatch's upper-bound layout (every op then stops there). Returns ``y [M_total, H]`` bf16 (rows past
-    ``m_total`` unspecified). ``mark(stage)`` is called after each stage (``StageTimer``).
+    dispatch's upper-bound layout (every op then stops there). ``expected_m``: the rows per expert the
+    caller expects (the GEMMs' block-shape hint). Returns ``y [M_total, H]`` bf16 (rows past ``m_total``
+    unspecified). ``mark(stage)`` is called after each stage (``StageTimer``).
     """
     if _fused_gemm1(w13):
         y_fp8, y_scale = fp8_grouped_gemm_silu_mul_quant(a_fp8, a_scale, w13, w13_scale, m_indices=m_indices,
-                                                         ue8m0=ue8m0, m_total=m_total)
+                                                         ue8m0=ue8m0, m_total=m_total, expected_m=expected_m)
         if mark is not None:
             mark("gemm1")
     else:
-        h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices, m_total=m_total)
+        h = fp8_grouped_gemm_contiguous(a_fp8, a_scale, w13, w13_scale, m_indices, m_total=m_total,
+                                        expected_m=expected_m)
         if mark is not None:
             mark("gemm1")
         y_fp8, y_scale = silu_mul_per_token_group(h, ue8m0=ue8m0, masked_m=m_total)
     if mark is not None:
         mark("act_quant")
-    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices, m_total=m_total)
+    y = fp8_grouped_gemm_contiguous(y_fp8, y_scale, w2, w2_scale, m_indices, m_total=m_total, expected_m=expected_m)
     if mark is not None:
         mark("gemm2")
     return y
@@ -613,9 +616,11 @@ class Fp8FusedMoE(nn.Module):
         if mark is not None:
             mark("dispatch")
         shared = self._run_shared(x_fp8, x_scale, mark)
+        # the expected rows per expert pick the GEMMs' tiles (M_total is only an upper bound without the sync)
         y = grouped_experts_contiguous(a, a_scale, m_indices, self.w13_weight, self.w13_weight_scale_inv,
                                        self.w2_weight, self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark,
-                                       m_total=None if sync else m_total)
+                                       m_total=None if sync else m_total,
+                                       expected_m=masked_expected_m(hidden.shape[0], self.top_k, self.num_experts))
         return y, row_map, shared
 
     def _workspace(self, device: torch.device, num_tokens: int) -> MaskedWorkspace | None:
