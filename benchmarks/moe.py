@@ -157,14 +157,14 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
     x_fp8, x_scale = per_token_group(hidden)
     t = hidden.shape[0]
     w13, w13_scale = layer.w13_weight, layer.w13_weight_scale_inv
+    expected_m = masked_expected_m(t, TOP_K, NUM_EXPERTS)  # the layer's hint on both paths
     if path == "contiguous":
         a, a_scale, groups, _ = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
-        grouping = {"m_indices": groups}
+        grouping = {"m_indices": groups, "expected_m": expected_m}
 
         def gemm(x, s, w, ws):
-            return fp8_grouped_gemm_contiguous(x, s, w, ws, groups)
+            return fp8_grouped_gemm_contiguous(x, s, w, ws, groups, expected_m=expected_m)
     else:
-        expected_m = masked_expected_m(t, TOP_K, NUM_EXPERTS)
         a, a_scale, groups, _ = dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, t, layer.expert_map)
         grouping = {"masked_m": groups, "expected_m": expected_m}
 

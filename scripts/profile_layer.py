@@ -302,12 +302,13 @@ def fused_gemm1(layer, t: int, path: str) -> None:
     _, ids = layer.route(torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32))
     x_fp8, x_scale = per_token_group(hidden)
     w13, w13_scale = layer.w13_weight, layer.w13_weight_scale_inv
+    expected_m = masked_expected_m(t, layer.top_k, NUM_EXPERTS)  # the layer's hint on both paths
     if path == "contiguous":
         a, a_scale, m_indices, _ = dispatch_contiguous(x_fp8, x_scale, ids, LOCAL_EXPERTS, layer.expert_map)
-        grouping = {"m_indices": m_indices}
-        plain = lambda: fp8_grouped_gemm_contiguous(a, a_scale, w13, w13_scale, m_indices)  # noqa: E731
+        grouping = {"m_indices": m_indices, "expected_m": expected_m}
+        plain = lambda: fp8_grouped_gemm_contiguous(a, a_scale, w13, w13_scale, m_indices,  # noqa: E731
+                                                    expected_m=expected_m)
     else:
-        expected_m = masked_expected_m(t, layer.top_k, NUM_EXPERTS)
         a, a_scale, masked_m, _ = dispatch_masked(x_fp8, x_scale, ids, LOCAL_EXPERTS, t, layer.expert_map)
         grouping = {"masked_m": masked_m, "expected_m": expected_m}
         plain = lambda: fp8_grouped_gemm_masked(a, a_scale, w13, w13_scale, masked_m, expected_m)  # noqa: E731

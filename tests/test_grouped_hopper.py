@@ -374,32 +374,36 @@ def test_contiguous_silu_mul_quant_m_total() -> None:
         assert scale[m_total:].isnan().all(), "scales past m_total were written"
 
 
+@pytest.mark.parametrize("hint", [16, 64])
 @pytest.mark.parametrize("n,k", [(7168, 2048), (4096, 7168)])
-def test_contiguous_short_groups_hint(n: int, k: int) -> None:
-    """The layer's hint of short groups (``expected_m``: 64-row tiles over 128-row segments, a padding half
-    skipped) through the public ops, with ``m_total`` as a sync-free prefill gives it: groups of 0-200 rows,
-    some past one 64-row block, against the reference; padding blocks and rows past ``m_total`` unwritten."""
+def test_contiguous_short_groups_hint(n: int, k: int, hint: int) -> None:
+    """The layer's hint of short groups (``expected_m``; at most 40 rows: 64-row tiles over 128-row segments, a
+    padding half skipped; at most 64: tiles walked N-fastest) through the public ops, with ``m_total`` as a
+    sync-free prefill gives it: groups of 0-200 rows, some past one 64-row block, against the reference;
+    padding blocks and rows past ``m_total`` unwritten."""
     import moe_fp8
     from moe_fp8.kernels.heuristics import GemmDesc, get_config
 
     sizes = [3, 0, 64, 65, 17, 200, 1, 128, 40, 0, 9, 63] * 3
-    inp = make_contiguous_inputs(len(sizes), 16, n, k, seed=n, device="cuda", group_sizes=sizes)
+    inp = make_contiguous_inputs(len(sizes), 16, n, k, seed=n + hint, device="cuda", group_sizes=sizes)
     rows = inp.x_fp8.shape[0]
     cut = inp.group_starts[30]
     m_total = torch.tensor([cut], dtype=torch.int32, device="cuda")
     for act_quant in (0, 1):
-        desc = GemmDesc(rows, n, k, len(sizes), "contiguous", get_num_sms(), expected_m=16, act_quant=act_quant)
-        assert get_config(desc).block_m == 64
+        cfg = get_config(GemmDesc(rows, n, k, len(sizes), "contiguous", get_num_sms(), expected_m=hint,
+                                  act_quant=act_quant))
+        assert cfg.swizzle_group_m == 1 and (cfg.block_m == 64) == (hint <= 40), cfg
     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe_fp8.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
-                                        m_total=m_total, expected_m=16)
+                                        m_total=m_total, expected_m=hint)
     act, scale = _poisoned_act((rows, n // 2))
     moe_fp8.fp8_grouped_gemm_silu_mul_quant(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, m_indices=inp.m_indices,
-                                            m_total=m_total, expected_m=16, out=act, out_scale=scale)
+                                            m_total=m_total, expected_m=hint, out=act, out_scale=scale)
     torch.cuda.synchronize()
     _check_m_total(inp, out, cut)
-    assert out[:cut].view(-1, 64, n)[(inp.m_indices[:cut].view(-1, 64) < 0).all(dim=1)].isnan().all(), \
-        "an all-padding 64-row block was written"
+    block = 64 if hint <= 40 else 128
+    assert out[:cut].view(-1, block, n)[(inp.m_indices[:cut].view(-1, block) < 0).all(dim=1)].isnan().all(), \
+        "an all-padding block was written"
     valid = inp.m_indices >= 0
     valid[cut:] = False
     _check_act(inp, act, scale, valid, False)

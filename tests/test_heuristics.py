@@ -217,20 +217,30 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
 
 def test_short_contiguous_groups_take_64_row_tiles() -> None:
     """A contiguous GEMM whose groups are expected to hold at most CONTIGUOUS_SHORT_MAX_ROWS rows (the layer's
-    sync-free prefill: M_total is an upper bound) gets 64-row tiles, whatever M_total; a longer or no hint
-    keeps the plain choice, and config_key keeps only whether the groups are short."""
-    from moe_fp8.kernels.heuristics import CONTIGUOUS_SHORT_MAX_ROWS, config_key
+    sync-free prefill: M_total is an upper bound) gets 64-row tiles, whatever M_total; up to
+    CONTIGUOUS_ONE_BLOCK_MAX_ROWS the tiles are walked N-fastest; a longer or no hint keeps the plain choice,
+    and config_key keeps only the class of the hint."""
+    from moe_fp8.kernels.heuristics import (
+        CONTIGUOUS_ONE_BLOCK_MAX_ROWS,
+        CONTIGUOUS_SHORT_MAX_ROWS,
+        config_key,
+    )
 
     for m in (4096, 8192, 20480):
         for n, k, act_quant in ((4096, 7168, 1), (7168, 2048, 0), (512, 7168, 2), (7168, 256, 0)):
             plain = get_config(GemmDesc(m, n, k, 32, "contiguous", act_quant=act_quant))
+            assert plain.swizzle_group_m > 1
             for hint in (1, 16, CONTIGUOUS_SHORT_MAX_ROWS):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 cfg = get_config(desc)
-                assert cfg.block_m == 64, desc
+                assert cfg.block_m == 64 and cfg.swizzle_group_m == 1, desc
                 _valid(cfg, k)
                 assert config_key(desc).expected_m == CONTIGUOUS_SHORT_MAX_ROWS
-            for hint in (CONTIGUOUS_SHORT_MAX_ROWS + 1, 64, 512):
+            for hint in (CONTIGUOUS_SHORT_MAX_ROWS + 1, CONTIGUOUS_ONE_BLOCK_MAX_ROWS):
+                desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
+                assert get_config(desc) == dataclasses.replace(plain, swizzle_group_m=1), desc
+                assert config_key(desc).expected_m == CONTIGUOUS_ONE_BLOCK_MAX_ROWS
+            for hint in (CONTIGUOUS_ONE_BLOCK_MAX_ROWS + 1, 512):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 assert get_config(desc) == plain, desc
                 assert config_key(desc).expected_m is None

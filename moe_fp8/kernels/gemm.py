@@ -15,6 +15,7 @@ import torch
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m, truthy
 from .heuristics import (
     BLOCK_K,
+    SWIZZLE_GROUP_M,
     GemmConfig,
     GemmDesc,
     Layout,
@@ -159,7 +160,8 @@ def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int
     sk = f"_sk{cfg.split_k}" if cfg.split_k > 1 else ""
     ts = "_ts" if _tail_split(cfg, act_quant) else ""
     act = ("", "_silu_quant", "_silu_quant_ue8m0")[act_quant]
-    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{act}"
+    order = f"_g{cfg.swizzle_group_m}" if cfg.swizzle_group_m != SWIZZLE_GROUP_M else ""
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{order}{act}"
 
 
 def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:

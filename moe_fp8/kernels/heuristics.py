@@ -142,6 +142,14 @@ MASKED_DECODE_WIDE_MAX_ROWS = 96  # a boundary of representative_rows too
 # 185-186 us, the fused GEMM1 (4096x7168) 367-370 -> 349-350; at 48 expected rows the few experts past 64 rows
 # cost more than that (GEMM1 367 -> 384 us), at 64 GEMM1 369 -> 499-527.
 CONTIGUOUS_SHORT_MAX_ROWS = 40
+# ... and with at most CONTIGUOUS_ONE_BLOCK_MAX_ROWS expected rows a group (about one 128-row block each), the
+# tiles are walked N-fastest (swizzle_group_m 1): the CTAs in flight stream adjacent weight rows of one expert
+# rather than the same columns of 16 experts. Session 34, same setup, 128x256 tiles, swizzle 16 -> 1: 2048 tokens
+# (64 expected rows) GEMM1 364.3 -> 348.2 us, GEMM2 204.7 -> 196.9 (2 / 4 / 8: in between); at 4096 tokens (128
+# rows, two blocks) 386.7 -> 391.6 and 221.2 -> 229.2, from 8192 on slower still, as on the grouped bench's shapes
+# (32 x 256 rows 513.7 -> 566.3 at 4096x7168): there the swizzle's shared weight columns pay. With 64-row tiles
+# (40 rows or fewer) the order moved nothing by more than 0.7%.
+CONTIGUOUS_ONE_BLOCK_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,9 +317,13 @@ def k_pieces_fit(k: int) -> bool:
     return ceil_div(k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
 
 
+def _contiguous_hint(desc: GemmDesc, max_rows: int) -> bool:
+    """A contiguous GEMM whose groups the caller expects to hold at most ``max_rows`` rows."""
+    return desc.layout == "contiguous" and desc.expected_m is not None and desc.expected_m <= max_rows
+
+
 def _short_contiguous(desc: GemmDesc) -> bool:
-    """A contiguous GEMM whose groups the caller expects to hold at most ``CONTIGUOUS_SHORT_MAX_ROWS`` rows."""
-    return desc.layout == "contiguous" and desc.expected_m is not None and desc.expected_m <= CONTIGUOUS_SHORT_MAX_ROWS
+    return _contiguous_hint(desc, CONTIGUOUS_SHORT_MAX_ROWS)
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
@@ -423,8 +435,9 @@ def config_key(desc: GemmDesc) -> GemmDesc:
         if desc.expected_m:
             return dataclasses.replace(desc, expected_m=64 * ceil_div(desc.expected_m, 64))
         return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
-    # contiguous: the rows hint only says whether the groups are short (candidates)
-    expected = CONTIGUOUS_SHORT_MAX_ROWS if _short_contiguous(desc) else None
+    # contiguous: the rows hint only says whether the groups are short (candidates) or about one block (the order)
+    expected = next((bound for bound in (CONTIGUOUS_SHORT_MAX_ROWS, CONTIGUOUS_ONE_BLOCK_MAX_ROWS)
+                     if _contiguous_hint(desc, bound)), None)
     m_blocks = ceil_div(desc.m, 128)
     if m_blocks * ceil_div(desc.n, 256) >= BUCKET_MIN_WAVES * desc.num_sms:
         step = max(1, (1 << (m_blocks.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
@@ -492,5 +505,6 @@ def modelled_config(desc: GemmDesc) -> GemmConfig:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
+    swizzle = 1 if _contiguous_hint(desc, CONTIGUOUS_ONE_BLOCK_MAX_ROWS) else SWIZZLE_GROUP_M
     return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
-                       k_split=masked_k_split(desc, bm, bn, mc))
+                       swizzle_group_m=swizzle, k_split=masked_k_split(desc, bm, bn, mc))
