@@ -225,6 +225,31 @@ def test_fused_moe_runs_every_step_through_public_ops(monkeypatch):
                         *(s.format("masked") for s in gemm1), "fp8_grouped_gemm_masked", "combine"]
 
 
+def test_contiguous_path_passes_the_rows_hint(monkeypatch):
+    """The contiguous path's grouped GEMMs get ``expected_m = ceil(T·top_k / E)`` (their block-shape hint): from
+    the layer, and from ``experts_contiguous`` given the global E (the engines' path); none without it."""
+    moe = MoEWeights(8, 128, 128, seed=35).fill(Fp8FusedMoE(8, 128, 128, 2))
+    hints = []
+    real = moe_module.fp8_grouped_gemm_contiguous
+
+    def spy(*args, expected_m=None, **kwargs):
+        hints.append(expected_m)
+        return real(*args, expected_m=expected_m, **kwargs)
+
+    monkeypatch.setattr(moe_module, "fp8_grouped_gemm_contiguous", spy)
+    x, logits = randn((12, 128), seed=1), randn((12, 8), seed=2)
+    out = moe(x, logits, path="contiguous")
+    assert hints == [3, 3]  # GEMM1 and GEMM2 (unfused off Hopper): ceil(12 * 2 / 8)
+    torch.testing.assert_close(out, moe(x, logits, path="masked"), rtol=0, atol=0)
+    hints.clear()
+    x_fp8, x_scale = quant.per_token_group(x)
+    _, ids = moe.route(logits)
+    weights = (moe.w13_weight, moe.w13_weight_scale_inv, moe.w2_weight, moe.w2_weight_scale_inv)
+    moe_module.experts_contiguous(x_fp8, x_scale, ids, *weights, 8, num_experts=8)
+    moe_module.experts_contiguous(x_fp8, x_scale, ids, *weights, 8)
+    assert hints == [3, 3, None, None]
+
+
 def test_fused_moe_auto_path_crossover(monkeypatch):
     moe = MoEWeights(8, 128, 128, seed=30).fill(Fp8FusedMoE(8, 128, 128, 2, masked_max_tokens=4))
     calls = []

@@ -169,8 +169,9 @@ class MoeFp8MoEMethod(FusedMoEMethodBase):
                       else default_masked_max_tokens(num_local))
         weights_ = (layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv)
         if choose_dispatch_path(t, max_tokens, hidden, self.path) == "contiguous":
-            y, row_map = experts_contiguous(x_fp8, x_scale, ids, *weights_, num_local, layer.moe_fp8_expert_map)
-        else:  # the expected_m hint counts copies per global expert
+            y, row_map = experts_contiguous(x_fp8, x_scale, ids, *weights_, num_local, layer.moe_fp8_expert_map,
+                                            num_experts=num_global)
+        else:  # (both paths' expected_m hint counts copies per global expert)
             y, row_map = experts_masked(x_fp8, x_scale, ids, *weights_, num_local, num_global,
                                         layer.moe_fp8_expert_map)
         scale = getattr(config, "routed_scaling_factor", None)

@@ -149,7 +149,7 @@ class MoeFp8Experts(_MoeFp8ExpertsBase):
         path = choose_dispatch_path(hidden_states.shape[0], self.masked_max_tokens, hidden_states)
         if path == "contiguous":
             y, row_map = experts_contiguous(x_fp8, x_scale, topk_ids, w1, self.w1_scale, w2, self.w2_scale,
-                                            num_local_experts, expert_map)
+                                            num_local_experts, expert_map, num_experts=global_num_experts)
         else:
             y, row_map = experts_masked(x_fp8, x_scale, topk_ids, w1, self.w1_scale, w2, self.w2_scale,
                                         num_local_experts, global_num_experts, expert_map)

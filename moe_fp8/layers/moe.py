@@ -379,7 +379,7 @@ def grouped_experts_masked(a_fp8: Tensor, a_scale: Tensor, masked_m: Tensor, exp
 def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor,
                        w2: Tensor, w2_scale: Tensor, num_local_experts: int,
                        expert_map: Tensor | None = None, *, ue8m0: bool = False,
-                       sync: bool = False) -> tuple[Tensor, Tensor]:
+                       sync: bool = False, num_experts: int | None = None) -> tuple[Tensor, Tensor]:
     """Routed experts on the contiguous layout (prefill): ``dispatch_contiguous`` then
     ``grouped_experts_contiguous``.
 
@@ -387,11 +387,13 @@ def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Te
     ``expert_map`` is given). Returns ``(y [M, H] bf16, row_map [T, top_k])`` for ``combine``. No host
     sync: ``M`` is the upper bound and the real row count stays on the device; ``sync=True`` sizes the
     layout exactly (``M = M_total``) with one sync (see ``Fp8FusedMoE``'s ``contiguous_sync``).
+    ``num_experts``: the global E, for the GEMMs' ``expected_m`` hint as ``experts_masked`` (None: no hint).
     """
     a, a_scale, m_indices, row_map, m_total = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts,
                                                                   expert_map, sync=sync, return_m_total=True)
+    hint = None if num_experts is None else masked_expected_m(x_fp8.shape[0], topk_ids.shape[1], num_experts)
     y = grouped_experts_contiguous(a, a_scale, m_indices, w13, w13_scale, w2, w2_scale, ue8m0=ue8m0,
-                                   m_total=None if sync else m_total)
+                                   m_total=None if sync else m_total, expected_m=hint)
     return y, row_map
 
 
