@@ -322,10 +322,6 @@ def _contiguous_hint(desc: GemmDesc, max_rows: int) -> bool:
     return desc.layout == "contiguous" and desc.expected_m is not None and desc.expected_m <= max_rows
 
 
-def _short_contiguous(desc: GemmDesc) -> bool:
-    return _contiguous_hint(desc, CONTIGUOUS_SHORT_MAX_ROWS)
-
-
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     """(block_m, block_n, multicast, multicast_on_a) valid for the descriptor; rejected ones, and why:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
@@ -339,7 +335,7 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
-    short = _rows_per_group(desc) <= 64 or _short_contiguous(desc)
+    short = _rows_per_group(desc) <= 64 or _contiguous_hint(desc, CONTIGUOUS_SHORT_MAX_ROWS)
     out = []
     for bm in BLOCK_MS:
         if bm == 128 and short:
