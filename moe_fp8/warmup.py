@@ -44,7 +44,6 @@ from typing import Any
 
 from moe_fp8.kernels.heuristics import (
     CONTIGUOUS_ONE_BLOCK_MAX_ROWS,
-    CONTIGUOUS_SHORT_MAX_ROWS,
     GemmConfig,
     GemmDesc,
     Layout,
@@ -276,13 +275,13 @@ def _descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list[tupl
         else:
             # M_total = Σ_e align(count_e, 128): a multiple of 128, at most every routed row plus a
             # padding segment per local expert; each value is enumerated (a few hundred at most), under each
-            # class of the layer's expected rows per expert (none, short groups, one block: see config_key)
+            # class of the layer's expected rows per expert (none, about one block: see config_key)
             upper = min(align(max_tokens * top_k, ALIGN_M) + ALIGN_M * g.num_groups,
                         g.num_groups * align(max_tokens, ALIGN_M))
             out += [(layout, m, m, GemmDesc(m, g.n, g.k, g.num_groups, "contiguous", num_sms, expected_m=hint,
                                             act_quant=g.act_quant))
                     for m in range(ALIGN_M, upper + 1, ALIGN_M)
-                    for hint in (None, CONTIGUOUS_SHORT_MAX_ROWS, CONTIGUOUS_ONE_BLOCK_MAX_ROWS)]
+                    for hint in (None, CONTIGUOUS_ONE_BLOCK_MAX_ROWS)]
     return out
 
 

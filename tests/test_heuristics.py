@@ -215,30 +215,21 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
             assert get_config(desc) == modelled_config(config_key(desc)), desc
 
 
-def test_short_contiguous_groups_take_64_row_tiles() -> None:
-    """A contiguous GEMM whose groups are expected to hold at most CONTIGUOUS_SHORT_MAX_ROWS rows (the layer's
-    sync-free prefill: M_total is an upper bound) gets 64-row tiles, whatever M_total; up to
-    CONTIGUOUS_ONE_BLOCK_MAX_ROWS the tiles are walked N-fastest; a longer or no hint keeps the plain choice,
-    and config_key keeps only the class of the hint."""
-    from moe_fp8.kernels.heuristics import (
-        CONTIGUOUS_ONE_BLOCK_MAX_ROWS,
-        CONTIGUOUS_SHORT_MAX_ROWS,
-        config_key,
-    )
+def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
+    """A contiguous GEMM whose groups are expected to hold at most CONTIGUOUS_ONE_BLOCK_MAX_ROWS rows (the layer's
+    sync-free prefill: M_total is an upper bound) keeps the plain tile but walks it N-fastest (a swizzle band of
+    one m-block); a longer or no hint keeps the plain choice, and config_key keeps only the class of the hint."""
+    from moe_fp8.kernels.heuristics import CONTIGUOUS_ONE_BLOCK_MAX_ROWS, config_key
 
     for m in (4096, 8192, 20480):
         for n, k, act_quant in ((4096, 7168, 1), (7168, 2048, 0), (512, 7168, 2), (7168, 256, 0)):
             plain = get_config(GemmDesc(m, n, k, 32, "contiguous", act_quant=act_quant))
             assert plain.swizzle_group_m > 1
-            for hint in (1, 16, CONTIGUOUS_SHORT_MAX_ROWS):
+            for hint in (1, 16, CONTIGUOUS_ONE_BLOCK_MAX_ROWS):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 cfg = get_config(desc)
-                assert cfg.block_m == 64 and cfg.swizzle_group_m == 1, desc
+                assert cfg == dataclasses.replace(plain, swizzle_group_m=1), desc
                 _valid(cfg, k)
-                assert config_key(desc).expected_m == CONTIGUOUS_SHORT_MAX_ROWS
-            for hint in (CONTIGUOUS_SHORT_MAX_ROWS + 1, CONTIGUOUS_ONE_BLOCK_MAX_ROWS):
-                desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
-                assert get_config(desc) == dataclasses.replace(plain, swizzle_group_m=1), desc
                 assert config_key(desc).expected_m == CONTIGUOUS_ONE_BLOCK_MAX_ROWS
             for hint in (CONTIGUOUS_ONE_BLOCK_MAX_ROWS + 1, 512):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
@@ -246,7 +237,7 @@ def test_short_contiguous_groups_take_64_row_tiles() -> None:
                 assert config_key(desc).expected_m is None
     # the hint never changes the tiles a contiguous kernel's grid is sized for
     desc = GemmDesc(8192, 7168, 2048, 32, "contiguous")
-    assert num_tiles(desc, 64, 256) == num_tiles(dataclasses.replace(desc, expected_m=8), 64, 256)
+    assert num_tiles(desc, 128, 256) == num_tiles(dataclasses.replace(desc, expected_m=8), 128, 256)
 
 
 def test_large_m_fills_the_machine() -> None:

@@ -134,21 +134,17 @@ MASKED_DECODE_MAX_ROWS = 48  # a boundary of representative_rows: the rule reads
 # -0.3% to +1.8%) and 1.3-3.6% faster than its 128x256 at 80-96 rows (32-128 groups), on both expert shapes.
 MASKED_DECODE_WIDE_TILES: dict[tuple[int, int], tuple[int, int]] = {(4096, 7168): (128, 4), (7168, 2048): (128, 4)}
 MASKED_DECODE_WIDE_MAX_ROWS = 96  # a boundary of representative_rows too
-# Contiguous layout, groups the caller expects to hold few rows (``expected_m``: a sync-free prefill of an EP
-# rank, ~T·top_k/E rows an expert, each segment 128-row aligned): 64-row tiles only, so an expert of at most 64
-# rows computes and stages one 64-row block and its padding half is skipped, whatever M_total (an upper bound
-# there) tells the model. Session 34 (H100, the bench layer's 32 local experts, kernel durations after a flush,
-# 128x256 -> the model's 64-row pick): T = 256-1280 tokens (8-40 expected rows) GEMM2 (7168x2048) 205-206 ->
-# 185-186 us, the fused GEMM1 (4096x7168) 367-370 -> 349-350; at 48 expected rows the few experts past 64 rows
-# cost more than that (GEMM1 367 -> 384 us), at 64 GEMM1 369 -> 499-527.
-CONTIGUOUS_SHORT_MAX_ROWS = 40
-# ... and with at most CONTIGUOUS_ONE_BLOCK_MAX_ROWS expected rows a group (about one 128-row block each), the
-# tiles are walked N-fastest (swizzle_group_m 1): the CTAs in flight stream adjacent weight rows of one expert
-# rather than the same columns of 16 experts. Session 34, same setup, 128x256 tiles, swizzle 16 -> 1: 2048 tokens
-# (64 expected rows) GEMM1 364.3 -> 348.2 us, GEMM2 204.7 -> 196.9 (2 / 4 / 8: in between); at 4096 tokens (128
-# rows, two blocks) 386.7 -> 391.6 and 221.2 -> 229.2, from 8192 on slower still, as on the grouped bench's shapes
-# (32 x 256 rows 513.7 -> 566.3 at 4096x7168): there the swizzle's shared weight columns pay. With 64-row tiles
-# (40 rows or fewer) the order moved nothing by more than 0.7%.
+# Contiguous layout, groups the caller expects to hold about one 128-row block each (``expected_m`` at most
+# CONTIGUOUS_ONE_BLOCK_MAX_ROWS: a sync-free prefill of an EP rank, ~T·top_k/E rows an expert, where M_total is only
+# an upper bound): the tiles are walked N-fastest (swizzle_group_m 1), so the CTAs in flight stream adjacent weight
+# rows of one expert rather than the same columns of 16 experts. Session 34 (H100, the bench layer's 32 local
+# experts, kernel durations after a flush, 128x256 tiles, swizzle 16 -> 1): 512-2048 tokens (16-64 expected rows)
+# the fused GEMM1 (4096x7168) 364-370 -> 348-351 us, GEMM2 (7168x2048) 205-207 -> 197 (2 / 4 / 8: in between); at
+# 4096 tokens (128 rows, two blocks) 386.7 -> 391.6 and 221.2 -> 229.2, from 8192 on slower still, as on the grouped
+# bench's shapes (32 x 256 rows 513.7 -> 566.3 at 4096x7168): there the swizzle's shared weight columns pay.
+# 64-row tiles, which skip a short segment's padding half, ran GEMM2 6% faster on uniform loads (185 us) and GEMM1
+# no faster; but an expert past 64 rows needs a second block, and with lognormal loads (one to five of 32 experts
+# past 64 rows) they ran GEMM1 7-20% and GEMM2 up to 9% slower than 128-row tiles, which stayed within 1.5%.
 CONTIGUOUS_ONE_BLOCK_MAX_ROWS = 64
 
 
@@ -162,7 +158,7 @@ class GemmDesc:
     num_groups: int = 1
     layout: Layout = "normal"
     num_sms: int = 132
-    expected_m: int | None = None  # rows per group the caller expects (masked; contiguous: a hint, see candidates)
+    expected_m: int | None = None  # rows per group the caller expects (masked; contiguous: a hint of the order)
     # 1 / 2: the fused SiLU·mul + FP8 quant epilogue (FP32 / UE8M0 scales) on [gate; up] weights of
     # n rows: 256-wide tiles only (a gate and an up block each)
     act_quant: int = 0
@@ -317,17 +313,17 @@ def k_pieces_fit(k: int) -> bool:
     return ceil_div(k, BLOCK_K) >= 2 * K_SPLIT_MIN_PIECE_BLOCKS
 
 
-def _contiguous_hint(desc: GemmDesc, max_rows: int) -> bool:
-    """A contiguous GEMM whose groups the caller expects to hold at most ``max_rows`` rows."""
-    return desc.layout == "contiguous" and desc.expected_m is not None and desc.expected_m <= max_rows
+def _one_block_contiguous(desc: GemmDesc) -> bool:
+    """A contiguous GEMM whose groups the caller expects to hold at most ``CONTIGUOUS_ONE_BLOCK_MAX_ROWS`` rows."""
+    return (desc.layout == "contiguous" and desc.expected_m is not None
+            and desc.expected_m <= CONTIGUOUS_ONE_BLOCK_MAX_ROWS)
 
 
 def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     """(block_m, block_n, multicast, multicast_on_a) valid for the descriptor; rejected ones, and why:
     - block_n must keep a tile within two weight-scale blocks (``straddle_ok``);
     - block_n beyond N adds only zero columns;
-    - block_m 128 for fewer than 65 rows per group only adds zero rows, and for a contiguous layout whose
-      groups are expected to hold at most ``CONTIGUOUS_SHORT_MAX_ROWS`` rows it computes their padding;
+    - block_m 128 for fewer than 65 rows per group only adds zero rows;
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow (the select per column chunk competes with the promotion for registers);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
@@ -335,10 +331,10 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - the fused SiLU·mul + quant epilogue (``act_quant``) takes 256-wide tiles only.
     """
-    short = _rows_per_group(desc) <= 64 or _contiguous_hint(desc, CONTIGUOUS_SHORT_MAX_ROWS)
+    rows = _rows_per_group(desc)
     out = []
     for bm in BLOCK_MS:
-        if bm == 128 and short:
+        if bm == 128 and rows <= 64:
             continue
         for bn in (256,) if desc.act_quant else BLOCK_NS:
             if not straddle_ok(bn):
@@ -431,9 +427,8 @@ def config_key(desc: GemmDesc) -> GemmDesc:
         if desc.expected_m:
             return dataclasses.replace(desc, expected_m=64 * ceil_div(desc.expected_m, 64))
         return dataclasses.replace(desc, m=64 * ceil_div(desc.m, 64))
-    # contiguous: the rows hint only says whether the groups are short (candidates) or about one block (the order)
-    expected = next((bound for bound in (CONTIGUOUS_SHORT_MAX_ROWS, CONTIGUOUS_ONE_BLOCK_MAX_ROWS)
-                     if _contiguous_hint(desc, bound)), None)
+    # contiguous: the rows hint only says whether the groups hold about one block (the tile order)
+    expected = CONTIGUOUS_ONE_BLOCK_MAX_ROWS if _one_block_contiguous(desc) else None
     m_blocks = ceil_div(desc.m, 128)
     if m_blocks * ceil_div(desc.n, 256) >= BUCKET_MIN_WAVES * desc.num_sms:
         step = max(1, (1 << (m_blocks.bit_length() - 1)) // BUCKETS_PER_OCTAVE)
@@ -501,6 +496,6 @@ def modelled_config(desc: GemmDesc) -> GemmConfig:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
-    swizzle = 1 if _contiguous_hint(desc, CONTIGUOUS_ONE_BLOCK_MAX_ROWS) else SWIZZLE_GROUP_M
+    swizzle = 1 if _one_block_contiguous(desc) else SWIZZLE_GROUP_M
     return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
                        swizzle_group_m=swizzle, k_split=masked_k_split(desc, bm, bn, mc))
