@@ -248,6 +248,14 @@ def test_contiguous_path_passes_the_rows_hint(monkeypatch):
     moe_module.experts_contiguous(x_fp8, x_scale, ids, *weights, 8, num_experts=8)
     moe_module.experts_contiguous(x_fp8, x_scale, ids, *weights, 8)
     assert hints == [3, 3, None, None]
+    # the global E (the hint's divisor) is checked before any work
+    for bad, exc, pattern in ((0, ValueError, "num_experts must be >= 1, got 0"),
+                              (8.0, TypeError, "num_experts must be an int")):
+        with pytest.raises(exc, match=pattern):
+            moe_module.experts_contiguous(x_fp8, x_scale, ids, *weights, 8, num_experts=bad)
+        with pytest.raises(exc, match=pattern):
+            moe_module.experts_masked(x_fp8, x_scale, ids, *weights, 8, bad)
+    assert hints == [3, 3, None, None]
 
 
 def test_fused_moe_auto_path_crossover(monkeypatch):

@@ -64,7 +64,7 @@ from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
 from moe_fp8.quant import silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
-from moe_fp8.validation import K_ALIGN, SCORING_FUNCS
+from moe_fp8.validation import K_ALIGN, SCORING_FUNCS, check_int
 
 __all__ = [
     "MASKED_MAX_ROWS",
@@ -389,6 +389,8 @@ def experts_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Te
     layout exactly (``M = M_total``) with one sync (see ``Fp8FusedMoE``'s ``contiguous_sync``).
     ``num_experts``: the global E, for the GEMMs' ``expected_m`` hint as ``experts_masked`` (None: no hint).
     """
+    if num_experts is not None:
+        check_int("num_experts", num_experts, min_value=1)
     a, a_scale, m_indices, row_map, m_total = dispatch_contiguous(x_fp8, x_scale, topk_ids, num_local_experts,
                                                                   expert_map, sync=sync, return_m_total=True)
     hint = None if num_experts is None else masked_expected_m(x_fp8.shape[0], topk_ids.shape[1], num_experts)
@@ -403,6 +405,7 @@ def experts_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor
     """Routed experts on the masked layout (decode; no host sync, CUDA-graph safe): ``dispatch_masked`` with
     ``max_m = T`` then ``grouped_experts_masked``. Arguments as ``experts_contiguous`` plus ``num_experts``
     (global E, for the ``expected_m`` hint). Returns ``(y [E_local, T, H] bf16, row_map [T, top_k])``."""
+    check_int("num_experts", num_experts, min_value=1)
     t = x_fp8.shape[0]
     # max_m = T: a token picks distinct experts, so no expert can receive more than T copies and the
     # masked layout never drops one (the result equals the contiguous path's).
