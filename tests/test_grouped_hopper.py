@@ -377,21 +377,25 @@ def test_contiguous_silu_mul_quant_m_total() -> None:
 @pytest.mark.parametrize("hint", [16, 65])
 @pytest.mark.parametrize("n,k", [(7168, 2048), (4096, 7168)])
 def test_contiguous_rows_hint(n: int, k: int, hint: int) -> None:
-    """The layer's rows hint (``expected_m``; at most 64: tiles walked N-fastest, else the plain order) through
-    the public ops, with ``m_total`` as a sync-free prefill gives it: groups of 0-200 rows, some past one 128-row
-    block, against the reference; padding blocks and rows past ``m_total`` unwritten."""
+    """The layer's rows hint (``expected_m``; at most 64: tiles walked N-fastest, 128x128 ones for the down
+    projection on 132 SMs, else the plain order) through the public ops, with ``m_total`` as a sync-free prefill
+    gives it: groups of 0-300 rows, some past one 128-row block, against the reference; padding blocks and rows
+    past ``m_total`` unwritten."""
     import moe_fp8
-    from moe_fp8.kernels.heuristics import GemmDesc, get_config
+    from moe_fp8.kernels.heuristics import CONTIGUOUS_ONE_BLOCK_TILES, GemmDesc, get_config
 
-    sizes = [3, 0, 64, 65, 17, 200, 1, 128, 40, 0, 9, 63] * 3
+    sizes = [3, 300, 64, 65, 17, 200, 1, 128, 40, 0, 9, 63] * 3
     inp = make_contiguous_inputs(len(sizes), 16, n, k, seed=n + hint, device="cuda", group_sizes=sizes)
     rows = inp.x_fp8.shape[0]
+    assert rows >= 128 * len(sizes)  # a block a group or more: the measured tile's class
     cut = inp.group_starts[30]
     m_total = torch.tensor([cut], dtype=torch.int32, device="cuda")
     for act_quant in (0, 1):
         cfg = get_config(GemmDesc(rows, n, k, len(sizes), "contiguous", get_num_sms(), expected_m=hint,
                                   act_quant=act_quant))
         assert (cfg.swizzle_group_m == 1) == (hint <= 64), cfg
+        if hint <= 64 and not act_quant and (n, k) in CONTIGUOUS_ONE_BLOCK_TILES and get_num_sms() == 132:
+            assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, *CONTIGUOUS_ONE_BLOCK_TILES[(n, k)]), cfg
     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     moe_fp8.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
                                         m_total=m_total, expected_m=hint)

@@ -217,24 +217,43 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
 
 def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
     """A contiguous GEMM whose groups are expected to hold at most CONTIGUOUS_ONE_BLOCK_MAX_ROWS rows (the layer's
-    sync-free prefill: M_total is an upper bound) keeps the plain tile but walks it N-fastest (a swizzle band of
-    one m-block); a longer or no hint keeps the plain choice, and config_key keeps only the class of the hint."""
-    from moe_fp8.kernels.heuristics import CONTIGUOUS_ONE_BLOCK_MAX_ROWS, config_key
+    sync-free prefill: M_total is an upper bound) walks its tile N-fastest (a swizzle band of one m-block): the
+    plain tile, or the measured one of CONTIGUOUS_ONE_BLOCK_TILES (DeepSeek-V3's down projection, 128x128) on the
+    machine it was measured on, where M_total holds a block a group; a longer or no hint keeps the plain choice, and
+    config_key keeps only the class of the hint."""
+    from moe_fp8.kernels.heuristics import (
+        CONTIGUOUS_ONE_BLOCK_MAX_ROWS,
+        CONTIGUOUS_ONE_BLOCK_TILES,
+        config_key,
+    )
 
+    assert (7168, 2048) in CONTIGUOUS_ONE_BLOCK_TILES
     for m in (4096, 8192, 20480):
         for n, k, act_quant in ((4096, 7168, 1), (7168, 2048, 0), (512, 7168, 2), (7168, 256, 0)):
             plain = get_config(GemmDesc(m, n, k, 32, "contiguous", act_quant=act_quant))
             assert plain.swizzle_group_m > 1
+            tile = CONTIGUOUS_ONE_BLOCK_TILES.get((n, k))
+            one_block = (dataclasses.replace(plain, swizzle_group_m=1) if tile is None
+                         else make_config(128, tile[0], 132, k=k, num_stages=tile[1], swizzle_group_m=1))
             for hint in (1, 16, CONTIGUOUS_ONE_BLOCK_MAX_ROWS):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 cfg = get_config(desc)
-                assert cfg == dataclasses.replace(plain, swizzle_group_m=1), desc
+                assert cfg == one_block, desc
+                # the measured tile is for the machine it was measured on; elsewhere the model's, in the same order
+                other = get_config(dataclasses.replace(desc, num_sms=114))
+                assert other.swizzle_group_m == 1 and other == dataclasses.replace(
+                    get_config(GemmDesc(m, n, k, 32, "contiguous", 114, act_quant=act_quant)), swizzle_group_m=1)
                 _valid(cfg, k)
                 assert config_key(desc).expected_m == CONTIGUOUS_ONE_BLOCK_MAX_ROWS
             for hint in (CONTIGUOUS_ONE_BLOCK_MAX_ROWS + 1, 512):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 assert get_config(desc) == plain, desc
                 assert config_key(desc).expected_m is None
+    # fewer 128-row blocks than groups (an exact layout of a few touched experts): the model's tile, walked N-fastest
+    for m in (128, 1024):
+        plain = get_config(GemmDesc(m, 7168, 2048, 32, "contiguous"))
+        assert get_config(GemmDesc(m, 7168, 2048, 32, "contiguous", expected_m=8)) == dataclasses.replace(
+            plain, swizzle_group_m=1)
     # the hint never changes the tiles a contiguous kernel's grid is sized for
     desc = GemmDesc(8192, 7168, 2048, 32, "contiguous")
     assert num_tiles(desc, 128, 256) == num_tiles(dataclasses.replace(desc, expected_m=8), 128, 256)

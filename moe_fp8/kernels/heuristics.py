@@ -16,7 +16,7 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
 - ties go to fewer tiles, then to the wider BLOCK_N.
 Normal GEMMs of at most 128 rows, few-group masked ones at K = 2048 and many-group decode ones, on 132 SMs
 whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``,
-``MASKED_DECODE_WIDE_TILES``), skip the model.
+``MASKED_DECODE_WIDE_TILES``, ``CONTIGUOUS_ONE_BLOCK_TILES``), skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
@@ -146,6 +146,13 @@ MASKED_DECODE_WIDE_MAX_ROWS = 96  # a boundary of representative_rows too
 # no faster; but an expert past 64 rows needs a second block, and with lognormal loads (one to five of 32 experts
 # past 64 rows) they ran GEMM1 7-20% and GEMM2 up to 9% slower than 128-row tiles, which stayed within 1.5%.
 CONTIGUOUS_ONE_BLOCK_MAX_ROWS = 64
+# Measured tiles of that class, not modelled: (N, K) -> (BLOCK_N, stages) of a 128-row tile, walked N-fastest, on
+# 132 SMs. Session 35 (H100, 32 experts, kernel durations after a flush, 16-64 expected rows, uniform and lognormal
+# loads up to 171 rows an expert): 128x128 with 4 stages ran GEMM2 (7168x2048) in 191.7-197.5 us against 196.9-204.7
+# for the model's 128x256 (3 stages), the best of 8 tiles and bands tried, as MASKED_DECODE_WIDE_TILES at decode.
+# Only where M_total holds a 128-row block a group or more, as measured: a layout of fewer blocks (an exact one of a
+# few touched experts) keeps the model's tile, down to 64-row ones under a wave.
+CONTIGUOUS_ONE_BLOCK_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (128, 4)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,8 +445,8 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured tile (``SMALL_M_BLOCK_N``, ``MASKED_DECODE_TILES`` / ``_WIDE_TILES``,
-    ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
+    """A measured tile (``SMALL_M_BLOCK_N``, ``CONTIGUOUS_ONE_BLOCK_TILES``, ``MASKED_DECODE_TILES`` /
+    ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
     cfg = _decode_config(desc) or _best_config(config_key(desc))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
@@ -448,12 +455,16 @@ def get_config(desc: GemmDesc) -> GemmConfig:
 
 def _measured_config(desc: GemmDesc) -> GemmConfig | None:
     """The measured tile of this call on the machine it was measured on, if any: ``SMALL_M_BLOCK_N`` (normal
-    small-M GEMMs) or ``MASKED_MEASURED_TILES``."""
+    small-M GEMMs), ``CONTIGUOUS_ONE_BLOCK_TILES`` or ``MASKED_MEASURED_TILES``."""
     if desc.num_sms != SMALL_M_SMS or desc.act_quant:
         return None
     if desc.layout == "normal":
         block_n = SMALL_M_BLOCK_N.get((desc.n, desc.k), {}).get(ceil_div(desc.m, 64))
         return None if block_n is None else make_config(64, block_n, desc.num_sms, k=desc.k)
+    if _one_block_contiguous(desc) and ceil_div(desc.m, 128) >= desc.num_groups:
+        tile = CONTIGUOUS_ONE_BLOCK_TILES.get((desc.n, desc.k))
+        return None if tile is None else make_config(128, tile[0], desc.num_sms, k=desc.k, num_stages=tile[1],
+                                                     swizzle_group_m=1)
     tile = MASKED_MEASURED_TILES.get((desc.n, desc.k))
     if (desc.layout != "masked" or tile is None or desc.num_groups > MASKED_MEASURED_MAX_GROUPS
             or not MASKED_MEASURED_ROWS[0] <= (desc.expected_m or desc.m) <= MASKED_MEASURED_ROWS[1]):
