@@ -74,14 +74,20 @@ __device__ __forceinline__ float sigmoid_estimate(float x) {
 }
 
 // the lane's V logits (or bias), as floats: 16-byte vectors where V fills them (rows are contiguous and
-// 16-byte aligned: the wrapper makes them so)
-template <uint32_t V, typename T>
+// 16-byte aligned: the wrapper makes them so). kOnce: a token's logits, read once, evict-first in L2 (cold logits
+// then evict their own lines, not dirty ones; docs/kernels/datapath.md, session 35)
+template <uint32_t V, bool kOnce = false, typename T>
 __device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
     constexpr uint32_t kVec = 16 / sizeof(T);
     if constexpr (V % kVec == 0) {
 #pragma unroll
         for (uint32_t j = 0; j < V; j += kVec) {
-            const uint4 v = *reinterpret_cast<const uint4*>(row + j);
+            uint4 v;
+            if constexpr (kOnce) {
+                v = ptx::ld_global_evict_first_v4(row + j);
+            } else {
+                v = *reinterpret_cast<const uint4*>(row + j);
+            }
             const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
             for (uint32_t i = 0; i < kVec; ++i) x[j + i] = load_f32(e + i);
@@ -428,7 +434,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     const auto lane_logits = [&](uint32_t i) { return logits + (first + i) * stride_t + lane * V; };
     uint32_t next = take();
     float logit[2][V];  // the token being picked and the next one, alternately (no copies)
-    if (next < count) load_row(lane_logits(next), logit[0]);
+    if (next < count) load_row<V, true>(lane_logits(next), logit[0]);
     float biased_offset[V];
     const uint32_t in_range = make_window<V, kHasBias>(bias, lane * V, biased_offset);
     // a pass computes the weights of 32 / kTopK tokens: lane j those of pick j % kTopK of token j / kTopK
@@ -440,7 +446,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
         const auto pick = [&](const float (&cur)[V], float (&upcoming)[V]) {
             const uint32_t token = next;
             next = take();
-            if (next < count) load_row(lane_logits(next), upcoming);
+            if (next < count) load_row<V, true>(lane_logits(next), upcoming);
             int32_t my_id = 0;
             if (exact_only || !pick_certified<V, LPG, kTopK, kTopKGroup>(cur, biased_offset, in_range, lane, my_id)) {
                 my_id = pick_exact<V, LPG, kTopK, kHasBias>(lane_logits(token), bias, lane, kTopKGroup);

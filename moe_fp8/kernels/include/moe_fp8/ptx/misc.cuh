@@ -45,6 +45,18 @@ __device__ __forceinline__ void red_release_gpu_add_u32(uint32_t* ptr, uint32_t 
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
 }
 
+// 16 bytes of read-only global memory, their L2 line allocated evict-first: a stream read once then evicts its
+// own lines before other data's (after a flush, before dirty lines that would have to be written back). Not
+// volatile: the policy is a pure value the compiler may hoist, and the load may move past other reads.
+__device__ __forceinline__ uint4 ld_global_evict_first_v4(const void* ptr) {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    uint4 v;
+    asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr), "l"(policy));
+    return v;
+}
+
 // 16 bytes global -> shared without registers (through L2 only); complete after cp_async_wait_all.
 __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
