@@ -74,8 +74,8 @@ __device__ __forceinline__ float sigmoid_estimate(float x) {
 }
 
 // the lane's V logits (or bias), as floats: 16-byte vectors where V fills them (rows are contiguous and
-// 16-byte aligned: the wrapper makes them so). kOnce: a token's logits, read once, evict-first in L2 (cold logits
-// then evict their own lines, not dirty ones; docs/kernels/datapath.md, session 35)
+// 16-byte aligned: the wrapper makes them so). kOnce: a token's logits, read once, evict-first in L2 (logits that
+// miss evict each other, not dirty lines such as the rest of logits larger than the L2; docs/kernels/datapath.md)
 template <uint32_t V, bool kOnce = false, typename T>
 __device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
     constexpr uint32_t kVec = 16 / sizeof(T);
