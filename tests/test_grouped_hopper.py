@@ -14,7 +14,7 @@ from moe_fp8.kernels.gemm import (
 )
 from moe_fp8.kernels.heuristics import make_config
 from moe_fp8.testing import make_contiguous_inputs, make_masked_inputs
-from moe_fp8.utils import calc_diff, get_num_sms, rel_error
+from moe_fp8.utils import align, calc_diff, get_align_m, get_num_sms, rel_error
 
 pytestmark = [pytest.mark.hopper, pytest.mark.gpu]
 
@@ -77,13 +77,25 @@ def test_contiguous_tail_split(block_m: int, block_n: int) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)  # unwritten rows: NaN in both
 
 
+def _unstored_padding(inp, m_total: int) -> torch.Tensor:
+    """The padding rows below ``m_total`` that no tile stores: a tile stores up to its last real row, rounded up
+    to BLOCK_M / 32 rows (at most 4), so each segment's rows from there to its end."""
+    mask = torch.zeros(inp.m_indices.shape[0], dtype=torch.bool, device=inp.m_indices.device)
+    for start, size in zip(inp.group_starts, inp.group_sizes, strict=True):
+        mask[start + align(size, 4):start + align(size, get_align_m())] = True
+    mask[m_total:] = False
+    return mask
+
+
 def _check_m_total(inp, out: torch.Tensor, m_total: int) -> None:
-    """Rows below ``m_total`` as ``_check_contiguous``; every row from it on unwritten (NaN), although
-    ``m_indices`` names real groups there (the kernel must never visit them)."""
+    """Rows below ``m_total`` as ``_check_contiguous``, padding rows past a segment's real ones unwritten (NaN);
+    every row from ``m_total`` on unwritten, although ``m_indices`` names real groups there (the kernel must
+    never visit them)."""
     expect = ref.fp8_grouped_gemm_contiguous(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices)
     valid = inp.m_indices >= 0
     valid[m_total:] = False
     _assert_close(out[valid], expect[valid])
+    assert out[_unstored_padding(inp, m_total)].isnan().all(), "padding rows were stored"
     assert out[m_total:].isnan().all(), "rows past m_total were written"
 
 
@@ -409,6 +421,7 @@ def test_contiguous_rows_hint(n: int, k: int, hint: int) -> None:
     valid = inp.m_indices >= 0
     valid[cut:] = False
     _check_act(inp, act, scale, valid, False)
+    assert (act[_unstored_padding(inp, cut)].view(torch.uint8) == POISON_CODE).all(), "padding rows were stored"
     assert (act[cut:].view(torch.uint8) == POISON_CODE).all() and scale[cut:].isnan().all(), \
         "rows past m_total were written"
 

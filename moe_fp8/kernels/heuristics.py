@@ -149,7 +149,8 @@ CONTIGUOUS_ONE_BLOCK_MAX_ROWS = 64
 # Measured tiles of that class, not modelled: (N, K) -> (BLOCK_N, stages) of a 128-row tile, walked N-fastest, on
 # 132 SMs. Session 35 (H100, 32 experts, kernel durations after a flush, 16-64 expected rows, uniform and lognormal
 # loads up to 171 rows an expert): 128x128 with 4 stages ran GEMM2 (7168x2048) in 191.7-197.5 us against 196.9-204.7
-# for the model's 128x256 (3 stages), the best of 8 tiles and bands tried, as MASKED_DECODE_WIDE_TILES at decode.
+# for the model's 128x256 (3 stages), the best of 8 tiles and bands tried, as MASKED_DECODE_WIDE_TILES at decode;
+# since the tiles store no padding rows, 177.7-193.3 against 181.7-200.0.
 # Only where M_total holds a 128-row block a group or more, as measured: a layout of fewer blocks (an exact one of a
 # few touched experts) keeps the model's tile, down to 64-row ones under a wave.
 CONTIGUOUS_ONE_BLOCK_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (128, 4)}

@@ -300,6 +300,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             stage_next_scales();
             arrive_each(kBarStagingEmpty);  // the staging tile starts empty
             while (scheduler.next(tile, k_split)) {
+                tile.row_end = scheduler.stored_row_end(tile);  // (in place: a value more spills, as below)
                 // NOTE: a CTA's last tile keeps the direct stores: bulk-copied, its rows' writes end the kernel
                 // later (805 x 7168 x 2048 masked rows, three tiles a CTA: 4% slower with every tile bulk-copied).
                 // Not held across tiles: one more live register spills the store warps' 40.
