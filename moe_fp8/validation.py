@@ -434,9 +434,9 @@ def check_fp8_grouped_gemm_silu_mul_quant(x_fp8: object, x_scale: object, w13: o
     """Validate ``ops.fp8_grouped_gemm_silu_mul_quant``; returns ``(G, I)``.
 
     The contiguous (``m_indices``, optional ``m_total`` and ``expected_m``) or masked (``masked_m``,
-    ``expected_m``) grouped GEMM's operands with ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256 (each output block of
-    128 columns pairs a gate block with its up block); ``out`` / ``out_scale`` as ``check_act_quant_out``
-    for ``[..., I]``.
+    ``expected_m``) grouped GEMM's operands with ``w13 [G, 2I, K] = [gate; up]``, ``2I`` a multiple of 256
+    (each output block of 128 columns pairs a gate block with its up block); ``out`` / ``out_scale`` as
+    ``check_act_quant_out`` for ``[..., I]``.
     """
     if (m_indices is None) == (masked_m is None):
         raise ValueError("give exactly one of m_indices (contiguous layout) and masked_m (masked layout)")
