@@ -99,15 +99,17 @@ def _check_m_total(inp, out: torch.Tensor, m_total: int) -> None:
     assert out[m_total:].isnan().all(), "rows past m_total were written"
 
 
-@pytest.mark.parametrize("block_m,block_n,tail_split", [(128, 256, True), (128, 256, False), (64, 192, True),
-                                                        (128, 112, False), (64, 16, False)])
-def test_contiguous_m_total(block_m: int, block_n: int, tail_split: bool) -> None:
+@pytest.mark.parametrize("block_m,block_n,tail_split,a_box_rows", [
+    (128, 256, True, 0), (128, 256, False, 0), (64, 192, True, 0), (128, 112, False, 0), (64, 16, False, 0),
+    (128, 256, True, 32), (128, 128, False, 32), (64, 136, False, 32), (128, 160, False, 64)])
+def test_contiguous_m_total(block_m: int, block_n: int, tail_split: bool, a_box_rows: int) -> None:
     """``m_total`` (device int32 [1]; a sync-free dispatch's row count) ends the layout early: 0, a cut
-    inside the groups, and every row. The tail split then works on the tiles below it."""
-    inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n, device="cuda", num_empty=1)
+    inside the groups, and every row. The tail split then works on the tiles below it. With A boxes smaller than
+    a tile, only those up to a segment's last rows are loaded (the others hold stale rows, never stored)."""
+    inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n + a_box_rows, device="cuda", num_empty=1)
     rows = inp.x_fp8.shape[0]
     sms = tail_split_sms(-(-rows // 2 // block_m) * -(-2112 // block_n)) if tail_split else get_num_sms()
-    cfg = make_config(block_m, block_n, sms, k=1024, tail_split=tail_split)
+    cfg = make_config(block_m, block_n, sms, k=1024, tail_split=tail_split, a_box_rows=a_box_rows)
     for m_total in (0, inp.group_starts[3], rows // 2 // 128 * 128, rows):
         out = torch.full((rows, 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
@@ -419,7 +421,9 @@ def test_contiguous_rows_hint(n: int, k: int, hint: int) -> None:
     valid = inp.m_indices >= 0
     valid[cut:] = False
     _check_act(inp, act, scale, valid, False)
-    assert (act[_unstored_padding(inp, cut)].view(torch.uint8) == POISON_CODE).all(), "padding rows were stored"
+    unstored = _unstored_padding(inp, cut)
+    assert (act[unstored].view(torch.uint8) == POISON_CODE).all(), "padding rows were stored"
+    assert scale[unstored].isnan().all(), "scales of unstored padding rows were written"
     assert (act[cut:].view(torch.uint8) == POISON_CODE).all() and scale[cut:].isnan().all(), \
         "rows past m_total were written"
 

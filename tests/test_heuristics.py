@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_fp8.kernels.gemm import generate_source
+from moe_fp8.kernels.gemm import generate_source, variant_name
 from moe_fp8.kernels.heuristics import (
     BLOCK_MS,
     BLOCK_NS,
@@ -128,6 +128,11 @@ def test_straddle_rule() -> None:
         assert straddle_ok(bn) == (worst <= 256), bn
 
 
+def _tile(cfg: GemmConfig) -> GemmConfig:
+    """The tile choice of a config, apart from how A is loaded (``_with_partial_a``, tested on its own)."""
+    return dataclasses.replace(cfg, a_box_rows=0)
+
+
 def test_small_m_uses_one_math_warpgroup() -> None:
     for n, k in [(7168, 2048), (2112, 7168)]:
         assert get_config(GemmDesc(64, n, k)).block_m == 64
@@ -144,10 +149,10 @@ def test_measured_small_m_tiles_apply_only_where_measured() -> None:
                 desc = GemmDesc(m, n, k)
                 cfg = get_config(desc)
                 assert (cfg.block_m, cfg.block_n) == (64, block_n) and (64, block_n, 1, False) in candidates(desc)
-                assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+                assert _tile(cfg) != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
         for desc in (GemmDesc(129, n, k), GemmDesc(64, n, k, num_sms=114),
                      GemmDesc(64, n, k, num_groups=2, layout="masked", expected_m=64)):
-            assert get_config(desc) == modelled_config(config_key(desc)), desc
+            assert _tile(get_config(desc)) == modelled_config(config_key(desc)), desc
 
 
 def test_measured_masked_tiles_apply_only_where_measured() -> None:
@@ -168,14 +173,14 @@ def test_measured_masked_tiles_apply_only_where_measured() -> None:
             desc = GemmDesc(4096, n, k, num_groups=g, layout="masked", expected_m=m)
             cfg = get_config(desc)
             assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, block_n, stages), desc
-            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+            assert _tile(cfg) != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
         for desc in (GemmDesc(4096, n, k, num_groups=MASKED_MEASURED_MAX_GROUPS + 1, layout="masked", expected_m=512),
                      GemmDesc(4096, n, k, num_groups=2, layout="masked", expected_m=lo - 64),
                      GemmDesc(4096, n, k, num_groups=1, layout="masked", expected_m=hi + 64),
                      GemmDesc(4096, n, k, num_groups=2, layout="masked", expected_m=512, num_sms=114),
                      GemmDesc(4096, 2 * n, k, num_groups=2, layout="masked", expected_m=512, act_quant=1),
                      GemmDesc(1024, n, k)):
-            assert get_config(desc) == modelled_config(config_key(desc)), desc
+            assert _tile(get_config(desc)) == modelled_config(config_key(desc)), desc
 
 
 def test_measured_decode_tiles_apply_only_where_measured() -> None:
@@ -198,21 +203,21 @@ def test_measured_decode_tiles_apply_only_where_measured() -> None:
             desc = GemmDesc(256, n, k, num_groups=g, layout="masked", expected_m=m)
             cfg = get_config(desc)
             assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (64, block_n, stages), desc
-            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+            assert _tile(cfg) != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
         wide_n, wide_stages = MASKED_DECODE_WIDE_TILES[(n, k)]
         for g, m in ((MASKED_DECODE_MIN_GROUPS, MASKED_DECODE_MAX_ROWS + 1), (128, 64),
                      (MASKED_DECODE_MIN_GROUPS, MASKED_DECODE_WIDE_MAX_ROWS)):
             desc = GemmDesc(256, n, k, num_groups=g, layout="masked", expected_m=m)
             cfg = get_config(desc)
             assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (128, wide_n, wide_stages), desc
-            assert cfg != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
+            assert _tile(cfg) != modelled_config(config_key(desc)), "an entry the model agrees with is not needed"
         for desc in (GemmDesc(256, n, k, num_groups=MASKED_DECODE_MIN_GROUPS // 2, layout="masked", expected_m=8),
                      GemmDesc(256, n, k, num_groups=MASKED_DECODE_MIN_GROUPS // 2, layout="masked", expected_m=64),
                      GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=MASKED_DECODE_WIDE_MAX_ROWS + 1),
                      GemmDesc(256, n, k, num_groups=32, layout="masked", expected_m=8, num_sms=114),
                      GemmDesc(256, 2 * n, k, num_groups=32, layout="masked", expected_m=8, act_quant=1),
                      GemmDesc(256, n, k, num_groups=32, layout="contiguous")):
-            assert get_config(desc) == modelled_config(config_key(desc)), desc
+            assert _tile(get_config(desc)) == modelled_config(config_key(desc)), desc
 
 
 def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
@@ -224,6 +229,8 @@ def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
     from moe_fp8.kernels.heuristics import (
         CONTIGUOUS_ONE_BLOCK_MAX_ROWS,
         CONTIGUOUS_ONE_BLOCK_TILES,
+        PARTIAL_A_BOX_ROWS,
+        PARTIAL_A_MIN_K,
         config_key,
     )
 
@@ -235,6 +242,7 @@ def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
             tile = CONTIGUOUS_ONE_BLOCK_TILES.get((n, k))
             one_block = (dataclasses.replace(plain, swizzle_group_m=1) if tile is None
                          else make_config(128, tile[0], 132, k=k, num_stages=tile[1], swizzle_group_m=1))
+            one_block = dataclasses.replace(one_block, a_box_rows=PARTIAL_A_BOX_ROWS if k >= PARTIAL_A_MIN_K else 0)
             for hint in (1, 16, CONTIGUOUS_ONE_BLOCK_MAX_ROWS):
                 desc = GemmDesc(m, n, k, 32, "contiguous", expected_m=hint, act_quant=act_quant)
                 cfg = get_config(desc)
@@ -242,7 +250,8 @@ def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
                 # the measured tile is for the machine it was measured on; elsewhere the model's, in the same order
                 other = get_config(dataclasses.replace(desc, num_sms=114))
                 assert other.swizzle_group_m == 1 and other == dataclasses.replace(
-                    get_config(GemmDesc(m, n, k, 32, "contiguous", 114, act_quant=act_quant)), swizzle_group_m=1)
+                    get_config(GemmDesc(m, n, k, 32, "contiguous", 114, act_quant=act_quant)), swizzle_group_m=1,
+                    a_box_rows=one_block.a_box_rows)
                 _valid(cfg, k)
                 assert config_key(desc).expected_m == CONTIGUOUS_ONE_BLOCK_MAX_ROWS
             for hint in (CONTIGUOUS_ONE_BLOCK_MAX_ROWS + 1, 512):
@@ -253,10 +262,38 @@ def test_one_block_contiguous_groups_walk_expert_by_expert() -> None:
     for m in (128, 1024):
         plain = get_config(GemmDesc(m, 7168, 2048, 32, "contiguous"))
         assert get_config(GemmDesc(m, 7168, 2048, 32, "contiguous", expected_m=8)) == dataclasses.replace(
-            plain, swizzle_group_m=1)
+            plain, swizzle_group_m=1, a_box_rows=PARTIAL_A_BOX_ROWS)
     # the hint never changes the tiles a contiguous kernel's grid is sized for
     desc = GemmDesc(8192, 7168, 2048, 32, "contiguous")
     assert num_tiles(desc, 128, 256) == num_tiles(dataclasses.replace(desc, expected_m=8), 128, 256)
+
+
+def test_partial_a_loads_only_where_tiles_are_mostly_padding() -> None:
+    """A as PARTIAL_A_BOX_ROWS boxes: masked 64-row tiles (decode) and the one-block contiguous class at K of
+    PARTIAL_A_MIN_K or more, whatever the tile; never the normal layout, 128-row masked tiles, a contiguous GEMM
+    without the hint, or short K (the m_indices reads cost short tiles more than the rows save)."""
+    from moe_fp8.kernels.heuristics import PARTIAL_A_BOX_ROWS, PARTIAL_A_MIN_K
+
+    partial = [GemmDesc(256, 7168, 2048, 32, "masked", expected_m=8), GemmDesc(64, 2112, 7168, 2, "masked"),
+               GemmDesc(4096, 4096, 7168, 32, "contiguous", expected_m=16, act_quant=1),
+               GemmDesc(4096, 7168, PARTIAL_A_MIN_K, 32, "contiguous", expected_m=64),
+               GemmDesc(4096, 7168, 2048, 32, "contiguous", 114, expected_m=1)]
+    whole = [GemmDesc(4096, 7168, 2048, 4, "masked", expected_m=512), GemmDesc(64, 7168, 2048),
+             GemmDesc(4096, 7168, 2048, 32, "contiguous"), GemmDesc(8192, 7168, 2048, 32, "contiguous", expected_m=256),
+             GemmDesc(32768, 7168, 256, 256, "contiguous", expected_m=8)]
+    for desc in partial:
+        cfg = get_config(desc)
+        assert cfg.a_box_rows == PARTIAL_A_BOX_ROWS and cfg.block_m > PARTIAL_A_BOX_ROWS, desc
+        assert "_a32" in variant_name(desc.layout, desc.n, desc.k, cfg, desc.act_quant)
+    for desc in whole:
+        assert get_config(desc).a_box_rows == 0, desc
+    with pytest.raises(ValueError, match="A boxes"):
+        generate_source("masked", 7168, 2048, make_config(128, 128, 132, k=2048, a_box_rows=32))
+    with pytest.raises(ValueError, match="A boxes"):
+        generate_source("normal", 7168, 2048, make_config(64, 128, 132, k=2048, a_box_rows=32))
+    for bad in (24, 128, 12):
+        with pytest.raises(ValueError, match="A boxes"):
+            make_config(128, 128, 132, k=2048, a_box_rows=bad)
 
 
 def test_large_m_fills_the_machine() -> None:

@@ -48,6 +48,9 @@ VARIANTS = [
     ("normal", 2112, 7168, make_config(64, 192, 132, k=7168)),
     ("contiguous", 4096, 7168, make_config(64, 256, 132, k=7168)),
     ("normal", 4096, 7168, make_config(128, 256, 132, k=7168, tail_split=False)),
+    # A as 32-row boxes, only those holding a group's rows
+    ("contiguous", 7168, 2048, make_config(128, 128, 132, k=2048, a_box_rows=32)),
+    ("masked", 7168, 2048, make_config(64, 128, 132, k=2048, a_box_rows=32)),
 ]
 
 

@@ -34,7 +34,7 @@ KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm.cuh"
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::fp8_gemm_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*BLOCK_M=*/{block_m}, /*BLOCK_N=*/{block_n},
-        /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes}, /*kActQuant=*/{act_quant},
+        /*kNumStages=*/{num_stages}, /*kSmemBytes=*/{smem_bytes}, /*kActQuant=*/{act_quant}, /*kABoxRows=*/{a_box},
         moe_fp8::sched::{scheduler}<{block_m}, {block_n}, {n}, {k}, {swizzle_group_m}{sched_args}>>;
 }}
 """
@@ -113,6 +113,13 @@ def _k_split_workspace(device_index: int, num_ctas: int) -> torch.Tensor | None:
     return workspace
 
 
+def a_box_rows(cfg: GemmConfig) -> int:
+    """Rows of one TMA box of A: ``cfg.a_box_rows`` where set (grouped layouts), else a tile's (a multicast half's)."""
+    if cfg.a_box_rows:
+        return cfg.a_box_rows
+    return cfg.block_m // (cfg.multicast if cfg.multicast_on_a else 1)
+
+
 def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
     """The tiny generated .cu of one variant (named fields from the config, nothing positional);
     ``act_quant`` 1 / 2 selects the fused SiLU·mul + quant epilogue (FP32 / UE8M0 scales)."""
@@ -122,6 +129,9 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
                          f"multicast and no split-K, got act_quant={act_quant}, N={n}, {cfg}")
     if (cfg.multicast > 1 or cfg.split_k > 1) and layout != "normal":
         raise ValueError(f"multicast and split-K are only implemented for the normal layout, not {layout}")
+    if cfg.a_box_rows and not (layout == "contiguous" or (layout == "masked" and cfg.block_m == 64)):
+        raise ValueError(f"A boxes of a tile's rows are compiled into the contiguous layout and 64-row masked tiles, "
+                         f"not {layout} with {cfg.block_m}-row tiles")
     if cfg.k_split and layout != "masked":
         raise ValueError(f"a K-split last wave is only compiled into the masked layout, not {layout}")
     sched_args = f", /*kTailSplit=*/{str(_tail_split(cfg, act_quant)).lower()}"
@@ -132,7 +142,7 @@ def generate_source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: 
     if cfg.split_k > 1:
         sched_args += f", /*kSplitK=*/{cfg.split_k}"
     return KERNEL_TEMPLATE.format(n=n, k=k, scheduler=SCHEDULERS[layout], sched_args=sched_args,
-                                  act_quant=act_quant, **{
+                                  act_quant=act_quant, a_box=a_box_rows(cfg), **{
         f: getattr(cfg, f) for f in ("block_m", "block_n", "num_stages", "smem_bytes", "swizzle_group_m")})
 
 
@@ -161,7 +171,8 @@ def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int
     ts = "_ts" if _tail_split(cfg, act_quant) else ""
     act = ("", "_silu_quant", "_silu_quant_ue8m0")[act_quant]
     order = f"_g{cfg.swizzle_group_m}" if cfg.swizzle_group_m != SWIZZLE_GROUP_M else ""
-    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{order}{act}"
+    boxes = f"_a{cfg.a_box_rows}" if cfg.a_box_rows else ""
+    return f"fp8_gemm_{layout}_n{n}_k{k}_m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{mc}{sk}{ts}{order}{boxes}{act}"
 
 
 def kernel_variant(desc: GemmDesc, config: GemmConfig | None = None) -> tuple[str, str]:
@@ -204,13 +215,12 @@ def _prepare(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torc
     cfg = get_config(desc) if config is None else config
     kernel = get_kernel(layout, n, k, cfg, act_quant)
     kb = ceil_div(k, BLOCK_K)
-    # with multicast each CTA of the pair loads half of the shared operand's box; two-wave tiles (192 / 256
+    # with multicast each CTA of the pair loads half of the shared operand's box (a_box_rows); two-wave tiles (192 / 256
     # wide) of single CTAs load B as two 96 / 128-row boxes (one per wave: the gate and up blocks with act_quant)
-    half_a = cfg.multicast if cfg.multicast_on_a else 1
     two_box_b = tail_split_ok(cfg.block_n, cfg.multicast, cfg.split_k)  # the same tiles: two waves, one CTA
     half_b = 2 if two_box_b else 1 if cfg.multicast_on_a else cfg.multicast
     tmaps = (
-        make_tma_2d(x_fp8, k, total_rows, BLOCK_K, cfg.block_m // half_a, swizzle="128B"),
+        make_tma_2d(x_fp8, k, total_rows, BLOCK_K, a_box_rows(cfg), swizzle="128B"),
         make_tma_2d(w, k, num_groups * n, BLOCK_K, cfg.block_n // half_b, swizzle="128B"),
         _tma_scale(x_scale, rows_per_group, (num_groups if layout == "masked" else 1) * kb, cfg.block_m),
     )

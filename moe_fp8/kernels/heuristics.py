@@ -155,6 +155,20 @@ CONTIGUOUS_ONE_BLOCK_MAX_ROWS = 64
 # few touched experts) keeps the model's tile, down to 64-row ones under a wave.
 CONTIGUOUS_ONE_BLOCK_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 2048): (128, 4)}
 
+# Grouped layouts whose tiles are mostly padding: A is loaded as boxes of PARTIAL_A_BOX_ROWS, only those up to a
+# group's last rows (the padding rows' results are never stored; the math runs them on stale shared memory). Contiguous:
+# the one-block class (a tile's real rows are found by reading m_indices at 32-row steps) with K of PARTIAL_A_MIN_K or
+# more; masked: 64-row tiles (the decode ones; masked_m gives the rows). Session 36 (H100, same process, chilled, 32
+# experts of DeepSeek-V3 at 16 / 64 rows): the fused GEMM1 343.1 -> 333.2 / 347.2 -> 341.0 us, GEMM2 177.6 -> 173.0 /
+# 183.6 -> 181.2; decode (32 experts, 8 rows) 7168x2048 170.9 -> 169.3, 4096x7168 327.7 -> 325.4. But the m_indices
+# reads cost each tile's producer time: TP 8's down projection (K = 256, 2 K blocks a tile, 8 rows an expert) ran 188.0
+# -> 194.3 us (with the reads but every box loaded, 197.6), and groups of 128-row tiles (32 x 256 and 8 x 4096 rows) up
+# to 1.3% slower.
+# 128-row masked tiles keep whole boxes: at most a group's last tile has padding, and the live box count spilled
+# their producer warps (nvcc, K pieces).
+PARTIAL_A_BOX_ROWS = 32
+PARTIAL_A_MIN_K = 2048
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmDesc:
@@ -192,6 +206,9 @@ class GemmConfig:
     # partial tiles in a workspace, see epilogue/k_split.cuh). A launch option of the same kernel, not a
     # separate variant.
     k_split: bool = False
+    # grouped layouts: A arrives as TMA boxes of this many rows, only those holding a group's rows (0: one box a
+    # tile; see PARTIAL_A_BOX_ROWS)
+    a_box_rows: int = 0
 
     @property
     def num_math_threads(self) -> int:
@@ -358,10 +375,11 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
 def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages: int | None = None,
                 multicast: int = 1, multicast_on_a: bool = False, split_k: int = 1,
                 swizzle_group_m: int = SWIZZLE_GROUP_M, tail_split: bool | None = None,
-                k_split: bool = False) -> GemmConfig:
+                k_split: bool = False, a_box_rows: int = 0) -> GemmConfig:
     """A configuration for an explicit block shape (tests and benchmark sweeps) of a GEMM with this
     K (the staged weight scales take shared memory); stages default to as many as fit. ``tail_split``
-    defaults to where it applies (``tail_split_ok``); ``k_split`` splits the tail by K instead of halving it."""
+    defaults to where it applies (``tail_split_ok``); ``k_split`` splits the tail by K instead of halving it;
+    ``a_box_rows`` loads A as boxes of that many rows (grouped layouts, see ``PARTIAL_A_BOX_ROWS``)."""
     if (block_m not in BLOCK_MS or block_n % 8 or not 8 <= block_n <= 256 or not straddle_ok(block_n)
             or (block_n > 160 and block_n not in WAVE_BLOCK_NS)):
         raise ValueError(f"unsupported block shape {block_m}x{block_n}")
@@ -379,6 +397,9 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
     if k_split and not tail_split_ok(block_n, multicast, split_k):
         raise ValueError(f"k_split needs 192 / 256-wide tiles of single CTAs, got block {block_m}x{block_n}, "
                          f"multicast {multicast}, split-K {split_k}")
+    if a_box_rows and (a_box_rows % 8 or block_m % a_box_rows or a_box_rows == block_m or multicast > 1):
+        raise ValueError(f"A boxes of {a_box_rows} rows: whole 8-row swizzle atoms, fewer than a {block_m}-row tile "
+                         f"of a single CTA")
     most = max_stages(block_m, block_n, k)
     stages = most if num_stages is None else num_stages
     if not 2 <= stages <= most:
@@ -387,7 +408,7 @@ def make_config(block_m: int, block_n: int, num_sms: int, *, k: int, num_stages:
                       num_sms=num_sms, smem_bytes=smem_bytes(block_m, block_n, stages, k), multicast=multicast,
                       multicast_on_a=multicast_on_a and multicast > 1, split_k=split_k,
                       tail_split=tail_split_ok(block_n, multicast, split_k) if tail_split is None else tail_split,
-                      k_split=k_split)
+                      k_split=k_split, a_box_rows=a_box_rows)
 
 
 def tail_split_ok(block_n: int, multicast: int = 1, split_k: int = 1) -> bool:
@@ -448,9 +469,17 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 def get_config(desc: GemmDesc) -> GemmConfig:
     """A measured tile (``SMALL_M_BLOCK_N``, ``CONTIGUOUS_ONE_BLOCK_TILES``, ``MASKED_DECODE_TILES`` /
     ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
-    cfg = _decode_config(desc) or _best_config(config_key(desc))
+    cfg = _with_partial_a(desc, _decode_config(desc) or _best_config(config_key(desc)))
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
+    return cfg
+
+
+def _with_partial_a(desc: GemmDesc, cfg: GemmConfig) -> GemmConfig:
+    """``cfg`` loading A as ``PARTIAL_A_BOX_ROWS`` boxes where that applies (see there)."""
+    if ((desc.layout == "masked" and cfg.block_m == 64)
+            or (_one_block_contiguous(desc) and desc.k >= PARTIAL_A_MIN_K and cfg.block_m > PARTIAL_A_BOX_ROWS)):
+        return dataclasses.replace(cfg, a_box_rows=PARTIAL_A_BOX_ROWS)
     return cfg
 
 

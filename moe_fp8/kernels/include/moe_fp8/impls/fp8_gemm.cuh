@@ -147,9 +147,9 @@ __host__ __device__ constexpr uint32_t overlap_chunk(uint32_t num_kb, uint32_t m
 // multiplies gate rows j*128.. and up rows N/2 + j*128.., and `out` gets FP8 act[M, N/2] with its
 // scales in `out_scale` (column-major, `out_scale_stride` rows per 128-column block).
 template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t BLOCK_M, uint32_t BLOCK_N, uint32_t kNumStages,
-          uint32_t kSmemBytes, uint32_t kActQuant, class Scheduler>
+          uint32_t kSmemBytes, uint32_t kActQuant, uint32_t kABoxRows, class Scheduler>
 __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
-    fp8_gemm_kernel(const __grid_constant__ TmaDesc tmap_a,   // x_fp8 as [rows, K] fp8, box [BLOCK_M, 128]
+    fp8_gemm_kernel(const __grid_constant__ TmaDesc tmap_a,   // x_fp8 as [rows, K] fp8, box [kABoxRows, 128]
                     const __grid_constant__ TmaDesc tmap_b,   // w as [groups * N, K] fp8, box [BLOCK_N, 128]
                     const __grid_constant__ TmaDesc tmap_sa,  // x_scale as [groups * Kb, M] fp32, box [BLOCK_M, 1]
                     const float* __restrict__ w_scale,        // [groups, ceil(N/128), Kb]
@@ -188,6 +188,11 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     static_assert(kMulticast == 1 || kMulticast == 2, "clusters of one or two CTAs");
     static_assert(kMulticast == 1 || (kMulticastOnA ? BLOCK_M : BLOCK_N) % 16 == 0,
                   "each multicast half must stay 1024-byte aligned");
+    // A arrives as boxes of kABoxRows (gemm.py: a_box_rows): a multicast half, or the boxes of a tile's rows that may
+    // hold data (Tile::a_rows; the others keep stale rows, whose results are never stored)
+    constexpr uint32_t kABoxes = kMulticastOnA ? 1 : BLOCK_M / kABoxRows;
+    static_assert(kMulticastOnA ? kABoxRows * kMulticast == BLOCK_M : BLOCK_M % kABoxRows == 0 && kABoxRows % 8 == 0,
+                  "A boxes: a multicast half, or whole 1024-byte swizzle atoms of the tile");
     // NOTE: ptxas allocates the math warpgroups' code within the setmaxnreg value (232; the SASS of
     // the two-warpgroup kernels uses up to R229), not the launch-bounds cap of 65536 / threads. A
     // second accumulator set (overlapping wgmma with promotion inside one warpgroup) costs
@@ -350,6 +355,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 // constants unless K is split (split-K, or the K pieces of a tail-split kernel)
                 const uint32_t kb0 = kSplitK > 1 || kKPieces ? tile.k_block0 : 0;
                 const uint32_t num_kb = kSplitK > 1 || kKPieces ? tile.num_k_blocks : kNumKBlocks;
+                const uint32_t a_boxes = kABoxes > 1 ? ceil_div(tile.a_rows, kABoxRows) : 1;
                 // not unrolled: one thread issuing TMA gains nothing from it, and at 40 registers an
                 // unrolled loop spills (ptxas unrolls it by the stage count)
 #pragma unroll 1
@@ -357,8 +363,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     const uint32_t kb = kb0 + (tile.k_reverse ? num_kb - 1 - kb_iter : kb_iter);
                     // wait for the consumers (of both CTAs, with multicast) to release the slot
                     ptx::mbar_wait(&empty_bar[stage], phase ^ 1);
-                    ptx::mbar_arrive_expect_tx(&full_bar[stage], Smem::kTxBytes - (kTailSplit && tile.num_waves == 1
-                                                                                    ? Smem::kBBytes / 2 : 0));
+                    ptx::mbar_arrive_expect_tx(&full_bar[stage],
+                                               Smem::kTxBytes - (kABoxes - a_boxes) * kABoxRows * kBlockK -
+                                                   (kTailSplit && tile.num_waves == 1 ? Smem::kBBytes / 2 : 0));
                     const int32_t k0 = static_cast<int32_t>(kb * kBlockK);
                     uint8_t* a_dst = smem_a + stage * Smem::kABytes;
                     uint8_t* b_dst = smem_b + stage * Smem::kBBytes;
@@ -366,7 +373,9 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                         ptx::tma_load_2d_multicast(a_dst + rank * Smem::kABytes / 2, &tmap_a, &full_bar[stage], k0,
                                                    a_row + rank * BLOCK_M / 2, 0b11);
                     } else {
-                        ptx::tma_load_2d(a_dst, &tmap_a, &full_bar[stage], k0, a_row);
+                        for (uint32_t j = 0; j < a_boxes; ++j)
+                            ptx::tma_load_2d(a_dst + j * kABoxRows * kBlockK, &tmap_a, &full_bar[stage], k0,
+                                             a_row + static_cast<int32_t>(j * kABoxRows));
                     }
                     if constexpr (kMulticast > 1 && !kMulticastOnA) {
                         ptx::tma_load_2d_multicast(b_dst + rank * Smem::kBBytes / 2, &tmap_b, &full_bar[stage], k0,
@@ -601,7 +610,10 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
             const uint32_t scale_group = Scheduler::kGroupedScales ? tile.group : 0;
             float* row_scale = out_scale + static_cast<uint64_t>(scale_group * (SHAPE_N / 256) + tile.n_block) *
                                                out_scale_stride + tile.scale_m0;
-            const uint32_t num_rows = tile.row_end > tile.row0 ? min(BLOCK_M, tile.row_end - tile.row0) : 0;
+            // a row's scale only where the store warps store its codes: never from the stale rows of A boxes left
+            // unloaded (GemmConfig.a_box_rows), and the same bits every run
+            const uint32_t row_end = scheduler.stored_row_end(tile);
+            const uint32_t num_rows = row_end > tile.row0 ? min(BLOCK_M, row_end - tile.row0) : 0;
             epi::silu_mul_quant_to_smem<kActQuant == 2>(smem_d, total, warpgroup * 64, row_scale, num_rows);
         } else {
             epi::write_fragment_to_smem<BLOCK_N>(smem_d, total, warpgroup * 64);

@@ -14,6 +14,8 @@ struct Tile {
     uint32_t group;     // expert id (0 for the normal GEMM)
     uint32_t row0;      // first row of the tile in the flattened [rows, K] / [rows, N] views
     uint32_t row_end;   // rows >= row_end are neither valid inputs nor written
+    uint32_t a_rows;    // the tile's rows that may hold data, from row0 (a multiple of kRowProbe in the contiguous
+                        //   layout: see ContiguousScheduler); the producer loads the A boxes they touch
     uint32_t scale_m0;  // x_scale box origin: column (token) and first row (k-block) of the
     uint32_t scale_k0;  //   [groups * Kb, M] view the tile reads
     bool k_reverse;     // walk K from the last block down (see kSerpentineK)
@@ -167,6 +169,7 @@ struct NormalScheduler {
             t.group = 0;
             t.row0 = t.m_block * BLOCK_M;
             t.row_end = shape_m;
+            t.a_rows = BLOCK_M;
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
             t.k_reverse = false;
@@ -184,6 +187,7 @@ struct NormalScheduler {
         t.group = 0;
         t.row0 = t.m_block * BLOCK_M;
         t.row_end = t.n_block < kNumNBlocks ? shape_m : 0;  // no rows to store past N
+        t.a_rows = BLOCK_M;  // (rows past M: zero-filled by the TMA unit)
         t.scale_m0 = t.row0;
         t.scale_k0 = 0;
         t.k_reverse = kSerpentineK && (iter & 1);
@@ -213,6 +217,10 @@ struct ContiguousScheduler {
     static constexpr uint32_t kNumNBlocks = ceil_div(SHAPE_N, BLOCK_N);
     static constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u);
     static_assert(128 % BLOCK_M == 0, "tiles must not straddle 128-aligned group segments");
+    // A tile's rows that may hold data, in steps of kRowProbe (Tile::a_rows): a segment's padding rows come last and
+    // their results are never stored, so with A boxes smaller than the tile (GemmConfig.a_box_rows) the producer loads
+    // only those before them (at 16 rows an expert, 32 of a tile's 128) and the math runs the rest on stale rows.
+    static constexpr uint32_t kRowProbe = 32;
     static_assert(!kTailSplit || BLOCK_N == 256 || BLOCK_N == 192, "tail halves: two-wave (192 / 256-wide) tiles");
     const int32_t* m_indices;
     uint32_t shape_m, num_m_blocks;
@@ -230,10 +238,17 @@ struct ContiguousScheduler {
             uint32_t idx = blockIdx.x + static_cast<uint32_t>(++iter) * gridDim.x;
             if (!Tail::map(num_m_blocks * kNumNBlocks, k_split, idx, idx, t)) return false;
             swizzle_tile<kGroupM>(idx, num_m_blocks, kNumNBlocks, t.m_block, t.n_block);
-            const int32_t group = ptx::ldg_s32(m_indices + t.m_block * BLOCK_M);
+            t.row0 = t.m_block * BLOCK_M;
+            const int32_t group = ptx::ldg_s32(m_indices + t.row0);
+            // a_rows: to the end of the last kRowProbe rows whose first row is real. Plain loads, issued with the
+            // group's, and dropped where a_rows is never read (other roles; whole-tile A boxes). In bounds: M_total is
+            // a multiple of 128. NOTE: still not free (heuristics.py: PARTIAL_A_MIN_K).
+            t.a_rows = kRowProbe;
+#pragma unroll
+            for (uint32_t r = kRowProbe; r < BLOCK_M; r += kRowProbe)
+                t.a_rows += m_indices[t.row0 + r] >= 0 && t.row0 + r < shape_m ? kRowProbe : 0;
             if (group < 0) continue;
             t.group = static_cast<uint32_t>(group);
-            t.row0 = t.m_block * BLOCK_M;
             t.row_end = shape_m;
             t.scale_m0 = t.row0;
             t.scale_k0 = 0;
@@ -372,6 +387,7 @@ struct MaskedScheduler {
         t.group = group;
         t.row0 = group * max_m + t.m_block * BLOCK_M;
         t.row_end = group * max_m + group_rows;
+        t.a_rows = min(group_rows - t.m_block * BLOCK_M, BLOCK_M);
         t.scale_m0 = t.m_block * BLOCK_M;
         t.scale_k0 = group * kNumKBlocks;
         t.k_reverse = kSerpentineK && (iter & 1);
