@@ -277,6 +277,7 @@ def test_partial_a_loads_only_where_tiles_are_mostly_padding() -> None:
     partial = [GemmDesc(256, 7168, 2048, 32, "masked", expected_m=8), GemmDesc(64, 2112, 7168, 2, "masked"),
                GemmDesc(4096, 4096, 7168, 32, "contiguous", expected_m=16, act_quant=1),
                GemmDesc(4096, 7168, PARTIAL_A_MIN_K, 32, "contiguous", expected_m=64),
+               GemmDesc(32768, 512, 7168, 256, "contiguous", expected_m=8, act_quant=1),
                GemmDesc(4096, 7168, 2048, 32, "contiguous", 114, expected_m=1)]
     whole = [GemmDesc(4096, 7168, 2048, 4, "masked", expected_m=512), GemmDesc(64, 7168, 2048),
              GemmDesc(4096, 7168, 2048, 32, "contiguous"), GemmDesc(8192, 7168, 2048, 32, "contiguous", expected_m=256),

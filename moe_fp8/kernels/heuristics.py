@@ -158,16 +158,17 @@ CONTIGUOUS_ONE_BLOCK_TILES: dict[tuple[int, int], tuple[int, int]] = {(7168, 204
 # Grouped layouts whose tiles are mostly padding: A is loaded as boxes of PARTIAL_A_BOX_ROWS, only those up to a
 # group's last rows (the padding rows' results are never stored; the math runs them on stale shared memory). Contiguous:
 # the one-block class (a tile's real rows are found by reading m_indices at 32-row steps) with K of PARTIAL_A_MIN_K or
-# more; masked: 64-row tiles (the decode ones; masked_m gives the rows). Session 36 (H100, same process, chilled, 32
-# experts of DeepSeek-V3 at 16 / 64 rows): the fused GEMM1 343.1 -> 333.2 / 347.2 -> 341.0 us, GEMM2 177.6 -> 173.0 /
-# 183.6 -> 181.2; decode (32 experts, 8 rows) 7168x2048 170.9 -> 169.3, 4096x7168 327.7 -> 325.4. But the m_indices
-# reads cost each tile's producer time: TP 8's down projection (K = 256, 2 K blocks a tile, 8 rows an expert) ran 188.0
-# -> 194.3 us (with the reads but every box loaded, 197.6), and groups of 128-row tiles (32 x 256 and 8 x 4096 rows) up
-# to 1.3% slower.
+# more; masked: 64-row tiles (the decode ones; masked_m gives the rows). Session 36 (H100, same process, chilled, us):
+# - EP 8 (32 experts, 16 / 64 rows): fused GEMM1 343.1 -> 333.2 / 347.2 -> 341.0, GEMM2 177.6 -> 173.0 / 183.6 -> 181.2;
+# - TP 8 / 4 / 2 (256 experts, 8 / 16 / 32 rows): fused GEMM1 (512 / 1024 / 2048 x 7168) 410.5 -> 351.1 / 755.7 ->
+#   673.5 / 1432.5 -> 1343.4; down projection (7168 x 256 / 512 / 1024) 188.7 -> 195.0 / 363.5 -> 347.9 / 726.5 -> 704.9;
+# - decode (32 experts, 8 rows): 7168x2048 170.9 -> 169.3, 4096x7168 327.7 -> 325.4.
+# The m_indices reads cost each tile's producer time: at K = 256 (2 K blocks a tile) more than the rows save (with the
+# reads but every box loaded, 197.6), and groups of 128-row tiles (32 x 256 and 8 x 4096 rows) ran up to 1.3% slower.
 # 128-row masked tiles keep whole boxes: at most a group's last tile has padding, and the live box count spilled
 # their producer warps (nvcc, K pieces).
 PARTIAL_A_BOX_ROWS = 32
-PARTIAL_A_MIN_K = 2048
+PARTIAL_A_MIN_K = 512
 
 
 @dataclasses.dataclass(frozen=True)
