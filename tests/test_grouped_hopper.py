@@ -389,7 +389,7 @@ def test_contiguous_silu_mul_quant_m_total() -> None:
 
 
 @pytest.mark.parametrize("hint", [16, 65])
-@pytest.mark.parametrize("n,k", [(7168, 2048), (4096, 7168)])
+@pytest.mark.parametrize("n,k", [(7168, 2048), (4096, 7168), (7168, 512)])
 def test_contiguous_rows_hint(n: int, k: int, hint: int) -> None:
     """The layer's rows hint (``expected_m``; at most 64: tiles walked N-fastest, 128x128 ones for the down
     projection on 132 SMs, else the plain order) through the public ops, with ``m_total`` as a sync-free prefill
