@@ -119,6 +119,33 @@ def test_contiguous_m_total(block_m: int, block_n: int, tail_split: bool, a_box_
         _check_m_total(inp, out, m_total)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_partial_a_boxes_at_their_edges(layout: str) -> None:
+    """A loaded as 32-row boxes, only up to a group's rows (``a_box_rows``): groups ending just before, on and past
+    each box edge, whole tiles and tail halves (masked: K pieces too), against the reference; nothing stored past a
+    group's rows (contiguous: rounded up to 4)."""
+    sizes = [1, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 0, 129, 160]
+    if layout == "contiguous":
+        inp = make_contiguous_inputs(len(sizes), 64, 1024, 1024, seed=11, device="cuda", group_sizes=sizes)
+        rows = inp.x_fp8.shape[0]
+        for cfg in (make_config(128, 128, get_num_sms(), k=1024, swizzle_group_m=1, a_box_rows=32),
+                    make_config(64, 256, 7, k=1024, a_box_rows=32)):
+            out = torch.full((rows, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+            fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.m_indices, out,
+                                               config=cfg)
+            torch.cuda.synchronize()
+            _check_m_total(inp, out, rows)
+        return
+    inp = make_masked_inputs(len(sizes), 160, 64, 1024, 3072, seed=12, device="cuda", masked_m=sizes)
+    for cfg in (make_config(64, 128, get_num_sms(), k=3072, a_box_rows=32),
+                make_config(64, 256, 7, k=3072, k_split=True, a_box_rows=32)):
+        out = torch.full((len(sizes), 160, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 64, out,
+                                       config=cfg)
+        torch.cuda.synchronize()
+        _check_masked(inp, out)
+
+
 def test_contiguous_m_total_graph_replays() -> None:
     """Captured once with the public op, replayed with new ``m_total`` contents: each replay stops there."""
     import moe_fp8
