@@ -479,7 +479,7 @@ def get_config(desc: GemmDesc) -> GemmConfig:
 def _with_partial_a(desc: GemmDesc, cfg: GemmConfig) -> GemmConfig:
     """``cfg`` loading A as ``PARTIAL_A_BOX_ROWS`` boxes where that applies (see there)."""
     if ((desc.layout == "masked" and cfg.block_m == 64)
-            or (_one_block_contiguous(desc) and desc.k >= PARTIAL_A_MIN_K and cfg.block_m > PARTIAL_A_BOX_ROWS)):
+            or (_one_block_contiguous(desc) and desc.k >= PARTIAL_A_MIN_K)):
         return dataclasses.replace(cfg, a_box_rows=PARTIAL_A_BOX_ROWS)
     return cfg
 
