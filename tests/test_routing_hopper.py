@@ -246,17 +246,18 @@ def test_sigmoids_over_every_float():
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_blocks", [1, None, 10**6])  # every token in one block, one block an SM, one token each
 def test_certified_path_matches_exact_path(max_blocks, monkeypatch):
-    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.05% of tokens fall back to the exact path: the
+    """Random DeepSeek-V3 routing at 16384 tokens, where ~0.01% of tokens fall back to the exact path: the
     default path gives bit-identical weights and ids to MOE_FP8_ROUTING_EXACT=1 (every token exact), and both
     match the reference, with biases of several widths (the certified window grows with them, and the exact
-    path's 32-bit keys reach farther down), and with a NaN bias (every token takes the wide exact path)."""
+    path's 32-bit keys reach farther down), narrow ones far from 0 (the window covers the choices' magnitude,
+    not only their span), and with a NaN bias (every token takes the wide exact path)."""
     from moe_fp8.kernels import routing
 
     monkeypatch.setattr(routing, "MAX_BLOCKS", max_blocks)
     logits, bias = make_routing_inputs(16384, 256, seed=max_blocks or 7, device="cuda", with_bias=True)
     nan_bias = bias.clone()
     nan_bias[17] = float("nan")
-    for b in (bias, 40.0 * bias, 1e4 * bias + 3.0, nan_bias, None):
+    for b in (bias, 40.0 * bias, 1e4 * bias + 3.0, bias + 100.0, 0.01 * bias - 6.0, nan_bias, None):
         for x in (logits, logits.bfloat16()):
             for n_group, topk_group in ((8, 4), (None, None)):
                 _check_default_against_exact(monkeypatch, x, True, n_group, topk_group, b)

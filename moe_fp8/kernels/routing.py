@@ -39,6 +39,12 @@ def grid(num_tokens: int, v: int) -> tuple[int, int]:
     return blocks, 32 * warps
 
 
+def split_smem_bytes(v: int, lpg: int, topk_group: int, threads: int) -> int:
+    """Dynamic shared memory of a launch: 512 bytes a warp where the header's ``kSplit`` holds (8 experts a lane,
+    the kept groups half the lanes: DeepSeek-V3), whose kept lanes hand half their keys to the dropped ones."""
+    return 512 * (threads // 32) if v == 8 and lpg > 0 and topk_group * lpg * 2 == 32 else 0
+
+
 def plan(num_experts: int, top_k: int, scoring_func: str, n_group: int | None, topk_group: int | None,
          logits_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[int, int, int, int] | None:
     """``(V, LPG, top_k, topk_group)`` (experts per lane; lanes per group, 0 without groups; the picks; the
@@ -96,9 +102,10 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     logits = _aligned_rows(router_logits)
     if bias is not None:
         bias = _aligned_rows(bias)
-    kernel.launch(*grid(t, shape[0]),
+    blocks, threads = grid(t, shape[0])
+    kernel.launch(blocks, threads,
                   [logits, bias, weights, ids, t, logits.stride(0), int(bool(renormalize)), float(routed_scaling_factor),
-                   int(exact_only())])
+                   int(exact_only())], smem_bytes=split_smem_bytes(shape[0], shape[1], shape[3], threads))
     return weights, ids
 
 

@@ -10,7 +10,7 @@
 //   those estimates, then kept only if every decision that sets them had a margin wider than the estimates'
 //   error: the last kept group against the first dropped one, the last pick against the next expert. A token
 //   that fails (near-ties at a cut, NaN, a choice outside the window) takes the exact path; random logits fail
-//   ~0.05% of the time. Picks closer to each other than the margin are a certain set in an uncertain order:
+//   ~0.01% of the time. Picks closer to each other than the margin are a certain set in an uncertain order:
 //   the weights' pass, which computes their float64 scores anyway, sorts them on those (order_picks).
 // - exact (pick_exact): float64 scores of every expert, then the selection on them, by the token's warp.
 #pragma once
@@ -119,33 +119,46 @@ __device__ __forceinline__ void sort_descending(T (&key)[V]) {
     }
 }
 
-// The certified path works on t = estimated choice + 3·2^p, which lies in [2^(p+1), 2^(p+2)) for every
-// choice in [-2^p, 2^p) (p ≥ 1, from the bias's range: the warp's window). There a float's resolution
-// is u = 2^(p-22), and a float's bits order as its value. Errors, in u (|estimate - score| ≤ 2^-23 ≤ u/4):
-// t - offset is within 1.375 u of the exact choice (estimate u/4, offset and sum roundings u/2 each, the
-// exact choice's own rounding u/8), so picks kPickMargin = 4 units apart are ordered the same by the exact
-// choices (4 u > 2 · 1.375 u); a group score (the sum of two, rounded) is within 4 u of the exact one, so
-// groups kGroupMargin = 16 u apart are (16 u > 2 · 4 u).
-// make_window: each lane's V offsets 3·2^p + bias, and the bits every t in range has above its mantissa.
-template <uint32_t V, bool kHasBias, typename TBias>
-__device__ __forceinline__ uint32_t make_window(const TBias* bias, uint32_t expert0, float (&biased_offset)[V]) {
-    float widest = 1.0f;  // |choice| < max|bias| + 1 (NaN biases leave their t NaN: out of range)
-    if constexpr (kHasBias) {
-        load_row(bias + expert0, biased_offset);
-#pragma unroll
-        for (uint32_t j = 0; j < V; ++j) widest = fmaxf(widest, fabsf(biased_offset[j]) + 1.0f);
-        widest = __uint_as_float(__reduce_max_sync(kFullMask, __float_as_uint(widest)));  // positive: bits order
-    }
-    // p: the least ≥ 1 with 2^p > widest (capped where 3·2^p would overflow: such a window fails every token)
-    const uint32_t p = min(max((__float_as_uint(widest) >> 23) - 127 + 1, 1u), 126u);
-    const float offset = __uint_as_float((127 + p) << 23) * 3.0f;
-#pragma unroll
-    for (uint32_t j = 0; j < V; ++j) biased_offset[j] = kHasBias ? biased_offset[j] + offset : offset;
-    return (128 + p) << 23;
+// The certified path works on t = estimated choice + offset, which lies in one binade [2^q, 2^(q+1)) for every
+// choice (the warp's window: 2^q above the choices' span and magnitude, from the bias's range; q ≥ 1). There a
+// float's resolution is u = 2^(q-23), and a float's bits order as its value. Errors, in u (|estimate - score| ≤
+// 2^-23 ≤ u/2): t - offset is within 1.75 u of the exact choice (estimate u/2, offset and sum roundings u/2 each,
+// the exact choice's own rounding u/4, as |choice| < 2^q), so picks kPickMargin = 4 units apart are ordered the
+// same by the exact choices (4 u > 2 · 1.75 u); a group score (the sum of two, rounded to 2 u) is within 5 u of the
+// exact one (2 · 1.75 u, its rounding u, the exact sum's u/2), so groups more than kGroupMargin = 10 u apart are.
+// make_window: each lane's V offsets (bias + offset), and the bits every t in the window has above its mantissa
+// (0 where no window exists: infinite biases, or a span past 2^126; every token then fails).
+__device__ __forceinline__ int32_t ordered_bits(float v) {  // signed order of non-NaN floats
+    const int32_t bits = __float_as_int(v);
+    return bits >= 0 ? bits : bits ^ 0x7fffffff;
 }
 
-constexpr uint32_t kPickMargin = 4;   // units u between consecutive picks (> 2 · 1.375)
-constexpr uint32_t kGroupMargin = 16;  // units u between the last kept group and the first dropped (> 2 · 4)
+template <uint32_t V, bool kHasBias, typename TBias>
+__device__ __forceinline__ uint32_t make_window(const TBias* bias, uint32_t expert0, float (&biased_offset)[V]) {
+    float low = 0.0f, high = 0.0f;  // the bias's range: choices lie in [low, high + 1] (NaN biases are skipped:
+                                    // their t is NaN, out of the window)
+    if constexpr (kHasBias) {
+        load_row(bias + expert0, biased_offset);
+        low = __int_as_float(0x7f800000), high = -low;
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) low = fminf(low, biased_offset[j]), high = fmaxf(high, biased_offset[j]);
+        low = key_value(__reduce_min_sync(kFullMask, ordered_bits(low)));
+        high = key_value(__reduce_max_sync(kFullMask, ordered_bits(high)));
+    }
+    // q: the least with 2^q above the span and every |choice| (both ≥ 1 when finite), bounds rounded up
+    const float top = __fadd_ru(high, 1.0f);
+    const float reach = fmaxf(__fsub_ru(top, low), fmaxf(-low, top));
+    const uint32_t q = (__float_as_uint(reach) >> 23) - 126;
+    // offset ≥ 2^q - low (rounded up): every finite t = estimate + (bias + offset) is ≥ 2^q. Only NaN and a t
+    // rounded up to 2^(q+1) leave the window, and both set exponent bits the window's lacks.
+    const float offset = __fsub_ru(__uint_as_float(min(127 + q, 253u) << 23), low);
+#pragma unroll
+    for (uint32_t j = 0; j < V; ++j) biased_offset[j] = kHasBias ? biased_offset[j] + offset : offset;
+    return q <= 126 ? (127 + q) << 23 : 0u;
+}
+
+constexpr uint32_t kPickMargin = 4;   // units u between consecutive picks (> 2 · 1.75)
+constexpr uint32_t kGroupMargin = 10;  // units u the last kept group must clear the first dropped by (2 · 5)
 constexpr uint32_t kCodeBits = 9;    // the expert in a certified key: 511 - e (lower expert first)
 
 // kRounds picks from unique keys, sorted descending in each lane: each the warp's largest head, popped from its
@@ -166,28 +179,50 @@ __device__ __forceinline__ uint32_t pop_picks(uint32_t (&key)[V], uint32_t lane,
     return best;
 }
 
+// kSplit: the kept groups hold half the lanes and a lane 8 experts (DeepSeek-V3: 4 of 8 groups of 4 lanes). A lane
+// sorts its keys as two halves of 4 (10 compare-exchanges, not 19); after the group stage each kept lane hands its
+// second half to a dropped lane (through `exchange`: the warp's 32 16-byte slots in shared memory), so the picks pop
+// from 32 lists of 4 keys, each list a lane's whole share (none runs out), and shift 4 registers, not 5.
+template <uint32_t V, uint32_t LPG, uint32_t kTopKGroup>
+constexpr bool kSplit = LPG > 0 && kTopKGroup * LPG * 2 == 32 && V == 8;
+
 // Certified picks (see the file comment): true, and lane k < kTopK holds pick k in `my_id`, when every
 // decision that sets them had its margin; false (warp-uniform) when the token must take the exact path. A pick
 // that lacked the margin to the next one has its id's sign bit set (kUnordered): order_picks settles the order.
 constexpr int32_t kUnordered = -0x7fffffff - 1;
 template <uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup>
 __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const float (&biased_offset)[V],
-                                               uint32_t in_range, uint32_t lane, int32_t& my_id) {
-    constexpr uint32_t kDepth = kTopK <= 8 && V > 5 ? 5 : V;  // the keys a lane lists for the picks
+                                               uint32_t in_range, uint32_t lane, int32_t& my_id,
+                                               uint32_t exchange) {
+    constexpr bool kHalves = kSplit<V, LPG, kTopKGroup>;
+    constexpr uint32_t H = V / 2;  // with kHalves: 4 keys, one 16-byte slot
+    constexpr uint32_t kDepth = kHalves ? H : kTopK <= 8 && V > 5 ? 5 : V;  // the keys a lane lists for the picks
     const uint32_t expert0 = lane * V;
-    uint32_t key[V], all_bits = ~0u, any_bits = 0;  // in range iff every t has the window's exponent
+    uint32_t key[V], any_bits = 0;  // in range iff no t has exponent bits beyond the window's (make_window)
 #pragma unroll
     for (uint32_t j = 0; j < V; ++j) {
         const uint32_t bits = __float_as_uint(sigmoid_estimate(logit[j]) + biased_offset[j]);  // t
-        all_bits &= bits, any_bits |= bits;
+        any_bits |= bits;
         key[j] = (bits << kCodeBits) | (511 - (expert0 + j));  // t's mantissa, then the expert
     }
-    bool ok = (all_bits & 0xff800000u) == in_range && (any_bits & 0xff800000u) == in_range;
-    sort_descending(key);
+    bool ok = (any_bits & 0xff800000u) == in_range;
+    uint32_t first, second;
+    if constexpr (kHalves) {
+        uint32_t lo[H], hi[H];
+#pragma unroll
+        for (uint32_t j = 0; j < H; ++j) lo[j] = key[j], hi[j] = key[H + j];
+        sort_descending(lo);
+        sort_descending(hi);
+        first = max(lo[0], hi[0]), second = max(min(lo[0], hi[0]), max(lo[1], hi[1]));
+#pragma unroll
+        for (uint32_t j = 0; j < H; ++j) key[j] = lo[j], key[H + j] = hi[j];
+    } else {
+        sort_descending(key);
+        first = key[0], second = V > 1 ? key[1] : 0;
+    }
 
     if constexpr (LPG > 0) {
         // group score: the sum of the group's two best t (from the sorted keys: their mantissas)
-        uint32_t first = key[0], second = V > 1 ? key[1] : 0;
 #pragma unroll
         for (uint32_t m = 1; m < LPG; m <<= 1) {
             const uint32_t o1 = __shfl_xor_sync(kFullMask, first, m), o2 = __shfl_xor_sync(kFullMask, second, m);
@@ -206,19 +241,35 @@ __device__ __forceinline__ bool pick_certified(const float (&logit)[V], const fl
         }
         const uint32_t best_dropped = __reduce_max_sync(kFullMask, left);
         ok &= best_dropped == 0 || (worst_kept >> kCodeBits) > (best_dropped >> kCodeBits) + kGroupMargin / 2;
-        if (!kept) {
+        if constexpr (kHalves) {
+            // slot: the lane's place among the lanes of its kind (kept or dropped); kept lane s hands its second
+            // half to dropped lane s
+            const uint32_t kept_lanes = __ballot_sync(kFullMask, kept);
+            const uint32_t slot = __popc((kept ? kept_lanes : ~kept_lanes) & ((1u << lane) - 1));
+            const uint32_t mine = exchange + slot * 16;
+            __syncwarp();  // the previous token's reads are done
+            if (kept) {
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(mine), "r"(key[H]), "r"(key[H + 1]),
+                             "r"(key[H + 2]), "r"(key[H + 3]) : "memory");
+            }
+            __syncwarp();
+            if (!kept) {
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(key[0]), "=r"(key[1]), "=r"(key[2]), "=r"(key[3]) : "r"(mine) : "memory");
+            }
+        } else if (!kept) {
 #pragma unroll
             for (uint32_t j = 0; j < kDepth; ++j) key[j] = 0;
         }
     }
 
     // top-k: each pick is the warp's largest head (keys are unique), popped from its lane's list of kDepth; then
-    // one more, to certify the last pick. A lane that gives its whole list fails the token (its next key was not
-    // in it): with 8 experts a lane, 5 of the 9 picks from one lane's 8 is rare (~1e-5 of random tokens).
-    const bool listed = key[0] != 0;
+    // one more, to certify the last pick. Without kSplit, a lane that gives its whole list fails the token (its next
+    // key was not in it): with 8 experts a lane, 5 of the 9 picks from one lane's 8 is rare (~1e-5 of random tokens).
+    [[maybe_unused]] const bool listed = key[0] != 0;
     uint32_t my_key = 0;
     const uint32_t best = pop_picks<kDepth, kTopK + 1, kTopK>(key, lane, my_key);
-    if constexpr (kDepth < V) ok &= !listed || key[0] != 0;
+    if constexpr (kDepth < V && !kHalves) ok &= !listed || key[0] != 0;
     const uint32_t below = __shfl_down_sync(kFullMask, my_key, 1);  // every lane: a full-mask shuffle
     const uint32_t next = lane + 1 == kTopK ? best : below;
     // the last pick against the next key sets the picks; each earlier pair only their order
@@ -416,6 +467,10 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     static_assert(V >= 1 && V <= 16 && kTopK >= 1 && kTopK <= 32, "32 to 512 experts, top-1 to top-32");
     static_assert(LPG == 0 || (LPG <= 32 && (LPG & (LPG - 1)) == 0), "a group is a power-of-two of lanes");
     __shared__ uint32_t taken;  // tokens of the block handed out
+    // kSplit's slots for the second halves of the kept lanes' keys, 32 a warp (pick_certified): dynamic shared
+    // memory, 512 bytes a warp (the wrapper's split_smem_bytes)
+    extern __shared__ __align__(16) uint4 exchanges[];
+    const uint32_t exchange = static_cast<uint32_t>(__cvta_generic_to_shared(exchanges + threadIdx.x / 32 * 32));
     // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
     ptx::launch_dependents();
     const uint32_t lane = threadIdx.x % 32;
@@ -448,7 +503,8 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
             next = take();
             if (next < count) load_row<V, true>(lane_logits(next), upcoming);
             int32_t my_id = 0;
-            if (exact_only || !pick_certified<V, LPG, kTopK, kTopKGroup>(cur, biased_offset, in_range, lane, my_id)) {
+            if (exact_only ||
+                !pick_certified<V, LPG, kTopK, kTopKGroup>(cur, biased_offset, in_range, lane, my_id, exchange)) {
                 my_id = pick_exact<V, LPG, kTopK, kHasBias>(lane_logits(token), bias, lane, kTopKGroup);
             }
             const int32_t id = __shfl_sync(kFullMask, my_id, lane_pick);
