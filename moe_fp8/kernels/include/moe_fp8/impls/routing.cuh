@@ -74,20 +74,14 @@ __device__ __forceinline__ float sigmoid_estimate(float x) {
 }
 
 // the lane's V logits (or bias), as floats: 16-byte vectors where V fills them (rows are contiguous and
-// 16-byte aligned: the wrapper makes them so). kOnce: a token's logits, read once, evict-first in L2 (logits that
-// miss evict each other, not dirty lines such as the rest of logits larger than the L2; docs/kernels/datapath.md)
-template <uint32_t V, bool kOnce = false, typename T>
+// 16-byte aligned: the wrapper makes them so)
+template <uint32_t V, typename T>
 __device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
     constexpr uint32_t kVec = 16 / sizeof(T);
     if constexpr (V % kVec == 0) {
 #pragma unroll
         for (uint32_t j = 0; j < V; j += kVec) {
-            uint4 v;
-            if constexpr (kOnce) {
-                v = ptx::ld_global_evict_first_v4(row + j);
-            } else {
-                v = *reinterpret_cast<const uint4*>(row + j);
-            }
+            const uint4 v = *reinterpret_cast<const uint4*>(row + j);
             const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
             for (uint32_t i = 0; i < kVec; ++i) x[j + i] = load_f32(e + i);
@@ -95,6 +89,41 @@ __device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
     } else {
 #pragma unroll
         for (uint32_t j = 0; j < V; ++j) x[j] = load_f32(row + j);
+    }
+}
+
+// A token's V logits as loaded, unconverted (bf16 two a register where V fills 16-byte vectors): a row in flight
+// holds half the registers of its floats (as floats, the DeepSeek-V3 kernel on bf16 logits spilled under nvcc), and
+// row_floats converts it when its pick starts. Read once, evict-first in L2: logits that miss evict each other, not
+// dirty lines such as the rest of logits larger than the L2 (docs/kernels/datapath.md).
+template <typename T, uint32_t V>
+constexpr uint32_t kRowWords = V % (16 / sizeof(T)) == 0 ? V * sizeof(T) / 4 : V;
+
+template <uint32_t V, typename T>
+__device__ __forceinline__ void load_row_bits(const T* row, uint32_t (&w)[kRowWords<T, V>]) {
+    constexpr uint32_t kVec = 16 / sizeof(T);
+    if constexpr (V % kVec == 0) {
+#pragma unroll
+        for (uint32_t j = 0; j < kRowWords<T, V>; j += 4) {
+            const uint4 v = ptx::ld_global_evict_first_v4(reinterpret_cast<const uint4*>(row) + j / 4);
+            w[j] = v.x, w[j + 1] = v.y, w[j + 2] = v.z, w[j + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) w[j] = __float_as_uint(load_f32(row + j));
+    }
+}
+
+template <uint32_t V, typename T>
+__device__ __forceinline__ void row_floats(const uint32_t (&w)[kRowWords<T, V>], float (&x)[V]) {
+    if constexpr (sizeof(T) == 2 && V % 8 == 0) {  // bf16 pairs: element 2i in the low half
+#pragma unroll
+        for (uint32_t i = 0; i < V / 2; ++i) {
+            x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    } else {
+#pragma unroll
+        for (uint32_t j = 0; j < V; ++j) x[j] = __uint_as_float(w[j]);
     }
 }
 
@@ -450,11 +479,11 @@ __device__ __noinline__ int32_t pick_exact(const TLogit* lane_logits, const TBia
 
 // One block per SM, of 32 warps at most (16 above V = 8, for their 128 registers; the wrapper launches one a
 // token where a block has fewer). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one at a
-// time from a shared counter (the next one's logits load while a warp picks), so the warps the scheduler
-// favours do more of them and the block ends with its last token, not its slowest warp's share. A token's
-// weights are computed later, with those of 32 / kTopK tokens the warp picked, one pick a lane. `exact_only`:
-// every token takes the exact path (a measurement switch, MOE_FP8_ROUTING_EXACT=1). `bias`: contiguous,
-// 16-byte aligned.
+// time (after the first) from a shared counter (the next one's logits load while a warp picks), so the warps
+// the scheduler favours do more of them and the block ends with its last token, not its slowest warp's share.
+// A token's weights are computed later, with those of 32 / kTopK tokens the warp picked, one pick a lane.
+// `exact_only`: every token takes the exact path (a measurement switch, MOE_FP8_ROUTING_EXACT=1). `bias`:
+// contiguous, 16-byte aligned.
 template <uint32_t V>
 constexpr uint32_t kThreads = V <= 8 ? 1024 : 512;
 
@@ -477,8 +506,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     const uint32_t per_block = num_tokens / gridDim.x, rest = num_tokens % gridDim.x;
     const uint32_t first = blockIdx.x * per_block + min(blockIdx.x, rest);
     const uint32_t count = per_block + (blockIdx.x < rest ? 1 : 0);
-    if (threadIdx.x == 0) taken = 0;
-    __syncthreads();
     const auto take = [&]() {  // the next token of the block (≥ count: none left)
         uint32_t i = 0;
         if (lane == 0) i = ptx::atomic_inc_shared(&taken, 0x7fffffffu);  // (a block's tokens never wrap)
@@ -487,21 +514,30 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
 
     // the lane's logits of the block's i-th token (from the parameter each time: two registers fewer held)
     const auto lane_logits = [&](uint32_t i) { return logits + (first + i) * stride_t + lane * V; };
-    uint32_t next = take();
-    float logit[2][V];  // the token being picked and the next one, alternately (no copies)
-    if (next < count) load_row<V, true>(lane_logits(next), logit[0]);
+    // A warp's first token is its index: its row is requested at once, beside the bias, with no branch or atomic
+    // before it (ptxas put the window's math, which waits for the bias, ahead of those: two round trips). A warp past
+    // the block's tokens loads the last row, unused. The index goes through a shuffle: as a plain expression the
+    // compiler peeled the loop for it and spilled.
+    uint32_t next = __shfl_sync(kFullMask, threadIdx.x / 32, 0);
+    uint32_t logit[2][kRowWords<TLogit, V>];  // the rows of the token being picked and the next one, alternately
+    load_row_bits<V>(lane_logits(min(next, count - 1)), logit[0]);
     float biased_offset[V];
     const uint32_t in_range = make_window<V, kHasBias>(bias, lane * V, biased_offset);
+    if (threadIdx.x == 0) taken = blockDim.x / 32;  // the counter hands out the rest
+    __syncthreads();
     // a pass computes the weights of 32 / kTopK tokens: lane j those of pick j % kTopK of token j / kTopK
     constexpr uint32_t kPerPass = 32 / kTopK;
     const uint32_t lane_token = lane / kTopK, lane_pick = lane % kTopK;
     while (next < count) {
         uint32_t pass_token = 0, picked = 0;
         int32_t pass_id = 0;
-        const auto pick = [&](const float (&cur)[V], float (&upcoming)[V]) {
+        const auto pick = [&](const uint32_t (&cur_bits)[kRowWords<TLogit, V>],
+                              uint32_t (&upcoming)[kRowWords<TLogit, V>]) {
             const uint32_t token = next;
             next = take();
-            if (next < count) load_row<V, true>(lane_logits(next), upcoming);
+            if (next < count) load_row_bits<V>(lane_logits(next), upcoming);
+            float cur[V];
+            row_floats<V, TLogit>(cur_bits, cur);
             int32_t my_id = 0;
             if (exact_only ||
                 !pick_certified<V, LPG, kTopK, kTopKGroup>(cur, biased_offset, in_range, lane, my_id, exchange)) {
@@ -515,7 +551,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
             pick(logit[0], logit[1]);
             if (picked == kPerPass || next >= count) {  // (an odd pass: its next token starts the next one)
 #pragma unroll
-                for (uint32_t j = 0; j < V; ++j) logit[0][j] = logit[1][j];
+                for (uint32_t j = 0; j < kRowWords<TLogit, V>; ++j) logit[0][j] = logit[1][j];
                 break;
             }
             pick(logit[1], logit[0]);
