@@ -13,7 +13,7 @@ import torch
 from datapath_util import assert_same_bits, check_routing
 
 from moe_fp8 import reference as ref
-from moe_fp8.kernels.routing import KERNEL_TEMPLATE, plan
+from moe_fp8.kernels.routing import KERNEL_TEMPLATE, plan, split_smem_bytes
 from moe_fp8.testing import make_routing_inputs
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -36,6 +36,17 @@ def test_plan_covers_sigmoid_routing_of_whole_lanes():
     assert plan(256, 33, "sigmoid", None, None, F32, None) is None  # more picks than lanes
     assert plan(256, 8, "sigmoid", None, None, torch.float16, None) is None
     assert plan(256, 8, "sigmoid", 64, 8, F32, None) is None  # groups of 4 experts split a lane of 8
+
+
+def test_split_layout_takes_shared_memory_only_where_the_kernel_splits():
+    """512 bytes a warp for the header's kSplit layout (8 experts a lane, the kept groups half the lanes), none
+    elsewhere: the kernel indexes its dynamic shared memory by warp only there."""
+    assert split_smem_bytes(8, 4, 4, 1024) == 32 * 512  # DeepSeek-V3: 4 of 8 groups of 4 lanes
+    assert split_smem_bytes(8, 4, 4, 32) == 512  # decode: one warp a block
+    assert split_smem_bytes(8, 2, 8, 1024) == 32 * 512  # 8 of 16 groups of 2 lanes
+    assert split_smem_bytes(8, 4, 3, 1024) == 0  # 3 of 8 groups kept
+    assert split_smem_bytes(8, 0, 1, 1024) == 0  # no groups
+    assert split_smem_bytes(5, 4, 4, 1024) == 0  # 5 experts a lane
 
 
 @pytest.mark.parametrize(("logit", "bias", "v", "lpg", "top_k", "topk_group", "has_bias"),
@@ -78,6 +89,11 @@ CASES = [  # T, E, top_k, renormalize, n_group, topk_group, bias dtype, scale, l
     (5, 32, 32, True, None, None, None, 1.0, F32),  # every expert picked
     (3, 512, 32, True, 2, 1, BF16, 1.0, BF16),  # 16 per lane, picks from one group of 256
     (11, 96, 3, False, 4, 2, None, 1.0, F32),  # 3 experts per lane, groups of 8 lanes
+    # the kept groups half the lanes (kSplit), other than DeepSeek-V3's 4 of 8 groups of 4 lanes
+    (1000, 256, 8, True, 16, 8, F32, 1.0, F32),  # 8 of 16 groups of 2 lanes
+    (300, 256, 6, False, 32, 16, F32, 1.0, F32),  # 16 of 32 one-lane groups; passes of 5 tokens (odd)
+    (200, 256, 8, True, 4, 2, BF16, 2.5, BF16),  # 2 of 4 groups of 8 lanes
+    (50, 256, 4, True, 2, 1, None, 1.0, F32),  # 1 of 2 groups of 16 lanes
 ]
 
 
