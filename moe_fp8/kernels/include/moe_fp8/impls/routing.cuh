@@ -73,39 +73,21 @@ __device__ __forceinline__ float sigmoid_estimate(float x) {
     return s;
 }
 
-// the lane's V logits (or bias), as floats: 16-byte vectors where V fills them (rows are contiguous and
-// 16-byte aligned: the wrapper makes them so)
-template <uint32_t V, typename T>
-__device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
-    constexpr uint32_t kVec = 16 / sizeof(T);
-    if constexpr (V % kVec == 0) {
-#pragma unroll
-        for (uint32_t j = 0; j < V; j += kVec) {
-            const uint4 v = *reinterpret_cast<const uint4*>(row + j);
-            const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-            for (uint32_t i = 0; i < kVec; ++i) x[j + i] = load_f32(e + i);
-        }
-    } else {
-#pragma unroll
-        for (uint32_t j = 0; j < V; ++j) x[j] = load_f32(row + j);
-    }
-}
-
-// A token's V logits as loaded, unconverted (bf16 two a register where V fills 16-byte vectors): a row in flight
-// holds half the registers of its floats (as floats, the DeepSeek-V3 kernel on bf16 logits spilled under nvcc), and
-// row_floats converts it when its pick starts. Read once, evict-first in L2: logits that miss evict each other, not
-// dirty lines such as the rest of logits larger than the L2 (docs/kernels/datapath.md).
+// A lane's V logits (or bias) as loaded, unconverted: 16-byte vectors where V fills them (rows are contiguous
+// and 16-byte aligned: the wrapper makes them so), bf16 two a register there. A row in flight so holds half the
+// registers of its floats (as floats, the DeepSeek-V3 kernel on bf16 logits spilled under nvcc); row_floats
+// converts it when its pick starts. kOnce: a token's logits, read once, evict-first in L2 (logits that miss evict
+// each other, not dirty lines such as the rest of logits larger than the L2; docs/kernels/datapath.md).
 template <typename T, uint32_t V>
 constexpr uint32_t kRowWords = V % (16 / sizeof(T)) == 0 ? V * sizeof(T) / 4 : V;
 
-template <uint32_t V, typename T>
+template <uint32_t V, bool kOnce = false, typename T>
 __device__ __forceinline__ void load_row_bits(const T* row, uint32_t (&w)[kRowWords<T, V>]) {
-    constexpr uint32_t kVec = 16 / sizeof(T);
-    if constexpr (V % kVec == 0) {
+    if constexpr (V % (16 / sizeof(T)) == 0) {
 #pragma unroll
         for (uint32_t j = 0; j < kRowWords<T, V>; j += 4) {
-            const uint4 v = ptx::ld_global_evict_first_v4(reinterpret_cast<const uint4*>(row) + j / 4);
+            const uint4* p = reinterpret_cast<const uint4*>(row) + j / 4;
+            const uint4 v = kOnce ? ptx::ld_global_evict_first_v4(p) : *p;
             w[j] = v.x, w[j + 1] = v.y, w[j + 2] = v.z, w[j + 3] = v.w;
         }
     } else {
@@ -125,6 +107,14 @@ __device__ __forceinline__ void row_floats(const uint32_t (&w)[kRowWords<T, V>],
 #pragma unroll
         for (uint32_t j = 0; j < V; ++j) x[j] = __uint_as_float(w[j]);
     }
+}
+
+// the lane's V logits (or bias), as floats
+template <uint32_t V, typename T>
+__device__ __forceinline__ void load_row(const T* row, float (&x)[V]) {
+    uint32_t w[kRowWords<T, V>];
+    load_row_bits<V>(row, w);
+    row_floats<V, T>(w, x);
 }
 
 // Batcher's odd-even merge sort of V registers, descending (19 compare-exchanges for V = 8)
@@ -520,7 +510,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     // compiler peeled the loop for it and spilled.
     uint32_t next = __shfl_sync(kFullMask, threadIdx.x / 32, 0);
     uint32_t logit[2][kRowWords<TLogit, V>];  // the rows of the token being picked and the next one, alternately
-    load_row_bits<V>(lane_logits(min(next, count - 1)), logit[0]);
+    load_row_bits<V, true>(lane_logits(min(next, count - 1)), logit[0]);
     float biased_offset[V];
     const uint32_t in_range = make_window<V, kHasBias>(bias, lane * V, biased_offset);
     if (threadIdx.x == 0) taken = blockDim.x / 32;  // the counter hands out the rest
@@ -535,7 +525,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
                               uint32_t (&upcoming)[kRowWords<TLogit, V>]) {
             const uint32_t token = next;
             next = take();
-            if (next < count) load_row_bits<V>(lane_logits(next), upcoming);
+            if (next < count) load_row_bits<V, true>(lane_logits(next), upcoming);
             float cur[V];
             row_floats<V, TLogit>(cur_bits, cur);
             int32_t my_id = 0;
