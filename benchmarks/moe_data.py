@@ -6,7 +6,8 @@ of it) and against ``moe_fp8.reference`` on the GPU (``torch_reference``: what p
 Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepSeek-V3 sizes (hidden
 7168, 256 experts, top-8 in 8 groups of which 4 are kept, expert intermediate 2048):
 
-- quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; routing ``T × 256``;
+- quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; routing ``T × 256`` (with the default
+  shapes also at ``ROUTING_LARGE_TOKENS``);
   dispatch_contiguous and combine of ``T × 8`` token copies;
 - masked forms (SiLU·mul+quant and dispatch_masked): a decode batch (T ≤ 256) over all 256 experts
   with ``max_m = T``; a small prefill (T ≤ 4096) on one expert-parallel rank of 8 (32 local experts, all
@@ -45,6 +46,9 @@ from .harness import REPO, bench_us, git_commit, ratio_table, row
 NAME = "moe-data"
 OPS = ("quant", "silu_mul_quant", "routing", "dispatch", "combine", "decode")
 DEFAULT_TOKENS = (16384, 4096, 1024, 128)
+# Routing's logits at 16384 tokens are 16.8 MB, where even the copy reaches only about half its bandwidth: with
+# the default shapes routing also runs at this count (67 MB), its large input.
+ROUTING_LARGE_TOKENS = 65536
 DECODE_MAX_TOKENS = 256  # token counts up to this are decode batches (masked over all experts, decode step)
 MASKED_MAX_TOKENS = 4096  # above this the layer never takes the masked path
 EP = 8  # expert-parallel ranks of the small-prefill masked cases
@@ -400,6 +404,9 @@ def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
     distinct = set(used.values())
     notes = [f"backends: {distinct.pop()} for every op" if len(distinct) == 1 else f"backends: {used}"]
     rows: list[dict[str, Any]] = []
+    if not smoke and getattr(args, "shapes", None) is None and "routing" in ops:
+        for case in routing_cases(ROUTING_LARGE_TOKENS, b):
+            rows += run_case(case, b, notes)
     for (t,) in shapes:
         for op in ops:
             if op == "decode":

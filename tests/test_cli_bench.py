@@ -282,6 +282,20 @@ def test_moe_data_kind_shapes_and_layouts():
     assert moe_data._masked_layouts(16384, moe_data.DSV3) == []
 
 
+def test_moe_data_routing_large_input_with_default_shapes(monkeypatch):
+    # with the default shapes routing also runs at ROUTING_LARGE_TOKENS (first); named shapes run alone
+    import argparse
+
+    from moe_fp8.benchmarks import moe_data
+
+    monkeypatch.setattr(moe_data, "ROUTING_LARGE_TOKENS", 16)
+    rows, notes = moe_data.run([(4,)], argparse.Namespace(smoke=False, shapes=None, ops=["routing"]))
+    assert [r["shape"]["t"] for r in rows if r["impl"] == "moe_fp8"] == [16, 4]
+    assert not [n for n in notes if "differ" in n or "Error" in n]
+    rows, _ = moe_data.run([(4,)], argparse.Namespace(smoke=False, shapes=[(4,)], ops=["routing"]))
+    assert [r["shape"]["t"] for r in rows if r["impl"] == "moe_fp8"] == [4]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_bench_moe_data_through_the_cli(tmp_path, capsys, monkeypatch):
     _cpu_as_gpu(monkeypatch)
