@@ -4,7 +4,7 @@
 Checks (each against torch): vector add (fp32 ``extern "C"`` kernel and a bf16 template instance found
 by its mangled name), TMA tile copy through shared memory (``cp.async.bulk.tensor`` + mbarrier) for
 every swizzle mode and a column-major scale layout, cluster launch (``%cluster_ctarank``), >48 KiB
-dynamic shared memory, CUDA-graph capture and replay, argument validation.
+dynamic shared memory (and 48 KiB beside static shared memory), CUDA-graph capture and replay, argument validation.
 
 Timings: cold compile per compiler (fresh cache dir), warm load in a fresh process (cache hit: key +
 cubin load + function lookup), host time per eager launch of an empty 6-argument kernel (with a TMA
@@ -135,6 +135,19 @@ extern "C" __global__ void cluster_ids(uint32_t* out) {
 }
 """
 
+# Static and dynamic shared memory together: each thread writes its index into both, reads a neighbour's back.
+STATIC_DYNAMIC_SMEM = COMMON + r"""
+extern "C" __global__ void static_dynamic_smem(uint32_t* out, uint32_t dynamic_words) {
+  __shared__ uint32_t fixed[256];
+  extern __shared__ uint32_t dynamic[];
+  fixed[threadIdx.x] = threadIdx.x;
+  for (uint32_t i = threadIdx.x; i < dynamic_words; i += blockDim.x) dynamic[i] = i;
+  __syncthreads();
+  const uint32_t last = dynamic_words - 1 - threadIdx.x;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = fixed[255 - threadIdx.x] + dynamic[last] * 256;
+}
+"""
+
 EMPTY6 = COMMON + r"""
 extern "C" __global__ void empty6(const __grid_constant__ TmaDescriptor desc, const float* a, float* b,
                                   uint32_t n, int32_t m, float alpha) {}
@@ -239,6 +252,20 @@ def check_big_smem(compiler: str | None = None) -> str:
     return "dynamic smem ≈ 155 KiB"
 
 
+def check_static_plus_dynamic_smem(compiler: str | None = None) -> str:
+    """1 KiB static + exactly 48 KiB dynamic: over the un-opted 48 KiB in all, so the launch must raise the limit."""
+    k = _kernel("static_dynamic_smem", STATIC_DYNAMIC_SMEM, compiler)
+    words = 48 * 1024 // 4
+    out = torch.full((2 * 256,), -1, dtype=torch.int32, device="cuda")
+    k.launch((2, 1, 1), (256, 1, 1), [out, words], smem_bytes=4 * words)
+    torch.cuda.synchronize()
+    t = torch.arange(256, dtype=torch.int64)
+    want = ((255 - t) + (words - 1 - t) * 256).to(torch.int32).repeat(2)
+    if not torch.equal(out.cpu(), want):
+        raise AssertionError("static + 48 KiB dynamic shared memory: wrong values")
+    return "1 KiB static + 48 KiB dynamic"
+
+
 def check_cluster(compiler: str | None = None) -> str:
     k = _kernel("cluster_ids", CLUSTER_IDS, compiler)
     res = []
@@ -300,6 +327,7 @@ GPU_CHECKS: list[tuple[str, Callable[[str | None], str]]] = [
     ("TMA copy, all swizzles", check_tma_cases),
     ("TMA col-major scales", check_tma_col_major_scale),
     ("dynamic smem > 48 KiB", check_big_smem),
+    ("static + 48 KiB dynamic smem", check_static_plus_dynamic_smem),
     ("cluster launch", check_cluster),
     ("CUDA graph capture", check_graph_capture),
     ("argument validation", check_arg_validation),

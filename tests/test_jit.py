@@ -709,7 +709,8 @@ def _smoke():
 
 
 _SMOKE_CHECKS = ["check_vadd_f32", "check_vadd_bf16", "check_tma_cases", "check_tma_col_major_scale",
-                 "check_big_smem", "check_cluster", "check_graph_capture", "check_arg_validation"]
+                 "check_big_smem", "check_static_plus_dynamic_smem", "check_cluster", "check_graph_capture",
+                 "check_arg_validation"]
 
 
 @_no_gpu

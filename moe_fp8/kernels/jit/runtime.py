@@ -316,6 +316,10 @@ class JitKernel:
         attr = drv.CUfunction_attribute
         st.static_smem = check(drv.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
                                "cuFuncGetAttribute(SHARED_SIZE_BYTES)")
+        # the dynamic limit before any opt-in: 48 KiB less the static shared memory, not 48 KiB (a kernel with a
+        # static counter failed its launch at exactly 48 KiB dynamic instead of raising the limit)
+        st.max_dynamic_smem = check(drv.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func),
+                                    "cuFuncGetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         cu_dev = check(drv.cuDeviceGet(dev), f"cuDeviceGet({dev})")
         st.optin_smem = check(drv.cuDeviceGetAttribute(
             drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, cu_dev),
