@@ -19,6 +19,7 @@ not recompute them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -605,6 +606,21 @@ def check_select_experts(router_logits: object, top_k: object, scoring_func: obj
     check_dtype("router_logits", router_logits, ACT_DTYPES)
     check_ndim("router_logits", router_logits, 2, "[T, E]")
     t, e = router_logits.shape
+    check_routing_options(e, top_k, scoring_func, renormalize, n_group, topk_group, routed_scaling_factor)
+    if e_score_correction_bias is not None:
+        check_tensor("e_score_correction_bias", e_score_correction_bias)
+        check_dtype("e_score_correction_bias", e_score_correction_bias, ACT_DTYPES)
+        check_shape("e_score_correction_bias", e_score_correction_bias, (e,), "[E]")
+        check_same_device("e_score_correction_bias", e_score_correction_bias, "router_logits",
+                          router_logits.device)
+    return t, e
+
+
+def check_routing_options(num_experts: int, top_k: object, scoring_func: object, renormalize: object,
+                          n_group: object, topk_group: object, routed_scaling_factor: object) -> None:
+    """The routing options of ``select_experts`` (and ``Fp8FusedMoE``) for ``num_experts`` experts: see
+    ``check_select_experts``; ``routed_scaling_factor`` must be finite (a NaN would make every weight NaN)."""
+    e = num_experts
     check_int("top_k", top_k, min_value=1, max_value=e)
     if not isinstance(scoring_func, str):
         raise TypeError(f"scoring_func must be a str, got {_typename(scoring_func)}")
@@ -622,14 +638,9 @@ def check_select_experts(router_logits: object, top_k: object, scoring_func: obj
         if top_k > topk_group * (e // n_group):
             raise ValueError(f"top_k must be <= topk_group * E / n_group = {topk_group * (e // n_group)}, "
                              f"got {top_k}")
-    if e_score_correction_bias is not None:
-        check_tensor("e_score_correction_bias", e_score_correction_bias)
-        check_dtype("e_score_correction_bias", e_score_correction_bias, ACT_DTYPES)
-        check_shape("e_score_correction_bias", e_score_correction_bias, (e,), "[E]")
-        check_same_device("e_score_correction_bias", e_score_correction_bias, "router_logits",
-                          router_logits.device)
     check_float("routed_scaling_factor", routed_scaling_factor)
-    return t, e
+    if isinstance(routed_scaling_factor, (int, float)) and not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
 
 
 def check_topk_ids(topk_ids: object, tokens: int, device: torch.device, ref_name: str = "x_fp8") -> int:

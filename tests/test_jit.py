@@ -351,6 +351,44 @@ def test_cache_key_changes_with_every_input(tmp_path: Path, monkeypatch: pytest.
     assert len(set(keys.values())) == len(keys), keys
 
 
+@pytest.mark.skipif(not COMPILERS["nvcc"].available, reason="needs nvcc")
+def test_nvcc_key_covers_the_environment_flags_nvcc_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # nvcc adds NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS (and NVCC_CCBIN) to every compile: a cubin built under them
+    # must not be served to a process without them
+    for var in compiler_mod.NVCC_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    base = cache_key("k", SIMPLE_SRC, compiler="nvcc")
+    keys = set()
+    for var in compiler_mod.NVCC_ENV_VARS:
+        monkeypatch.setenv(var, "-DPOISON")
+        keys.add(cache_key("k", SIMPLE_SRC, compiler="nvcc"))
+        monkeypatch.delenv(var)
+    assert base not in keys and len(keys) == len(compiler_mod.NVCC_ENV_VARS)
+    assert cache_key("k", SIMPLE_SRC, compiler="nvcc") == base
+
+
+@pytest.mark.skipif(not COMPILERS["nvcc"].available, reason="needs nvcc")
+def test_nvcc_timeout_is_a_compile_error_with_a_text_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(compiler_mod, "COMPILE_TIMEOUT_S", 0.01)
+    with pytest.raises(JitCompileError, match=r"timed out after 0\.01 s") as ei:
+        get_compiler("nvcc").compile(SIMPLE_SRC, "k", [], tmp_path)
+    assert "b'" not in ei.value.log
+
+
+@pytest.mark.skipif(not COMPILERS["nvrtc"].available, reason="needs NVRTC")
+def test_nvrtc_bad_option_is_not_blamed_on_ptxas_options(tmp_path: Path) -> None:
+    # the log's command line always names --ptxas-options: only the compiler's own message may trigger the retry
+    with pytest.raises(JitCompileError) as ei:
+        get_compiler("nvrtc").compile(SIMPLE_SRC, "k", [], tmp_path, extra_flags=["--no-such-option"])
+    assert "no-such-option" in str(ei.value) and "rejects --ptxas-options" not in ei.value.log
+
+
+def test_journal_failure_does_not_fail_a_published_build(cache_dir: Path, fast_compiler: str) -> None:
+    (cache_dir / cache_mod.JOURNAL_FILE).mkdir(parents=True)  # a journal that cannot be opened for appending
+    k = build("journal_k", SIMPLE_SRC, compiler=fast_compiler)
+    assert k.cubin_path.is_file() and k.cubin_path.parent.parent == cache_dir  # published, no error
+
+
 def test_include_dir_is_the_package_header_tree() -> None:
     from moe_fp8.kernels.jit import include_dir
 
@@ -581,6 +619,25 @@ def test_pack_rejects_bad_arguments() -> None:
     assert struct.unpack_from("<Qif", _packed(k), 0) == (0, 7, 2.5)
     k._pack([Arg(a, "ptr"), Arg(-1, "i32"), (1, "u32")])
     assert struct.unpack_from("<QiI", _packed(k), 0) == (a.data_ptr(), -1, 1)
+    # an explicit C type is packed in its own range, not wrapped into it
+    for bad in (Arg(1 << 31, "i32"), Arg(-1, "u32"), Arg(1.5, "i32")):
+        with pytest.raises(TypeError, match=rf"argument 1: Arg\({bad.value!r}, '{bad.ctype}'\) cannot be packed"):
+            k._pack([a, bad, 2])
+    with pytest.raises(TypeError, match="argument 0: ptr tensor is on cpu"):
+        k._pack([Arg(torch.zeros(4), "ptr"), 1, 2])
+    # a float past float32's range raises with its index on both paths (the generic one packed inf)
+    kf = _kernel_with_layout(((0, 4), (4, 4)))
+    kf._pack([0.5, 1.0])  # specializes the fast packer to (float, float)
+    buf, base = kf._tls.state[0], kf._tls.state[1]
+    assert kf._fast([float("inf"), float("-inf")], buf, base) is True
+    assert struct.unpack_from("<ff", _packed(kf), 0) == (float("inf"), float("-inf"))
+    assert kf._fast([1e40, 1.0], buf, base) is False
+    with pytest.raises(OverflowError, match="argument 0: float 1e\\+40 does not fit"):
+        kf._pack([1e40, 1.0])
+    # an int for a TMA descriptor parameter
+    kt = _kernel_with_layout(((0, 128), (128, 4)))
+    with pytest.raises(TypeError, match="argument 0: int passed for a 128-byte parameter"):
+        kt._pack([1, 2])
 
 
 # ---------------------------------------------------------------- TMA (validation runs on CPU)

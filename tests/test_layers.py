@@ -275,12 +275,15 @@ def test_fused_moe_auto_path_crossover(monkeypatch):
     assert Fp8FusedMoE(8, 128, 128, 2).masked_max_tokens == moe_module.MASKED_MAX_ROWS // 8
     assert moe_module.default_masked_max_tokens(32) == 512  # the measured DeepSeek-V3 EP-rank case
     assert moe_module.default_masked_max_tokens(256) == 64
-    # During CUDA graph capture (simulated): auto is masked; an explicit contiguous path is taken without a
-    # host sync (the default) and refused with one.
+    # During CUDA graph capture (simulated): auto chooses by size as in eager (the masked buffers grow as
+    # E_local x T); the contiguous path is taken without a host sync (the default). With contiguous_sync, auto
+    # stays masked and an explicit contiguous is refused.
     monkeypatch.setattr(moe_module, "_stream_capturing", lambda t: True)
-    assert moe.choose_path(10_000, torch.empty(0)) == "masked"
+    assert moe.choose_path(4, torch.empty(0)) == "masked"
+    assert moe.choose_path(10_000, torch.empty(0)) == "contiguous"
     assert moe.choose_path(10_000, torch.empty(0), "contiguous") == "contiguous"
     moe.contiguous_sync = True
+    assert moe.choose_path(10_000, torch.empty(0)) == "masked"
     with pytest.raises(ValueError, match="CUDA graph capture"):
         moe.choose_path(10_000, torch.empty(0), "contiguous")
 
@@ -420,6 +423,15 @@ def test_fused_moe_refuses_bad_configs_and_inputs():
         Fp8FusedMoE(8, 128, 128, 2, scoring_func="relu")
     with pytest.raises(ValueError, match="n_group"):
         Fp8FusedMoE(8, 128, 128, 2, n_group=3, topk_group=1)
+    # routing options are refused at construction, as select_experts refuses them at every call
+    with pytest.raises(ValueError, match="Fp8FusedMoE: topk_group must be <= 4"):
+        Fp8FusedMoE(8, 128, 128, 2, n_group=4, topk_group=5)
+    with pytest.raises(ValueError, match=r"Fp8FusedMoE: top_k must be <= topk_group \* E / n_group = 2"):
+        Fp8FusedMoE(8, 128, 128, 3, n_group=4, topk_group=1)
+    with pytest.raises(TypeError, match="Fp8FusedMoE: renormalize must be a bool"):
+        Fp8FusedMoE(8, 128, 128, 2, renormalize="no")
+    with pytest.raises(ValueError, match="Fp8FusedMoE: routed_scaling_factor must be finite"):
+        Fp8FusedMoE(8, 128, 128, 2, routed_scaling_factor=float("nan"))
     with pytest.raises(ValueError, match="local ids"):
         Fp8FusedMoE(4, 128, 128, 2, expert_map=[0, 0, 1, -1])
     with pytest.raises(ValueError, match="4 ints"):
@@ -479,7 +491,7 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = gpu(static_x, static_logits)  # auto → masked during capture
+        static_out = gpu(static_x, static_logits)  # auto → masked during capture (24 tokens <= masked_max_tokens)
     for seed, hot in ((103, 0.0), (104, 6.0)):
         static_x.copy_(randn((t, 256), seed=seed, device="cuda"))
         new_logits = randn((t, 16), seed=seed + 1, device="cuda", dtype=torch.float32)

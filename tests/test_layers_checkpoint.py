@@ -250,3 +250,85 @@ def test_ue8m0_mismatches_are_refused(fp8_ckpt, ue8m0_ckpt, bf16_ckpt, tmp_path)
         CheckpointReader(tmp_path)
     with pytest.raises(ValueError, match="scale_fmt"):
         write_deepseek_v3_checkpoint(tmp_path / "x", CFG, scale_fmt="ue8m0", fp8=False)
+
+
+def _edited(fp8_ckpt, path, edit):
+    """A one-file copy of ``fp8_ckpt`` with ``edit(tensors)`` applied (a dict of name -> tensor)."""
+    from safetensors.torch import save_file
+
+    reader = CheckpointReader(fp8_ckpt)
+    names = reader.keys()
+    tensors = {name: reader.get(name).contiguous() for name in names if name.startswith("model.layers.")}
+    edit(tensors)
+    save_file(tensors, str(path))
+    return CheckpointReader(path)
+
+
+def test_loaders_refuse_damaged_or_unplaced_tensors(fp8_ckpt, tmp_path):
+    up = f"{MOE}.experts.0.up_proj"
+
+    def bigger_up(t):  # an up projection with more rows than the gate's: was cut to the gate's I without a word
+        t[f"{up}.weight"] = torch.cat([t[f"{up}.weight"]] * 2)
+        t[f"{up}.weight_scale_inv"] = torch.cat([t[f"{up}.weight_scale_inv"]] * 2)
+
+    with pytest.raises(ValueError, match=r"up_proj\.weight has shape \(512, 256\), which disagrees"):
+        load_fused_moe(_moe(), _edited(fp8_ckpt, tmp_path / "a.safetensors", bigger_up), MOE)
+
+    def wider_down(t):
+        down = f"{MOE}.experts.1.down_proj"
+        t[f"{down}.weight"] = torch.cat([t[f"{down}.weight"]] * 2, dim=1)
+        t[f"{down}.weight_scale_inv"] = torch.cat([t[f"{down}.weight_scale_inv"]] * 2, dim=1)
+
+    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight has shape \(256, 512\)"):
+        load_fused_moe(_moe(), _edited(fp8_ckpt, tmp_path / "b.safetensors", wider_down), MOE)
+
+    scale = f"{MOE}.experts.2.gate_proj.weight_scale_inv"
+    for value, exc, pattern in ((float("nan"), ValueError, "finite and >= 0"), (-1.0, ValueError, "finite and >= 0"),
+                                (float("inf"), ValueError, "finite and >= 0"), (None, TypeError, "not a scale tensor")):
+        def damage(t, value=value):
+            if value is None:
+                t[scale] = t[scale].to(torch.int32)
+            else:
+                t[scale][1, 0] = value
+
+        with pytest.raises(exc, match=f"{scale}.*{pattern}" if exc is ValueError else pattern):
+            load_fused_moe(_moe(), _edited(fp8_ckpt, tmp_path / f"c{value}.safetensors", damage), MOE)
+
+    # tensors the module has no place for: dropping them would change what the layer computes
+    reader = CheckpointReader(fp8_ckpt)
+    no_bias = Fp8FusedMoE(8, 256, 256, 4, scoring_func="sigmoid", n_group=4, topk_group=2, num_shared_experts=1,
+                          shared_intermediate_size=256)
+    with pytest.raises(ValueError, match="use_correction_bias=True"):
+        load_fused_moe(no_bias, reader, MOE)
+    no_shared = Fp8FusedMoE(8, 256, 256, 4, scoring_func="sigmoid", n_group=4, topk_group=2, use_correction_bias=True)
+    with pytest.raises(ValueError, match="no shared experts"):
+        load_fused_moe(no_shared, reader, MOE)
+
+    def with_bias(t):
+        t[f"{MOE}.shared_experts.down_proj.bias"] = torch.zeros(256)
+
+    with pytest.raises(ValueError, match="has no bias"):
+        load_fp8_linear(Fp8Linear(256, 256), _edited(fp8_ckpt, tmp_path / "d.safetensors", with_bias),
+                        f"{MOE}.shared_experts.down_proj")
+    # a module on the meta device has no storage: copy_ would do nothing and the load would "succeed"
+    with pytest.raises(ValueError, match="meta device"):
+        load_fused_moe(Fp8FusedMoE(8, 256, 256, 4, scoring_func="sigmoid", n_group=4, topk_group=2,
+                                   use_correction_bias=True, num_shared_experts=1, shared_intermediate_size=256,
+                                   device="meta"), reader, MOE)
+
+
+def test_load_fp8_checks_everything_before_copying():
+    layer = Fp8Linear(256, 128)
+    w = torch.randn(128, 256).to(torch.float8_e4m3fn)
+    s = torch.full((1, 2), 0.5)
+    for bad_scale in (s[:, :1], torch.tensor([[0.5, float("nan")]]), torch.tensor([[0.5, -2.0]])):
+        with pytest.raises(ValueError, match="weight_scale_inv"):
+            layer.load_fp8_(w, bad_scale)
+        assert layer.weight.view(torch.uint8).eq(0).all() and layer.weight_scale_inv.eq(1).all()  # untouched
+    with pytest.raises(ValueError, match="bias given"):
+        layer.load_fp8_(w, s, torch.zeros(128))
+    assert layer.weight.view(torch.uint8).eq(0).all()
+    layer.load_fp8_(w, s)
+    assert torch.equal(layer.weight.view(torch.uint8), w.view(torch.uint8)) and layer.weight_scale_inv.eq(0.5).all()
+    with pytest.raises(ValueError, match="meta device"):
+        Fp8Linear(256, 128, device="meta").load_fp8_(w, s)

@@ -306,9 +306,9 @@ def test_stage_timer_marks_every_stage_in_order(shared):
 # ----------------------------------------------------------------------------------------------
 # GPU: CUDA graphs over one workspace
 # ----------------------------------------------------------------------------------------------
-def _capture(moe: Fp8FusedMoE, t: int, seed: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                             torch.Tensor, int]:
-    """Capture the auto path for ``t`` tokens; returns (graph, x, logits, out, bytes allocated in capture)."""
+def _capture(moe: Fp8FusedMoE, t: int, seed: int, path: str = "auto") -> tuple[
+        torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Capture ``path`` for ``t`` tokens; returns (graph, x, logits, out, bytes allocated in capture)."""
     x = randn((t, moe.hidden_size), seed=seed, device="cuda")
     logits = randn((t, moe.num_experts), seed=seed + 1, device="cuda", dtype=torch.float32)
     moe(x, logits, path="masked")  # warm-up: backends, JIT variants, the workspace from the ordinary pool
@@ -316,7 +316,7 @@ def _capture(moe: Fp8FusedMoE, t: int, seed: int) -> tuple[torch.cuda.CUDAGraph,
     before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe(x, logits)
+        out = moe(x, logits, path=path)
     torch.cuda.synchronize()
     return graph, x, logits, out, torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
 
@@ -327,11 +327,11 @@ def test_two_cuda_graphs_share_the_workspace_and_replay_to_the_eager_result():
     wts = MoEWeights(e, hidden, inter, shared_inter=128, seed=40)
     kwargs = dict(num_shared_experts=1, masked_max_tokens=32, **ROUTINGS["grouped_sigmoid"])
     moe = wts.fill(Fp8FusedMoE(e, hidden, inter, top_k, **kwargs)).cuda()
-    # the same layer without a usable workspace: its captures allocate the [E, T, ·] buffers
+    # the same layer without a usable workspace: its masked captures allocate the [E, T, ·] buffers
     plain = wts.fill(Fp8FusedMoE(e, hidden, inter, top_k, **{**kwargs, "masked_max_tokens": 0})).cuda()
     graphs = {t: _capture(moe, t, seed=41 + t) for t in (24, 9)}
     assert len(moe._workspaces) == 1  # both graphs, one workspace
-    _, _, _, _, plain_bytes = _capture(plain, 24, seed=70)
+    _, _, _, _, plain_bytes = _capture(plain, 24, seed=70, path="masked")
     # The intermediates of 24 tokens, which the plain capture allocates and ours must not: FP8 rows,
     # the activation and the bf16 GEMM2 output (on Hopper GEMM1's bf16 output is never materialised:
     # the SiLU·mul + quant runs in its epilogue).

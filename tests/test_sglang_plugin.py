@@ -168,6 +168,8 @@ def test_config_accepts_deepseek_v3_and_refuses_bad_ones(sgl):
     assert sgl.override_quantization_method(dict(DEEPSEEK_V3), None) is None
     assert sgl.override_quantization_method(dict(DEEPSEEK_V3), "fp8") is None
     assert sgl.override_quantization_method({"quant_method": "awq"}, "moe_fp8") is None
+    with pytest.raises(ValueError, match="no quantization_config"):  # SGLang builds quant_cls() for a checkpoint
+        sgl()                                                       # without one
 
 
 # ----------------------------------------------------------------------------------------------

@@ -345,6 +345,8 @@ LOGITS = torch.randn(3, 8)
     ("bias device", dict(e_score_correction_bias=torch.zeros(8, device=META)), ValueError,
      r"e_score_correction_bias must be on the same device as router_logits"),
     ("scaling factor", dict(routed_scaling_factor="2"), TypeError, r"routed_scaling_factor must be a float"),
+    ("scaling factor NaN", dict(routed_scaling_factor=float("nan")), ValueError,
+     r"routed_scaling_factor must be finite, got nan"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_select_experts_rejects(name, kwargs, exc, pattern):
     args = dict(router_logits=LOGITS, top_k=2)

@@ -159,6 +159,13 @@ def test_config_refuses_unsupported(change: dict, field: str) -> None:
         MoeFp8Config.from_config({**DSV3, **change})
 
 
+def test_config_refuses_a_checkpoint_without_quantization_config() -> None:
+    # vLLM builds quant_cls() when config.json has none: a bf16 checkpoint would otherwise load into FP8
+    # parameters and fail only after the whole load
+    with pytest.raises(ValueError, match="no quantization_config"):
+        MoeFp8Config()
+
+
 def test_quant_method_per_layer(vllm_config: VllmConfig, quant_config: MoeFp8Config) -> None:
     quant_config.ignored_layers = ["model.layers.0.self_attn.o_proj"]
     with set_current_vllm_config(vllm_config):

@@ -11,6 +11,7 @@ import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
+from moe_fp8.integrations import no_quantization_config_message
 from moe_fp8.integrations.sglang.spec import (
     ACCEPTED_QUANT_METHODS,
     QUANT_METHOD_NAME,
@@ -35,8 +36,10 @@ class MoeFp8Config(QuantizationConfig):
     scale_fmt = None
 
     def __init__(self, spec: BlockFp8Spec | None = None) -> None:
+        if spec is None:  # SGLang builds `quant_cls()` for a checkpoint without a quantization_config
+            raise ValueError(no_quantization_config_message("SGLang"))
         super().__init__()
-        self.spec = spec if spec is not None else BlockFp8Spec()
+        self.spec = spec
         # Read by SGLang's linear loaders (block-scale shard offsets) and by DeepSeek's model code, which
         # compare it with the list [128, 128].
         self.weight_block_size = list(self.spec.weight_block_size)

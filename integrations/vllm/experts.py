@@ -101,8 +101,8 @@ class MoeFp8Experts(_MoeFp8ExpertsBase):
     """Standard-format experts: ``hidden [T, H]`` (unquantized) + ``topk_ids [T, top_k]`` → reduced ``[T, H]``.
 
     ``masked_max_tokens``: batches up to this size take the masked (decode) path, larger ones the contiguous
-    (prefill) path, as in ``Fp8FusedMoE`` (default ``default_masked_max_tokens(E_local)``); during CUDA-graph
-    capture the masked path is always taken.
+    (prefill) path, as in ``Fp8FusedMoE`` (default ``default_masked_max_tokens(E_local)``), during CUDA-graph
+    capture too (the contiguous path is sync-free).
     """
 
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig,

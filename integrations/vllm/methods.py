@@ -45,6 +45,7 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
+from moe_fp8.integrations import no_quantization_config_message
 from moe_fp8.integrations.vllm.config import (
     QUANT_METHOD_NAME,
     MoeFp8QuantSettings,
@@ -75,8 +76,13 @@ class MoeFp8Config(QuantizationConfig):
     """``--quantization moe_fp8``: DeepSeek-V3-format block-FP8 checkpoints on moe_fp8's kernels."""
 
     def __init__(self, settings: MoeFp8QuantSettings | None = None) -> None:
+        if settings is None:
+            # vLLM builds `quant_cls()` when the checkpoint's config.json has no quantization_config (our
+            # get_config_filenames() is empty): defaults would give a bf16 checkpoint FP8 parameters, cast its
+            # weights into them and fail only after the whole load, on unfilled scales
+            raise ValueError(no_quantization_config_message("vLLM"))
         super().__init__()
-        self.settings = settings or MoeFp8QuantSettings()
+        self.settings = settings
         # Attribute names vLLM's own code reads off a quant config (linear loaders, model code).
         self.weight_block_size = list(self.settings.weight_block_size)
         self.activation_scheme = self.settings.activation_scheme

@@ -29,7 +29,13 @@ from moe_fp8.layers.dispatch import (
     quant_dispatch_contiguous,
     quant_dispatch_masked,
 )
-from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape, check_ue8m0_scales
+from moe_fp8.layers.linear import (
+    Fp8Linear,
+    Fp8MLP,
+    check_fp8_linear_shape,
+    check_ue8m0_scales,
+    check_weight_scales,
+)
 from moe_fp8.layers.moe import (
     MASKED_MAX_ROWS,
     STAGES,
@@ -52,6 +58,7 @@ __all__ = [
     "StageTimer",
     "check_fp8_linear_shape",
     "check_ue8m0_scales",
+    "check_weight_scales",
     "combine",
     "deepseek_v3_tensor_specs",
     "default_masked_max_tokens",

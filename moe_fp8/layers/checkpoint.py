@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_ue8m0_scales
+from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_weight_scales
 from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.layers.parallel import tp_shard_range
 from moe_fp8.quant import per_block
@@ -208,6 +208,11 @@ def _as_reader(checkpoint: CheckpointReader | str | os.PathLike) -> CheckpointRe
     return checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
 
 
+# dtypes a weight_scale_inv may be stored in (converted to fp32 on load; UE8M0 checkpoints may store float8_e8m0fnu)
+_SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                  getattr(torch, "float8_e8m0fnu", None)) if d is not None)
+
+
 def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, int] | None = None,
                    cols: tuple[int, int] | None = None, device: torch.device | str | None = None,
                    ue8m0: bool = False) -> tuple[Tensor, Tensor]:
@@ -216,9 +221,11 @@ def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, in
 
     A stored FP8 weight and its scales are sliced as stored (bytes unchanged). A weight without
     ``weight_scale_inv`` (bf16 / fp16 / fp32) is read (the slice only), moved to ``device`` and quantized
-    per 128×128 block. Non-fp32 scales (e.g. UE8M0 ``float8_e8m0fnu``) are converted to fp32 exactly.
-    ``ue8m0``: the scales must be powers of two (``check_ue8m0_scales``; ``ValueError`` naming the tensor),
-    and a bf16 weight is quantized with power-of-two scales.
+    per 128×128 block. Scales stored in another floating-point format (bf16, fp16, fp64, UE8M0
+    ``float8_e8m0fnu``) are converted to fp32; any other dtype is refused (``TypeError``), and so are NaN,
+    infinite and negative scales (``check_weight_scales``; ``ValueError`` naming the tensor).
+    ``ue8m0``: the scales must be powers of two (``check_ue8m0_scales``), and a bf16 weight is quantized with
+    power-of-two scales.
     """
     w_name, s_name = f"{prefix}.weight", f"{prefix}.weight{SCALE_SUFFIX}"
     shape = reader.shape(w_name)
@@ -239,9 +246,11 @@ def read_block_fp8(reader: CheckpointReader, prefix: str, *, rows: tuple[int, in
         s_rows = None if rows is None else (rows[0] // GROUP_K, ceil_div(rows[1], GROUP_K))
         s_cols = None if cols is None else (cols[0] // GROUP_K, ceil_div(cols[1], GROUP_K))
         s = reader.get_slice(s_name, s_rows, s_cols)
+        if s.dtype not in _SCALE_DTYPES:
+            raise TypeError(f"{s_name} is stored as {s.dtype}: block scales are float32 (or another floating-point "
+                            f"format: {', '.join(str(d)[6:] for d in _SCALE_DTYPES)}), so this is not a scale tensor")
         s = s if s.dtype == torch.float32 else s.to(torch.float32)
-        if ue8m0:
-            check_ue8m0_scales(s, s_name)
+        check_weight_scales(s, s_name, ue8m0=ue8m0)
         return w, s
     w = reader.get_slice(w_name, rows, cols)
     if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -260,6 +269,9 @@ def _check_scale_fmt(reader: CheckpointReader, module: torch.nn.Module, what: st
 
 
 def _copy(dst: Tensor, src: Tensor, what: str) -> None:
+    if dst.is_meta:  # copy_ into a meta tensor does nothing: the load would "succeed" with nothing loaded
+        raise ValueError(f"{what}: the module was built on the meta device (no storage to fill): materialise it "
+                         "first (module.to_empty(device=...))")
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{what}: the checkpoint gives shape {tuple(src.shape)}, the module expects "
                          f"{tuple(dst.shape)}")
@@ -299,8 +311,11 @@ def load_fp8_linear(module: Fp8Linear, checkpoint: CheckpointReader | str | os.P
         r0 = row_off
         _copy(module.weight[r0:r0 + w.shape[0]], w, f"{prefix}.weight -> rows {r0}: of {tuple(module.weight.shape)}")
         _copy(module.weight_scale_inv[r0 // GROUP_K:r0 // GROUP_K + s.shape[0]], s, f"{prefix}.weight{SCALE_SUFFIX}")
+        b_name = f"{prefix}.bias"
+        if module.bias is None and b_name in reader:
+            raise ValueError(f"{b_name} is in the checkpoint but the Fp8Linear for {prefix} has no bias: build it with "
+                             "bias=True (its output would miss the bias)")
         if module.bias is not None:
-            b_name = f"{prefix}.bias"
             if mode == "row":  # a row split adds the bias once: on rank 0
                 bias = reader.get(b_name) if tp_rank == 0 else torch.zeros(w.shape[0])
             else:
@@ -340,7 +355,15 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
     dev = module.w13_weight.device
     for local, expert in enumerate(module.local_expert_ids()):
         base = f"{prefix}.experts.{expert}"
-        full_i = reader.shape(f"{base}.gate_proj.weight")[0]
+        gate_shape = reader.shape(f"{base}.gate_proj.weight")
+        full_i = gate_shape[0]
+        # the shard below takes rows / columns [r·I, (r+1)·I) of each: the three must agree on the full I, or a
+        # larger up or down projection would be cut without a word
+        for proj, got, want in (("up_proj", reader.shape(f"{base}.up_proj.weight"), gate_shape),
+                                ("down_proj", reader.shape(f"{base}.down_proj.weight")[1:], (full_i,))):
+            if tuple(got[:len(want)]) != tuple(want):
+                raise ValueError(f"{base}.{proj}.weight has shape {reader.shape(f'{base}.{proj}.weight')}, which "
+                                 f"disagrees with {base}.gate_proj.weight {gate_shape} (up [I, H], down [H, I])")
         i_range = tp_shard_range(full_i, tp_rank, tp_size, f"{base} intermediate size")
         for half, proj in enumerate(("gate_proj", "up_proj")):
             w, s = read_block_fp8(reader, f"{base}.{proj}", rows=i_range, device=dev, ue8m0=ue8m0)
@@ -349,11 +372,20 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
         w, s = read_block_fp8(reader, f"{base}.down_proj", cols=i_range, device=dev, ue8m0=ue8m0)
         _copy(module.w2_weight[local], w, f"{base}.down_proj.weight")
         _copy(module.w2_weight_scale_inv[local], s, f"{base}.down_proj.weight{SCALE_SUFFIX}")
+    # a checkpoint tensor the module has no place for would be dropped, and the layer would compute something else
+    # than the model: routing without the correction bias, an MoE without its shared experts
+    bias_name = f"{prefix}.gate.e_score_correction_bias"
     if module.e_score_correction_bias is not None:
-        name = f"{prefix}.gate.e_score_correction_bias"
-        _copy(module.e_score_correction_bias, reader.get(name).to(torch.float32), name)
+        _copy(module.e_score_correction_bias, reader.get(bias_name).to(torch.float32), bias_name)
+    elif bias_name in reader:
+        raise ValueError(f"{bias_name} is in the checkpoint but the Fp8FusedMoE for {prefix} was built without it: "
+                         "build it with use_correction_bias=True (DeepSeek-V3's noaux_tc routing adds it)")
+    shared = f"{prefix}.shared_experts"
     if module.shared_experts is not None:
-        load_fp8_mlp(module.shared_experts, reader, f"{prefix}.shared_experts", tp_rank=tp_rank, tp_size=tp_size)
+        load_fp8_mlp(module.shared_experts, reader, shared, tp_rank=tp_rank, tp_size=tp_size)
+    elif f"{shared}.gate_proj.weight" in reader:
+        raise ValueError(f"{shared}.* is in the checkpoint but the Fp8FusedMoE for {prefix} has no shared experts: "
+                         "build it with num_shared_experts (DeepSeek-V3: 1)")
 
 
 # ==============================================================================================

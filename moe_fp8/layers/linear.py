@@ -30,7 +30,7 @@ from moe_fp8.quant import per_block, per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div
 from moe_fp8.validation import K_ALIGN, N_ALIGN
 
-__all__ = ["Fp8Linear", "Fp8MLP", "check_fp8_linear_shape", "check_ue8m0_scales"]
+__all__ = ["Fp8Linear", "Fp8MLP", "check_fp8_linear_shape", "check_ue8m0_scales", "check_weight_scales"]
 
 Tensor = torch.Tensor
 _FP8 = torch.float8_e4m3fn
@@ -62,6 +62,20 @@ def check_ue8m0_scales(scale: Tensor, name: str) -> None:
         raise ValueError(f"{name}: scale_fmt 'ue8m0' needs positive power-of-two scales, but {int(bad.sum())} of "
                          f"{s.numel()} are not (e.g. {name}{list(idx)} = {s[idx].item()!r}): these are not UE8M0 "
                          "scales; use a layer built with ue8m0=False for them")
+
+
+def check_weight_scales(scale: Tensor, name: str, *, ue8m0: bool = False) -> None:
+    """Raise ``ValueError`` unless every entry of ``scale`` is finite and non-negative (a NaN, infinite or negative
+    block scale comes from a damaged or mislabelled checkpoint: it turns its block's outputs into NaN or flips
+    them) and, with ``ue8m0``, a positive power of two (``check_ue8m0_scales``)."""
+    s = scale.detach()
+    bad = ~(s.isfinite() & (s >= 0))
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name}: weight scales must be finite and >= 0, but {int(bad.sum())} of {s.numel()} are "
+                         f"not (e.g. {name}{list(idx)} = {s[idx].item()!r})")
+    if ue8m0:
+        check_ue8m0_scales(scale, name)
 
 
 def _bool_arg(owner: str, name: str, value: object) -> bool:
@@ -148,21 +162,25 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def load_fp8_(self, weight: Tensor, weight_scale_inv: Tensor, bias: Tensor | None = None) -> None:
         """Copy ``weight`` (fp8 [N, K]), ``weight_scale_inv`` (fp32 [ceil(N/128), ceil(K/128)]) and ``bias``
-        into the parameters; shapes and dtypes must match exactly (no conversion). With ``ue8m0`` the scales
-        must be powers of two (``check_ue8m0_scales``)."""
-        if self.ue8m0 and isinstance(weight_scale_inv, Tensor):
-            check_ue8m0_scales(weight_scale_inv, "weight_scale_inv")
-        for name, src, dst in (("weight", weight, self.weight), ("weight_scale_inv", weight_scale_inv,
-                                                                 self.weight_scale_inv)):
+        into the parameters; shapes and dtypes must match exactly (no conversion). The scales must be finite
+        and non-negative, and with ``ue8m0`` powers of two (``check_weight_scales``). Everything is checked
+        before anything is copied: a refused call leaves the layer as it was."""
+        pairs = (("weight", weight, self.weight), ("weight_scale_inv", weight_scale_inv, self.weight_scale_inv))
+        for name, src, dst in pairs:
             if not isinstance(src, Tensor) or src.dtype != dst.dtype or src.shape != dst.shape:
                 raise ValueError(f"{name} must be {dst.dtype} {tuple(dst.shape)}, got "
                                  f"{getattr(src, 'dtype', type(src).__name__)} {tuple(getattr(src, 'shape', ()))}")
-            dst.copy_(src)
+        if self.weight.is_meta:
+            raise ValueError("load_fp8_: the layer was built on the meta device (no storage to fill): "
+                             "materialise it first (module.to_empty(device=...))")
+        check_weight_scales(weight_scale_inv, "weight_scale_inv", ue8m0=self.ue8m0)
         if (bias is None) != (self.bias is None):
             raise ValueError(f"bias given: {bias is not None}, but the layer has bias: {self.bias is not None}")
+        if bias is not None and (not isinstance(bias, Tensor) or bias.shape != self.bias.shape):
+            raise ValueError(f"bias must be [{self.out_features}], got {tuple(getattr(bias, 'shape', ()))}")
+        for _, src, dst in pairs:
+            dst.copy_(src)
         if bias is not None:
-            if bias.shape != self.bias.shape:
-                raise ValueError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
             self.bias.copy_(bias)
 
     def forward_fp8(self, x_fp8: Tensor, x_scale: Tensor, out: Tensor | None = None) -> Tensor:

@@ -28,7 +28,7 @@ Decode workspace. The masked path writes its ``[E_local, T, ·]`` intermediates 
 most ``max_m`` tokens (eager calls and every captured CUDA graph alike), so a graph captures no
 allocation of those buffers and all graphs share one copy. Warm up once before capturing so the
 workspace comes from the ordinary allocator pool rather than the first graph's. Larger masked batches
-(only under capture or an explicit ``path="masked"``) allocate per call, as the ops do.
+(an explicit ``path="masked"``, or capture with ``contiguous_sync``) allocate per call, as the ops do.
 
 UE8M0. ``ue8m0=True`` (DeepSeek-V3.1 checkpoints, ``quantization_config.scale_fmt = "ue8m0"``) quantizes
 the activations with power-of-two scales (both quantizations of the forward, shared experts included);
@@ -64,7 +64,7 @@ from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
 from moe_fp8.quant import silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
-from moe_fp8.validation import K_ALIGN, SCORING_FUNCS, check_int
+from moe_fp8.validation import K_ALIGN, check_int, check_routing_options
 
 __all__ = [
     "MASKED_MAX_ROWS",
@@ -265,11 +265,12 @@ def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor
                          path: str = "auto", *, contiguous_sync: bool = False) -> str:
     """The dispatch layout for a batch of ``num_tokens`` tokens: ``"contiguous"`` or ``"masked"``.
 
-    ``"auto"``: masked while a CUDA graph is being captured (on ``hidden``'s stream; its buffers have a
-    fixed size) or under ``torch.compile`` (the contiguous dispatch is hidden from dynamo), else masked for
-    ``num_tokens <= masked_max_tokens`` and contiguous above. An explicit ``"masked"`` / ``"contiguous"`` is
-    returned as given; an explicit ``"contiguous"`` during capture raises with ``contiguous_sync`` (a host
-    sync cannot be captured).
+    ``"auto"``: masked for ``num_tokens <= masked_max_tokens`` and contiguous above, also while a CUDA graph is
+    captured (on ``hidden``'s stream: the sync-free contiguous layout captures too, and the masked one would hold
+    ``E_local × num_tokens`` rows, ~40 GB for an 8192-token prefill graph of 257 local experts); always masked under
+    ``torch.compile`` (the contiguous dispatch is hidden from dynamo) and during capture with ``contiguous_sync``
+    (a host sync cannot be captured). An explicit ``"masked"`` / ``"contiguous"`` is returned as given; an
+    explicit ``"contiguous"`` during capture raises with ``contiguous_sync``.
     """
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -280,7 +281,7 @@ def choose_dispatch_path(num_tokens: int, masked_max_tokens: int, hidden: Tensor
                          "contiguous_sync=False")
     if path != "auto":
         return path
-    if capturing or torch.compiler.is_compiling() or num_tokens <= masked_max_tokens:
+    if num_tokens <= masked_max_tokens or torch.compiler.is_compiling() or (capturing and contiguous_sync):
         return "masked"
     return "contiguous"
 
@@ -468,7 +469,7 @@ class Fp8FusedMoE(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_experts", num_experts, 1), ("hidden_size", hidden_size, 1),
-                                     ("intermediate_size", intermediate_size, 1), ("top_k", top_k, 1),
+                                     ("intermediate_size", intermediate_size, 1),
                                      ("num_shared_experts", num_shared_experts, 0),
                                      ("masked_max_tokens", 0 if masked_max_tokens is None else masked_max_tokens, 0)):
             if not _is_int(value) or value < minimum:
@@ -480,21 +481,18 @@ class Fp8FusedMoE(nn.Module):
             raise ValueError(f"Fp8FusedMoE: intermediate_size must be a multiple of {GROUP_K} (gate and up each "
                              f"own whole scale blocks of w13; shard I in multiples of {GROUP_K}), got "
                              f"{intermediate_size}")
-        if top_k > num_experts:
-            raise ValueError(f"Fp8FusedMoE: top_k must be <= num_experts = {num_experts}, got {top_k}")
-        if scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"Fp8FusedMoE: scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
-        if (n_group is None) != (topk_group is None):
-            raise ValueError(f"Fp8FusedMoE: n_group and topk_group go together, got {n_group!r}, {topk_group!r}")
-        if n_group is not None and (not _is_int(n_group) or n_group < 1 or num_experts % n_group != 0):
-            raise ValueError(f"Fp8FusedMoE: n_group must divide num_experts = {num_experts}, got {n_group!r}")
+        try:  # the options select_experts checks at every call, refused here at construction
+            check_routing_options(num_experts, top_k, scoring_func, renormalize, n_group, topk_group,
+                                    routed_scaling_factor)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Fp8FusedMoE: {e}") from None
 
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.top_k = top_k
         self.scoring_func = scoring_func
-        self.renormalize = bool(renormalize)
+        self.renormalize = renormalize
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)

@@ -164,8 +164,12 @@ def _remove_dir(path: Path) -> None:
 
 
 def _journal(root: Path, line: str) -> None:
-    with open(root / JOURNAL_FILE, "a") as f:  # one short O_APPEND write per compile
-        f.write(line + "\n")
+    """Best effort: the entry is published already, so a journal that cannot be written must not fail the build."""
+    try:
+        with open(root / JOURNAL_FILE, "a") as f:  # one short O_APPEND write per compile
+            f.write(line + "\n")
+    except OSError as e:
+        debug_print(f"could not append to {root / JOURNAL_FILE}: {e}")
 
 
 # ---------------------------------------------------------------- build

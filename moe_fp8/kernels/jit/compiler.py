@@ -40,6 +40,8 @@ ENV_COMPILER = "MOE_FP8_JIT_COMPILER"
 ENV_DEBUG = "MOE_FP8_JIT_DEBUG"
 # nvcc and NVRTC build from the same source text; one compile may not take longer than this.
 COMPILE_TIMEOUT_S = 900
+# environment variables nvcc reads into every compile (part of the nvcc cache key when set)
+NVCC_ENV_VARS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
 
 NVCC_FLAGS: tuple[str, ...] = (
     "-gencode=arch=compute_90a,code=sm_90a",
@@ -495,19 +497,28 @@ class NvccCompiler(Compiler):
     name = "nvcc"
 
     def flags(self) -> list[str]:
-        return list(NVCC_FLAGS)
+        # nvcc adds these environment variables' flags (and host compiler) to every command line: they change
+        # the cubin, so they belong in the key (read at each build, like the environment nvcc sees)
+        env = [f"#{var}={os.environ[var]}" for var in NVCC_ENV_VARS if os.environ.get(var)]
+        return [*NVCC_FLAGS, *env]
 
     def _run(self, source: str, src_path: Path, include_dirs: list[Path], cubin_path: Path,
              extra_flags: list[str]) -> tuple[bool, str]:
         cmd = [self.info.path, *NVCC_FLAGS, *(f"-I{d}" for d in include_dirs), *extra_flags,
                "-o", str(cubin_path), str(src_path)]
+        # a session of its own, so that a timeout kills nvcc's children (cicc, ptxas) with it
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired as e:
-            return False, f"$ {' '.join(cmd)}\ntimed out after {COMPILE_TIMEOUT_S} s\n{e.stdout or ''}{e.stderr or ''}"
-        log = f"$ {' '.join(cmd)}\n{res.stdout}{res.stderr}"
-        ok = res.returncode == 0 and cubin_path.is_file()
-        if res.returncode == 0 and not ok:
+            out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            return False, f"$ {' '.join(cmd)}\ntimed out after {COMPILE_TIMEOUT_S} s\n{out or ''}{err or ''}"
+        log = f"$ {' '.join(cmd)}\n{out}{err}"
+        ok = proc.returncode == 0 and cubin_path.is_file()
+        if proc.returncode == 0 and not ok:
             log += "\nnvcc returned 0 but wrote no cubin"
         return ok, log
 
@@ -531,7 +542,8 @@ class NvrtcCompiler(Compiler):
         opts = [*NVRTC_FLAGS, *(f"-I{d}" for d in include_dirs),
                 *(f"-I{d}" for d in self._system_includes), *extra_flags]
         ok, log, invalid_option = self._compile(source, src_path, opts, cubin_path)
-        if not ok and invalid_option and "ptxas-options" in log:
+        # (the log's first line is the command, which always names --ptxas-options: look past it)
+        if not ok and invalid_option and "ptxas-options" in log.partition("\n")[2]:
             # an NVRTC without --ptxas-options still compiles; only the register report is lost
             opts = [o for o in opts if not o.startswith("--ptxas-options")]
             ok, log, _ = self._compile(source, src_path, opts, cubin_path)

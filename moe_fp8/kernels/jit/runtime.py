@@ -192,7 +192,8 @@ ARG_TYPES: dict[str, tuple[str, int]] = {
     "f32": ("f", 4), "f64": ("d", 8), "ptr": ("Q", 8),
 }
 _UINT_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
-_FLOAT_FMT = {4: "f", 8: "d"}
+_FLOAT_FMT = {4: "<f", 8: "<d"}  # standard sizes: a finite value past float32's range raises, not packs inf
+_FLT_MAX = 3.4028234663852886e38
 
 
 class Arg:
@@ -384,8 +385,10 @@ class JitKernel:
         c = cluster if type(cluster) is tuple and len(cluster) == 3 else _dim3(cluster, "cluster")
         cfg = self._launch_config(g, b, c, smem_bytes, stream, pdl)
         err = drv.cuLaunchKernelEx(cfg, st.func, params, 0)[0]
+        if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and _ensure_context(dev, force=True):
+            err = drv.cuLaunchKernelEx(cfg, st.func, self._pack(args), 0)[0]
         if err:
-            raise CudaError(f"cuLaunchKernelEx({self.symbol}, grid={g}, block={b}, cluster={tuple(cluster)}, "
+            raise CudaError(f"cuLaunchKernelEx({self.symbol}, grid={g}, block={b}, cluster={c}, "
                             f"pdl={pdl}, smem={smem_bytes}) failed: {_result_str(drv, err)}")
 
     __call__ = launch
@@ -396,10 +399,15 @@ class JitKernel:
             raise ValueError(f"{self.name}: smem_bytes={smem_bytes} exceeds the device limit {limit} "
                              f"(opt-in {st.optin_smem} - static {st.static_smem})")
         drv = _drv
-        check(drv.cuFuncSetAttribute(
-            st.func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
-            f"cuFuncSetAttribute({self.symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={smem_bytes})")
-        st.max_dynamic_smem = smem_bytes
+        # under the lock the limit only grows: two threads raising it at once cannot leave the smaller one set
+        # while the larger is recorded
+        with self._lock:
+            if smem_bytes <= st.max_dynamic_smem:
+                return
+            check(drv.cuFuncSetAttribute(
+                st.func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes),
+                f"cuFuncSetAttribute({self.symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={smem_bytes})")
+            st.max_dynamic_smem = smem_bytes
 
     def _launch_config(self, g: tuple[int, int, int], b: tuple[int, int, int], c: tuple[int, int, int],
                        smem_bytes: int, stream: int, pdl: bool = False) -> Any:
@@ -468,6 +476,8 @@ class JitKernel:
                 if not a.is_cuda:
                     raise TypeError(f"argument {i}: tensor is on {a.device}, not a CUDA device")
                 pack_into("Q", buf, off, a.data_ptr())
+            elif (t is int or t is bool) and size not in _UINT_FMT:
+                raise TypeError(f"argument {i}: {t.__name__} passed for a {size}-byte parameter (a TMA descriptor?)")
             elif t is int:
                 pack_into(_UINT_FMT[size], buf, off, _int_bits(a, size, i))
             elif t is _TmaDesc or isinstance(a, _TmaDesc):
@@ -478,18 +488,27 @@ class JitKernel:
                 fmt = _FLOAT_FMT.get(size)
                 if fmt is None:
                     raise TypeError(f"argument {i}: float passed for a {size}-byte parameter")
-                pack_into(fmt, buf, off, a)
+                try:
+                    pack_into(fmt, buf, off, a)
+                except (OverflowError, struct.error) as e:
+                    raise OverflowError(f"argument {i}: float {a!r} does not fit the kernel's {size}-byte "
+                                        f"parameter ({e})") from None
             elif t is Arg or t is tuple:
                 arg = a if t is Arg else Arg(*a)
                 if arg.size != size:
                     raise TypeError(f"argument {i}: {arg!r} is {arg.size} bytes, the kernel parameter is {size}")
                 v = arg.value
-                if arg.ctype == "ptr" and v is not None and not isinstance(v, int):
-                    v = v.data_ptr()
-                elif arg.fmt in "fd?":
-                    pack_into(arg.fmt, buf, off, v)
+                if arg.ctype == "ptr":
+                    if isinstance(v, _Tensor):
+                        if not v.is_cuda:
+                            raise TypeError(f"argument {i}: {arg.ctype} tensor is on {v.device}, not a CUDA device")
+                        v = v.data_ptr()
+                    pack_into("Q", buf, off, _int_bits(v or 0, size, i))
                     continue
-                pack_into(_UINT_FMT[size], buf, off, _int_bits(v or 0, size, i))
+                try:  # the C type's own range: Arg(2**31, "i32") or Arg(-1, "u32") is refused, not wrapped
+                    pack_into("<" + arg.fmt, buf, off, v)
+                except (struct.error, OverflowError) as e:
+                    raise TypeError(f"argument {i}: {arg!r} cannot be packed as {arg.ctype}: {e}") from None
             elif a is None:
                 if size != 8:
                     raise TypeError(f"argument {i}: None (null pointer) passed for a {size}-byte parameter")
@@ -511,7 +530,7 @@ def _compile_packer(layout: tuple[tuple[int, int], ...], args: Sequence[Any]) ->
     parameters, TMA descriptors included (``128s``), are written by one ``struct.pack_into`` call
     (~0.4 µs; a ctypes ``memmove`` alone costs ~1 µs).  Returns None when an argument type is not specializable (Arg, tuple).
     """
-    ns: dict[str, Any] = {"pack_into": struct.pack_into}
+    ns: dict[str, Any] = {"pack_into": struct.pack_into, "INF": float("inf")}
     checks: list[str] = []
     cuda_checks: list[str] = []
     writes: list[tuple[int, int, str, str]] = []  # (offset, size, struct fmt, value expression)
@@ -529,7 +548,9 @@ def _compile_packer(layout: tuple[tuple[int, int], ...], args: Sequence[Any]) ->
             checks.append(f"{-(1 << (bits - 1))} <= a{i} < {1 << bits}")
             writes.append((off, size, _UINT_FMT[size], f"(a{i} & {(1 << bits) - 1})"))
         elif t is float:
-            writes.append((off, size, _FLOAT_FMT[size], f"a{i}"))
+            if size == 4:  # finite values past float32's range fall back to the generic packer, which raises
+                checks.append(f"not {_FLT_MAX!r} < abs(a{i}) < INF")
+            writes.append((off, size, _FLOAT_FMT[size][1:], f"a{i}"))
         elif isinstance(a, _TmaDesc):
             writes.append((off, size, f"{size}s", f"a{i}.raw"))
         elif isinstance(a, _Tensor):
@@ -652,9 +673,10 @@ def _ensure_context(dev: int, force: bool = False) -> bool:
     the CUDA runtime have none).  Returns True if it changed the current context."""
     drv = _driver()
     ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is not None and int(ctx) != 0 and not force:
-        return False
     cu_dev = check(drv.cuDeviceGet(dev), f"cuDeviceGet({dev})")
+    if ctx is not None and int(ctx) != 0 and not force \
+            and int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice")) == int(cu_dev):
+        return False
     primary = check(drv.cuDevicePrimaryCtxRetain(cu_dev), f"cuDevicePrimaryCtxRetain({dev})")
     if ctx is not None and int(ctx) == int(primary):
         return False
