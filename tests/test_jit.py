@@ -793,9 +793,10 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
     smoke = _smoke()
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def worker() -> None:  # a fresh thread has no current context: plain and cluster (cuLaunchKernelEx) launches
         try:
             smoke.check_vadd_f32(fast_compiler)
+            smoke.check_cluster(fast_compiler)
         except BaseException as e:
             errors.append(e)
 
