@@ -793,10 +793,28 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
     smoke = _smoke()
     errors: list[BaseException] = []
 
-    def worker() -> None:  # a fresh thread has no current context: plain and cluster (cuLaunchKernelEx) launches
+    # A thread that launches before touching the CUDA runtime has no current context: the cluster launch
+    # (cuLaunchKernelEx) must make one current as the plain launch does. Kernel and tensors come from here.
+    cluster_k = smoke._kernel("cluster_ids", smoke.CLUSTER_IDS, fast_compiler)
+    cluster_out = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+
+    def cluster_worker() -> None:
+        try:
+            cluster_k.launch((8, 1, 1), (32, 1, 1), [cluster_out], cluster=(2, 1, 1))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=cluster_worker)
+    t.start()
+    t.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert cluster_out.view(8, 2)[:, 0].tolist() == [0, 1] * 4
+
+    def worker() -> None:
         try:
             smoke.check_vadd_f32(fast_compiler)
-            smoke.check_cluster(fast_compiler)
         except BaseException as e:
             errors.append(e)
 
