@@ -793,24 +793,26 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
     smoke = _smoke()
     errors: list[BaseException] = []
 
-    # A thread that launches before touching the CUDA runtime has no current context: the cluster launch
-    # (cuLaunchKernelEx) must make one current as the plain launch does. Kernel and tensors come from here.
+    # A thread that launches before touching the CUDA runtime has no current context. Its cluster launch
+    # (cuLaunchKernelEx) must make one current: the first ever of the kernel (loaded there: the parameter info
+    # needs a context), and a later one (the kernel's state cached, the launch itself retried).
     cluster_k = smoke._kernel("cluster_ids", smoke.CLUSTER_IDS, fast_compiler)
-    cluster_out = torch.full((16,), -1, dtype=torch.int32, device="cuda")
-    torch.cuda.synchronize()
+    for _ in range(2):
+        cluster_out = torch.full((16,), -1, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
 
-    def cluster_worker() -> None:
-        try:
-            cluster_k.launch((8, 1, 1), (32, 1, 1), [cluster_out], cluster=(2, 1, 1))
-        except BaseException as e:
-            errors.append(e)
+        def cluster_worker(out: torch.Tensor = cluster_out) -> None:
+            try:
+                cluster_k.launch((8, 1, 1), (32, 1, 1), [out], cluster=(2, 1, 1))
+            except BaseException as e:
+                errors.append(e)
 
-    t = threading.Thread(target=cluster_worker)
-    t.start()
-    t.join()
-    assert not errors, errors
-    torch.cuda.synchronize()
-    assert cluster_out.view(8, 2)[:, 0].tolist() == [0, 1] * 4
+        t = threading.Thread(target=cluster_worker)
+        t.start()
+        t.join()
+        assert not errors, errors
+        torch.cuda.synchronize()
+        assert cluster_out.view(8, 2)[:, 0].tolist() == [0, 1] * 4
 
     def worker() -> None:
         try:

@@ -309,9 +309,11 @@ class JitKernel:
         st = self._devices.get(dev)
         if st is not None:
             return st
+        # the context first: cuKernelGetParamInfo (in load) fails without one, as in a thread that launches
+        # before it ever touched the CUDA runtime
+        _ensure_context(dev)
         self.load()
         drv = _drv
-        _ensure_context(dev)
         func = check(drv.cuKernelGetFunction(self._kernel), f"cuKernelGetFunction({self.symbol})")
         st = _DeviceState(func)
         attr = drv.CUfunction_attribute
