@@ -672,7 +672,8 @@ def _current_stream(dev: int) -> int:
 
 def _ensure_context(dev: int, force: bool = False) -> bool:
     """Make ``dev``'s primary context current on this thread if none is (threads that never touched
-    the CUDA runtime have none).  Returns True if it changed the current context."""
+    the CUDA runtime have none) or the current one is another device's.  Returns True if it changed the
+    current context."""
     drv = _driver()
     ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
     cu_dev = check(drv.cuDeviceGet(dev), f"cuDeviceGet({dev})")
