@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -351,8 +352,8 @@ def test_cache_key_changes_with_every_input(tmp_path: Path, monkeypatch: pytest.
     assert len(set(keys.values())) == len(keys), keys
 
 
-@pytest.mark.skipif(not COMPILERS["nvcc"].available, reason="needs nvcc")
 def test_nvcc_key_covers_the_environment_flags_nvcc_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    _need("nvcc")
     # nvcc adds NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS (and NVCC_CCBIN) to every compile: a cubin built under them
     # must not be served to a process without them
     for var in compiler_mod.NVCC_ENV_VARS:
@@ -367,16 +368,16 @@ def test_nvcc_key_covers_the_environment_flags_nvcc_reads(monkeypatch: pytest.Mo
     assert cache_key("k", SIMPLE_SRC, compiler="nvcc") == base
 
 
-@pytest.mark.skipif(not COMPILERS["nvcc"].available, reason="needs nvcc")
 def test_nvcc_timeout_is_a_compile_error_with_a_text_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _need("nvcc")
     monkeypatch.setattr(compiler_mod, "COMPILE_TIMEOUT_S", 0.01)
     with pytest.raises(JitCompileError, match=r"timed out after 0\.01 s") as ei:
         get_compiler("nvcc").compile(SIMPLE_SRC, "k", [], tmp_path)
     assert "b'" not in ei.value.log
 
 
-@pytest.mark.skipif(not COMPILERS["nvrtc"].available, reason="needs NVRTC")
 def test_nvrtc_bad_option_is_not_blamed_on_ptxas_options(tmp_path: Path) -> None:
+    _need("nvrtc")
     # the log's command line always names --ptxas-options: only the compiler's own message may trigger the retry
     with pytest.raises(JitCompileError) as ei:
         get_compiler("nvrtc").compile(SIMPLE_SRC, "k", [], tmp_path, extra_flags=["--no-such-option"])
@@ -791,7 +792,20 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
     assert make_tma_2d(x, 256, 128, 64, 32) is d1  # LRU hit
     assert make_tma_2d(x, 256, 128, 64, 16) is not d1
     smoke = _smoke()
-    errors: list[BaseException] = []
+
+    def in_fresh_thread(fn: Callable[[], object]) -> None:  # fails here if fn raised there
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert not errors, errors
 
     # A thread that launches before touching the CUDA runtime has no current context. Its cluster launch
     # (cuLaunchKernelEx) must make one current: the first ever of the kernel (loaded there: the parameter info
@@ -800,27 +814,7 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
     for _ in range(2):
         cluster_out = torch.full((16,), -1, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
-
-        def cluster_worker(out: torch.Tensor = cluster_out) -> None:
-            try:
-                cluster_k.launch((8, 1, 1), (32, 1, 1), [out], cluster=(2, 1, 1))
-            except BaseException as e:
-                errors.append(e)
-
-        t = threading.Thread(target=cluster_worker)
-        t.start()
-        t.join()
-        assert not errors, errors
+        in_fresh_thread(lambda out=cluster_out: cluster_k.launch((8, 1, 1), (32, 1, 1), [out], cluster=(2, 1, 1)))
         torch.cuda.synchronize()
         assert cluster_out.view(8, 2)[:, 0].tolist() == [0, 1] * 4
-
-    def worker() -> None:
-        try:
-            smoke.check_vadd_f32(fast_compiler)
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert not errors, errors
+    in_fresh_thread(lambda: smoke.check_vadd_f32(fast_compiler))

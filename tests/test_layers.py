@@ -517,6 +517,19 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
 # ----------------------------------------------------------------------------------------------
 # UE8M0 (DeepSeek-V3.1: power-of-two scales)
 # ----------------------------------------------------------------------------------------------
+def test_check_weight_scales():
+    layers.check_weight_scales(torch.tensor([[0.5, 0.0], [2.0 ** -30, 3.0]]), "s")
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match=r"s: weight scales must be finite and >= 0, but 1 of 4 are not .*s\[1, 0\]"):
+            layers.check_weight_scales(torch.tensor([[0.5, 1.0], [bad, 3.0]]), "s")
+    with pytest.raises(TypeError, match=r"s: weight scales must be a floating-point tensor, got torch\.int32"):
+        layers.check_weight_scales(torch.ones(2, 2, dtype=torch.int32), "s")
+    with pytest.raises(TypeError, match="got list"):
+        layers.check_weight_scales([0.5], "s")
+    with pytest.raises(ValueError, match="scale_fmt 'ue8m0'"):  # and, with ue8m0, powers of two
+        layers.check_weight_scales(torch.tensor([0.75]), "s", ue8m0=True)
+
+
 def test_check_ue8m0_scales():
     layers.check_ue8m0_scales(torch.tensor([1.0, 2.0 ** -20, 0.5, 2.0 ** 30]), "s")
     for bad in (3.0, 0.0, -2.0, float("inf"), float("nan"), 0.75):

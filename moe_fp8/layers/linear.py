@@ -68,6 +68,9 @@ def check_weight_scales(scale: Tensor, name: str, *, ue8m0: bool = False) -> Non
     """Raise ``ValueError`` unless every entry of ``scale`` is finite and non-negative (a NaN, infinite or negative
     block scale comes from a damaged or mislabelled checkpoint: it turns its block's outputs into NaN or flips
     them) and, with ``ue8m0``, a positive power of two (``check_ue8m0_scales``)."""
+    if not isinstance(scale, Tensor) or not scale.is_floating_point():
+        raise TypeError(f"{name}: weight scales must be a floating-point tensor, got "
+                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
     s = scale.detach()
     bad = ~(s.isfinite() & (s >= 0))
     if bool(bad.any()):
