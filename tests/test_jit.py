@@ -528,11 +528,19 @@ def test_without_driver_launch_raises_clear_error(fast_compiler: str) -> None:
 
 
 class _FakeCudaTensor(torch.Tensor):
-    """A CPU tensor that claims to be on CUDA, to exercise pointer packing without a GPU."""
+    """A CPU tensor that claims to be on CUDA device 0, to exercise pointer packing without a GPU."""
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return 0
+
+
+class _FakeCuda1Tensor(_FakeCudaTensor):
+    def get_device(self) -> int:  # type: ignore[override]
+        return 1
 
 
 def _kernel_with_layout(layout: tuple[tuple[int, int], ...]) -> JitKernel:
@@ -561,7 +569,7 @@ def test_generic_and_specialized_packers_agree() -> None:
     a = torch.zeros(4).as_subclass(_FakeCudaTensor)
     b = torch.zeros(8).as_subclass(_FakeCudaTensor)
     args = [_desc(7), a, b, 0xFFFFFFFF, -5, 0.25, True, 1 << 63]
-    k._pack(args)
+    k._pack(args, 0)
     got = _packed(k)
     assert got[:128] == bytes([7]) * 128
     assert struct.unpack_from("<QQIif?", got, 128) == (a.data_ptr(), b.data_ptr(), 0xFFFFFFFF, -5, 0.25, True)
@@ -569,14 +577,14 @@ def test_generic_and_specialized_packers_agree() -> None:
     assert k._fast is not None
     args2 = [_desc(9), b, a, 3, 4, -1.5, False, 12]
     buf, base = k._tls.state[0], k._tls.state[1]
-    assert k._fast(args2, buf, base) is True
+    assert k._fast(args2, buf, base, 0) is True
     fast_bytes = _packed(k)
-    k._pack_generic(args2)
+    k._pack_generic(args2, 0)
     assert _packed(k) == fast_bytes
     # a type the specialization did not see falls back (returns False), never packs wrongly
-    assert k._fast([_desc(1), None, a, 1, 2, 3.0, True, 4], buf, base) is False
-    assert k._fast(args2[:-1], buf, base) is False
-    assert k._fast([*args2[:3], 1 << 32, *args2[4:]], buf, base) is False
+    assert k._fast([_desc(1), None, a, 1, 2, 3.0, True, 4], buf, base, 0) is False
+    assert k._fast(args2[:-1], buf, base, 0) is False
+    assert k._fast([*args2[:3], 1 << 32, *args2[4:]], buf, base, 0) is False
 
 
 @settings(max_examples=60, deadline=None)
@@ -586,10 +594,10 @@ def test_packers_agree_on_random_scalars(n: int, m: int, big: int, alpha: float)
     k = _kernel_with_layout(LAYOUT)
     a = torch.zeros(4).as_subclass(_FakeCudaTensor)
     args = [_desc(3), a, None, n, m, alpha, False, big]
-    k._pack_generic(args)
+    k._pack_generic(args, 0)
     generic = _packed(k)
     fast = runtime_mod._compile_packer(LAYOUT, args)
-    assert fast(args, k._tls.state[0], k._tls.state[1]) is True
+    assert fast(args, k._tls.state[0], k._tls.state[1], 0) is True
     assert _packed(k) == generic
     assert struct.unpack_from("<I", generic, 144)[0] == n & 0xFFFFFFFF
     assert struct.unpack_from("<Q", generic, 160)[0] == big & (2**64 - 1)
@@ -599,46 +607,54 @@ def test_pack_rejects_bad_arguments() -> None:
     k = _kernel_with_layout(((0, 8), (8, 4), (12, 4)))
     a = torch.zeros(4).as_subclass(_FakeCudaTensor)
     with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
-        k._pack([a, 1])
+        k._pack([a, 1], 0)
     with pytest.raises(TypeError, match="not a CUDA device"):
-        k._pack([torch.zeros(4), 1, 2])
+        k._pack([torch.zeros(4), 1, 2], 0)
     with pytest.raises(OverflowError, match="does not fit"):
-        k._pack([a, 1 << 32, 2])
+        k._pack([a, 1 << 32, 2], 0)
     with pytest.raises(OverflowError, match="does not fit"):
-        k._pack([a, -(1 << 31) - 1, 2])
+        k._pack([a, -(1 << 31) - 1, 2], 0)
     with pytest.raises(TypeError, match="8 bytes, the kernel parameter is 4"):
-        k._pack([a, Arg(1, "u64"), 2])
+        k._pack([a, Arg(1, "u64"), 2], 0)
     with pytest.raises(TypeError, match="tensor passed for a 4-byte"):
-        k._pack([a, a, 2])
+        k._pack([a, a, 2], 0)
     with pytest.raises(TypeError, match="TMA descriptor passed for a 4-byte"):
-        k._pack([a, _desc(0), 2])
+        k._pack([a, _desc(0), 2], 0)
     with pytest.raises(TypeError, match="unsupported type str"):
-        k._pack([a, "x", 2])
+        k._pack([a, "x", 2], 0)
     with pytest.raises(ValueError, match="unknown argument type"):
         Arg(1, "u128")
-    k._pack([None, (7, "i32"), Arg(2.5, "f32")])
+    k._pack([None, (7, "i32"), Arg(2.5, "f32")], 0)
     assert struct.unpack_from("<Qif", _packed(k), 0) == (0, 7, 2.5)
-    k._pack([Arg(a, "ptr"), Arg(-1, "i32"), (1, "u32")])
+    k._pack([Arg(a, "ptr"), Arg(-1, "i32"), (1, "u32")], 0)
     assert struct.unpack_from("<QiI", _packed(k), 0) == (a.data_ptr(), -1, 1)
     # an explicit C type is packed in its own range, not wrapped into it
     for bad in (Arg(1 << 31, "i32"), Arg(-1, "u32"), Arg(1.5, "i32")):
         with pytest.raises(TypeError, match=rf"argument 1: Arg\({bad.value!r}, '{bad.ctype}'\) cannot be packed"):
-            k._pack([a, bad, 2])
+            k._pack([a, bad, 2], 0)
     with pytest.raises(TypeError, match="argument 0: ptr tensor is on cpu"):
-        k._pack([Arg(torch.zeros(4), "ptr"), 1, 2])
+        k._pack([Arg(torch.zeros(4), "ptr"), 1, 2], 0)
+    # another GPU's tensor: refused by both packers (its pointer is meaningless in this launch's context)
+    other = torch.zeros(4).as_subclass(_FakeCuda1Tensor)
+    for args in ([other, 1, 2], [Arg(other, "ptr"), 1, 2]):
+        with pytest.raises(TypeError, match=r"argument 0: .*tensor is on cuda:1, but the launch is on cuda:0"):
+            k._pack(args, 0)
+    k._pack([other, 1, 2], 1)  # launched on device 1: fine, and specializes the fast packer
+    assert k._fast([other, 1, 2], k._tls.state[0], k._tls.state[1], 1) is True
+    assert k._fast([a, 1, 2], k._tls.state[0], k._tls.state[1], 1) is False
     # a float past float32's range raises with its index on both paths (the generic one packed inf)
     kf = _kernel_with_layout(((0, 4), (4, 4)))
-    kf._pack([0.5, 1.0])  # specializes the fast packer to (float, float)
+    kf._pack([0.5, 1.0], 0)  # specializes the fast packer to (float, float)
     buf, base = kf._tls.state[0], kf._tls.state[1]
-    assert kf._fast([float("inf"), float("-inf")], buf, base) is True
+    assert kf._fast([float("inf"), float("-inf")], buf, base, 0) is True
     assert struct.unpack_from("<ff", _packed(kf), 0) == (float("inf"), float("-inf"))
-    assert kf._fast([1e40, 1.0], buf, base) is False
+    assert kf._fast([1e40, 1.0], buf, base, 0) is False
     with pytest.raises(OverflowError, match="argument 0: float 1e\\+40 does not fit"):
-        kf._pack([1e40, 1.0])
+        kf._pack([1e40, 1.0], 0)
     # an int for a TMA descriptor parameter
     kt = _kernel_with_layout(((0, 128), (128, 4)))
     with pytest.raises(TypeError, match="argument 0: int passed for a 128-byte parameter"):
-        kt._pack([1, 2])
+        kt._pack([1, 2], 0)
 
 
 # ---------------------------------------------------------------- TMA (validation runs on CPU)

@@ -6,7 +6,7 @@ driver or GPU; anything that needs the driver raises ``CudaUnavailableError`` ("
 Kernel arguments (``JitKernel.launch(..., args)``), one per kernel parameter, in order:
 
 ===========================  ====================================================================
-``torch.Tensor``             its ``data_ptr()`` as a pointer (must be a CUDA tensor)
+``torch.Tensor``             its ``data_ptr()`` as a pointer (a CUDA tensor on the launch's device)
 ``None``                     a null pointer
 ``int``                      sized by the kernel's parameter (4 or 8 bytes, 1/2 for small types);
                              must fit the signed or unsigned range of that size
@@ -370,14 +370,14 @@ class JitKernel:
         except AttributeError:
             state = tls.state = _make_param_buffer(self._layout or (), self._params_size)
         fast = self._fast
-        params = state[2] if fast is not None and fast(args, state[0], state[1]) else self._pack(args)
+        params = state[2] if fast is not None and fast(args, state[0], state[1], dev) else self._pack(args, dev)
         drv = _drv
         if cluster == (1, 1, 1) and not pdl:
             err = drv.cuLaunchKernel(st.func, g[0], g[1], g[2], b[0], b[1], b[2], smem_bytes, stream,
                                      params, 0)[0]
             if err:
                 if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and _ensure_context(dev, force=True):
-                    params = self._pack(args)
+                    params = self._pack(args, dev)
                     err = drv.cuLaunchKernel(st.func, g[0], g[1], g[2], b[0], b[1], b[2], smem_bytes,
                                              stream, params, 0)[0]
                 if err:
@@ -388,7 +388,7 @@ class JitKernel:
         cfg = self._launch_config(g, b, c, smem_bytes, stream, pdl)
         err = drv.cuLaunchKernelEx(cfg, st.func, params, 0)[0]
         if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT and _ensure_context(dev, force=True):
-            err = drv.cuLaunchKernelEx(cfg, st.func, self._pack(args), 0)[0]
+            err = drv.cuLaunchKernelEx(cfg, st.func, self._pack(args, dev), 0)[0]
         if err:
             raise CudaError(f"cuLaunchKernelEx({self.symbol}, grid={g}, block={b}, cluster={c}, "
                             f"pdl={pdl}, smem={smem_bytes}) failed: {_result_str(drv, err)}")
@@ -445,19 +445,20 @@ class JitKernel:
         self._configs[key] = cfg
         return cfg
 
-    def _pack(self, args: Sequence[Any]) -> int:
-        """Write ``args`` into this thread's parameter buffer; return the ``void**`` address.
+    def _pack(self, args: Sequence[Any], dev: int) -> int:
+        """Write ``args`` into this thread's parameter buffer; return the ``void**`` address. Tensors must be
+        on CUDA device ``dev`` (the launch's): another device's pointer would fault or read the wrong memory.
 
         The generic (checked, ~1 µs per argument) path; after a success the argument types are
         compiled into a specialized packer (``_compile_packer``) that later launches try first.
         """
-        ptrs = self._pack_generic(args)
+        ptrs = self._pack_generic(args, dev)
         if self._fast_budget > 0:  # (re)specialize to these types, a bounded number of times
             self._fast_budget -= 1
             self._fast = _compile_packer(self._layout or (), args)
         return ptrs
 
-    def _pack_generic(self, args: Sequence[Any]) -> int:
+    def _pack_generic(self, args: Sequence[Any], dev: int) -> int:
         layout = self._layout
         assert layout is not None
         if len(args) != len(layout):
@@ -475,8 +476,7 @@ class JitKernel:
             if t is _Tensor or (t is not int and t is not float and isinstance(a, _Tensor)):
                 if size != 8:
                     raise TypeError(f"argument {i}: tensor passed for a {size}-byte parameter")
-                if not a.is_cuda:
-                    raise TypeError(f"argument {i}: tensor is on {a.device}, not a CUDA device")
+                _check_device(a, dev, i, "tensor")
                 pack_into("Q", buf, off, a.data_ptr())
             elif (t is int or t is bool) and size not in _UINT_FMT:
                 raise TypeError(f"argument {i}: {t.__name__} passed for a {size}-byte parameter (a TMA descriptor?)")
@@ -502,8 +502,7 @@ class JitKernel:
                 v = arg.value
                 if arg.ctype == "ptr":
                     if isinstance(v, _Tensor):
-                        if not v.is_cuda:
-                            raise TypeError(f"argument {i}: {arg.ctype} tensor is on {v.device}, not a CUDA device")
+                        _check_device(v, dev, i, "ptr tensor")
                         v = v.data_ptr()
                     pack_into("Q", buf, off, _int_bits(v or 0, size, i))
                     continue
@@ -523,11 +522,20 @@ class JitKernel:
         return ptrs_addr
 
 
+def _check_device(t: Any, dev: int, index: int, what: str) -> None:
+    got = t.get_device()
+    if got < 0:
+        raise TypeError(f"argument {index}: {what} is on {t.device}, not a CUDA device")
+    if got != dev:
+        raise TypeError(f"argument {index}: {what} is on cuda:{got}, but the launch is on cuda:{dev} "
+                        "(make its device current: torch.cuda.device)")
+
+
 def _compile_packer(layout: tuple[tuple[int, int], ...], args: Sequence[Any]) -> Any:
-    """A function ``fast(args, buf, base) -> bool`` specialized to the types of ``args``: it writes
+    """A function ``fast(args, buf, base, dev) -> bool`` specialized to the types of ``args``: it writes
     them into the parameter buffer ``buf`` (at address ``base``) and returns True.
 
-    It re-checks every argument's exact type (and CUDA placement / int range) and returns False on any
+    It re-checks every argument's exact type (and, for tensors, device ``dev`` / int range) and returns False on any
     mismatch, so the caller falls back to the generic packer, which raises the precise error.  All
     parameters, TMA descriptors included (``128s``), are written by one ``struct.pack_into`` call
     (~0.4 µs; a ctypes ``memmove`` alone costs ~1 µs).  Returns None when an argument type is not specializable (Arg, tuple).
@@ -556,11 +564,11 @@ def _compile_packer(layout: tuple[tuple[int, int], ...], args: Sequence[Any]) ->
         elif isinstance(a, _TmaDesc):
             writes.append((off, size, f"{size}s", f"a{i}.raw"))
         elif isinstance(a, _Tensor):
-            cuda_checks.append(f"a{i}.is_cuda")
+            cuda_checks.append(f"a{i}.get_device() == dev")
             writes.append((off, size, "Q", f"a{i}.data_ptr()"))
         else:
             return None
-    lines = ["def fast(args, buf, base):", f"    if len(args) != {n}:", "        return False"]
+    lines = ["def fast(args, buf, base, dev):", f"    if len(args) != {n}:", "        return False"]
     if n:
         lines.append(f"    {', '.join(f'a{i}' for i in range(n))}{',' if n == 1 else ''} = args")
         lines.append(f"    if not ({' and '.join(checks + cuda_checks)}):")
