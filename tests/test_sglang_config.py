@@ -46,7 +46,8 @@ def test_ignored_layers_get_both_prefixes() -> None:
     ({"activation_scheme": "static"}, "activation_scheme"),
     ({"fmt": "e5m2"}, "fmt"),
     ({"quant_method": "awq"}, "quant_method"),
-    ({"scale_fmt": "ue8m0"}, "scale_fmt"),
+    ({"scale_fmt": "e8m0fnu"}, "scale_fmt"),
+    ({"fmt": None, "quant_method": 8}, "quant_method"),
     ({"ignored_layers": "lm_head"}, "ignored_layers"),
 ])
 def test_refuses_what_the_kernels_cannot_serve(change: dict, field: str) -> None:

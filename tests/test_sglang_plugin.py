@@ -353,12 +353,18 @@ def _load_moe_like_sglang(layer, path, num_experts: int) -> None:
     layer.quant_method.process_weights_after_loading(layer)
 
 
-def _reference_moe(cfg: dict, *, expert_map=None) -> Fp8FusedMoE:
-    return Fp8FusedMoE(cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"],
+def _reference_moe(cfg: dict, path, *, with_shared: bool = False) -> Fp8FusedMoE:
+    """Our layer on the checkpoint's MoE block; without ``with_shared`` its routed experts only (what a FusedMoE
+    computes), the shared expert loaded and then dropped."""
+    ours = Fp8FusedMoE(cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"],
                        cfg["num_experts_per_tok"], scoring_func="sigmoid", renormalize=True,
                        n_group=cfg["n_group"], topk_group=cfg["topk_group"],
                        routed_scaling_factor=cfg["routed_scaling_factor"], use_correction_bias=True,
-                       expert_map=expert_map)
+                       num_shared_experts=cfg["n_shared_experts"])
+    load_fused_moe(ours, path, MOE_PREFIX)
+    if not with_shared:
+        ours.shared_experts = None
+    return ours
 
 
 def test_moe_weights_on_a_real_fused_moe(config, checkpoint):
@@ -393,8 +399,7 @@ def test_moe_checkpoint_loads_through_sglang_weight_loader(config, checkpoint, p
         layer = _fused_moe(config, cfg)
         _load_moe_like_sglang(layer, path, cfg["n_routed_experts"])
 
-    ours = _reference_moe(cfg)
-    load_fused_moe(ours, path, MOE_PREFIX)
+    ours = _reference_moe(cfg, path)
     w13, s13, w2, s2 = ours.w13_weight, ours.w13_weight_scale_inv, ours.w2_weight, ours.w2_weight_scale_inv
     if parallel.startswith("tp2"):
         w13, s13, w2, s2 = shard_moe_weights(w13, s13, w2, s2, rank, 2)
@@ -442,8 +447,7 @@ def test_moe_forward_through_sglang_matches_ours(config, checkpoint, path):
     layer = _fused_moe(config, cfg)
     _load_moe_like_sglang(layer, ckpt, cfg["n_routed_experts"])
     layer.quant_method.path = path
-    ours = _reference_moe(cfg)
-    load_fused_moe(ours, ckpt, MOE_PREFIX)
+    ours = _reference_moe(cfg, ckpt)
     topk = _sglang_topk(cfg, ours.e_score_correction_bias.data.clone(), layer.runner_backend)
 
     g = torch.Generator().manual_seed(7)
@@ -464,9 +468,12 @@ def test_moe_forward_through_sglang_matches_ours(config, checkpoint, path):
 
         out = layer(x, topk_output)
         assert out.shape == x.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        assert moe_fp8.calc_diff(out, ours(x, logits)) < 1e-5
-        ref = _dense_reference(x, topk_output.topk_weights, topk_output.topk_ids, layer,
-                               cfg["routed_scaling_factor"])
+        # The layer applies routed_scaling_factor where SGLang's runners would (CUDA); elsewhere, as here, the
+        # model block does (test_deepseek_moe_block_through_sglang_matches_ours).
+        in_layer = cfg["routed_scaling_factor"] if layer.quant_method.applies_routed_scaling else 1.0
+        block_scale = cfg["routed_scaling_factor"] / in_layer
+        assert moe_fp8.calc_diff(out.double() * block_scale, ours(x, logits)) < 1e-5
+        ref = _dense_reference(x, topk_output.topk_weights, topk_output.topk_ids, layer, in_layer)
         assert moe_fp8.calc_diff(out, ref) < 2e-3
 
 
@@ -522,6 +529,75 @@ def test_moe_parallel_ranks_sum_to_the_full_output(config, checkpoint, mode, mon
             _load_moe_like_sglang(part, ckpt, cfg["n_routed_experts"])
             total += part(x, topk_output).float()
     assert moe_fp8.calc_diff(total, expected) < 1e-5
+
+
+def _deepseek_moe_block(config, cfg: dict, path, fused_shared: int):
+    """SGLang's own DeepSeek-V3 MoE block (``DeepseekV2MoE``: router gate, TopK, FusedMoE with our method, shared
+    experts as our linear layers or, with ``fused_shared``, as one more expert of the FusedMoE), loaded as
+    SGLang's DeepSeek loader does (with fusion it renames ``mlp.shared_experts`` to ``mlp.experts.{E}``)."""
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+    from sglang.srt.runtime_context import get_model
+    from transformers import DeepseekV3Config
+
+    hf_config = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    with get_model().override(shared_experts=SharedExpertsConfig(num_fused_shared_experts=fused_shared)):
+        block = DeepseekV2MoE(hf_config, layer_id=1, quant_config=config, prefix=MOE_PREFIX)
+    assert block.num_fused_shared_experts == fused_shared
+    num_experts = cfg["n_routed_experts"]
+    expert_mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj",
+                                                         ckpt_down_proj_name="down_proj", ckpt_up_proj_name="up_proj",
+                                                         num_experts=num_experts + fused_shared)
+    params = dict(block.named_parameters(prefix=MOE_PREFIX))
+    with CheckpointReader(path) as reader:
+        for name in reader:
+            if not name.startswith(f"{MOE_PREFIX}."):
+                continue
+            tensor = reader.get(name)
+            if fused_shared:
+                name = name.replace("mlp.shared_experts", f"mlp.experts.{num_experts}")
+            for param_name, weight_name, expert_id, shard_id in expert_mapping:
+                if weight_name in name:
+                    target = name.replace(weight_name, param_name)
+                    params[target].weight_loader(params[target], tensor, target, shard_id=shard_id,
+                                                 expert_id=expert_id)
+                    break
+            else:
+                for shard_id, proj in enumerate(("gate_proj", "up_proj")):  # the shared MLP's merged gate_up_proj
+                    if f"shared_experts.{proj}." in name:
+                        target = name.replace(proj, "gate_up_proj")
+                        params[target].weight_loader(params[target], tensor, shard_id)
+                        break
+                else:
+                    param = params[name]
+                    getattr(param, "weight_loader", lambda p, t: p.data.copy_(t))(param, tensor)
+    for module in block.modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return block
+
+
+@pytest.mark.parametrize("fused_shared", [0, 1], ids=["shared_apart", "shared_fused"])
+def test_deepseek_moe_block_through_sglang_matches_ours(config, checkpoint, fused_shared):
+    """SGLang's DeepSeek MoE block on our methods gives Fp8FusedMoE's output (routed experts scaled by
+    routed_scaling_factor exactly once, plus the shared expert), with the shared expert as its own MLP or
+    fused into the routed FusedMoE as SGLang does for DeepSeek-V3 on GPUs of capability ≥ 8.0."""
+    ckpt, cfg = checkpoint
+    block = _deepseek_moe_block(config, cfg, ckpt, fused_shared)
+    # Off CUDA SGLang's block multiplies the experts' output by the factor itself: our method must not.
+    assert block.experts.quant_method.applies_routed_scaling is False
+    ours = _reference_moe(cfg, ckpt, with_shared=True)
+    g = torch.Generator().manual_seed(11)
+    for t in (1, 9, 70):
+        x = torch.randn(t, cfg["hidden_size"], generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            logits = block.gate(x)
+            out = block(x)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        # (SGLang rounds the routed and the shared outputs to bf16 before their sum: hence 1e-4, not 1e-5)
+        assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-4
 
 
 def test_moe_refuses_unsupported_layers(config, checkpoint):

@@ -13,7 +13,7 @@ import pytest
 import tomllib
 
 from moe_fp8.integrations.vllm.config import (
-    MoeFp8QuantSettings,
+    BlockFp8Settings,
     accepts_checkpoint,
     check_linear_partition,
     check_moe_partition,
@@ -26,7 +26,7 @@ DSV3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "w
 
 def test_deepseek_v3_config_parses() -> None:
     settings = parse_quantization_config(DSV3)
-    assert settings == MoeFp8QuantSettings()
+    assert settings == BlockFp8Settings()
     assert settings.weight_block_size == (128, 128) and settings.ignored_layers == ()
 
 
@@ -113,3 +113,65 @@ def test_importing_the_package_does_not_import_vllm() -> None:
     code = ("import sys, moe_fp8, moe_fp8.integrations.vllm, moe_fp8.integrations.vllm.config; "
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.fixture
+def unregistered(monkeypatch: pytest.MonkeyPatch):
+    import moe_fp8.integrations.vllm as plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv("MOE_FP8_STRICT", raising=False)
+    return plugin
+
+
+def test_register_without_vllm_raises(unregistered, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match=r"moe-fp8\[vllm\]"):
+        unregistered.register()
+
+
+def test_register_with_a_mismatched_vllm_warns_and_does_not_raise(
+        unregistered, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM calls the plugin for every command: a release without the interfaces we build on must not
+    # break `vllm serve` for other quantizations. This fake vLLM has none of its submodules.
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.1.0"
+    # (where the real vLLM is installed and imported, hide its modules, and ours built on them)
+    for name in [m for m in sys.modules if m.startswith(("vllm.", "moe_fp8.integrations.vllm."))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    with caplog.at_level("WARNING", logger="moe_fp8"):
+        assert unregistered.register() is False
+    assert "not registered" in caplog.text and "vLLM 0.1.0" in caplog.text
+    assert unregistered.TESTED_VLLM_VERSION in caplog.text
+    assert unregistered._registered is False
+
+    monkeypatch.setenv("MOE_FP8_STRICT", "1")
+    with pytest.raises(ImportError, match=r"MOE_FP8_STRICT=1: vLLM 0\.1\.0 lacks"):
+        unregistered.register()
+
+
+def test_tested_vllm_version_is_the_pinned_one() -> None:
+    from moe_fp8.integrations.vllm import TESTED_VLLM_VERSION
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == [f"vllm=={TESTED_VLLM_VERSION}"]
+
+
+def test_engines_refuse_other_platforms(monkeypatch: pytest.MonkeyPatch) -> None:
+    # MI300 reports capability 9.4, which passes MIN_CAPABILITY; both engines' configs call check_platform.
+    import torch
+
+    from moe_fp8.integrations import MIN_CAPABILITY, check_platform
+
+    assert MIN_CAPABILITY == 90
+    check_platform("vLLM")  # this machine: CPU only
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.version, "hip", "6.4.1", raising=False)
+        with pytest.raises(ValueError, match=r"NVIDIA GPUs .* ROCm build of torch \(HIP 6\.4\.1\)"):
+            check_platform("vLLM")
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="SGLang runs torch on xpu devices"):
+        check_platform("SGLang")

@@ -35,13 +35,13 @@ import logging
 import re
 from typing import Any
 
-from moe_fp8.integrations.sglang.spec import QUANT_METHOD_NAME, BlockFp8Spec, parse_quantization_config
+from moe_fp8.integrations.sglang.spec import QUANT_METHOD_NAME, BlockFp8Settings, parse_quantization_config
 
 __all__ = [
     "MIN_SGLANG_VERSION",
     "QUANT_METHOD_NAME",
     "TESTED_SGLANG_VERSION",
-    "BlockFp8Spec",
+    "BlockFp8Settings",
     "check_sglang_version",
     "enable",
     "is_enabled",

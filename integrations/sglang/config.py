@@ -11,13 +11,9 @@ import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
-from moe_fp8.integrations import no_quantization_config_message
-from moe_fp8.integrations.sglang.spec import (
-    ACCEPTED_QUANT_METHODS,
-    QUANT_METHOD_NAME,
-    BlockFp8Spec,
-    parse_quantization_config,
-)
+from moe_fp8.integrations import MIN_CAPABILITY, check_platform, no_quantization_config_message
+from moe_fp8.integrations.quant_config import accepts_checkpoint
+from moe_fp8.integrations.sglang.spec import QUANT_METHOD_NAME, BlockFp8Settings, parse_quantization_config
 
 __all__ = ["MoeFp8Config"]
 
@@ -33,11 +29,14 @@ class MoeFp8Config(QuantizationConfig):
     activation_scheme = "dynamic"
     is_checkpoint_fp8_serialized = True
     use_mxfp8 = False
+    # None even for a checkpoint with scale_fmt "ue8m0" (accepted): its power-of-two weight scales load as
+    # FP32 and activations get FP32 scales, so SGLang's UE8M0 requantization paths must stay off.
     scale_fmt = None
 
-    def __init__(self, spec: BlockFp8Spec | None = None) -> None:
+    def __init__(self, spec: BlockFp8Settings | None = None) -> None:
         if spec is None:  # SGLang builds `quant_cls()` for a checkpoint without a quantization_config
             raise ValueError(no_quantization_config_message("SGLang"))
+        check_platform("SGLang")
         super().__init__()
         self.spec = spec
         # Read by SGLang's linear loaders (block-scale shard offsets) and by DeepSeek's model code, which
@@ -57,8 +56,7 @@ class MoeFp8Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # The GEMMs have Hopper (sm_90a) kernels only; elsewhere they would run on the PyTorch reference.
-        return 90
+        return MIN_CAPABILITY
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -74,9 +72,7 @@ class MoeFp8Config(QuantizationConfig):
         # `--quantization moe_fp8` on a checkpoint that says quant_method "fp8": SGLang would call that a
         # mismatch; claim it here (as its own humming / moe_wna16 methods do) so the user's choice wins.
         # Only on request: without the flag the checkpoint keeps SGLang's own fp8 method.
-        if user_quant != QUANT_METHOD_NAME or not isinstance(hf_quant_cfg, dict):
-            return None
-        if str(hf_quant_cfg.get("quant_method", "")).lower() in ACCEPTED_QUANT_METHODS:
+        if user_quant == QUANT_METHOD_NAME and accepts_checkpoint(hf_quant_cfg):
             return QUANT_METHOD_NAME
         return None
 

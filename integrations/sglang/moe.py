@@ -13,8 +13,11 @@ ids, -1 = not computed on this rank or a padding token). Then ``per_token_group`
 ``moe_fp8.layers.moe.experts_contiguous`` / ``experts_masked`` (dispatch, grouped GEMM, fused SiLU·mul + quant,
 grouped GEMM; masked layout for small batches and under CUDA graph capture, contiguous for large ones —
 ``choose_dispatch_path``) →
-``combine`` with the top-k weights times ``routed_scaling_factor``: the routed experts' output, scaled
-like SGLang's Triton MoE runner scales it (the model adds shared experts and all-reduces).
+``combine`` with the top-k weights: the routed experts' output (the model adds shared experts and
+all-reduces). It is scaled by ``routed_scaling_factor`` where SGLang's own MoE runners scale it, on CUDA;
+elsewhere (the CPU the tests run on) SGLang's models multiply the experts' output themselves
+(``deepseek_v2``: ``if not _is_cuda and ...: final_hidden_states *= routed_scaling_factor``), so scaling
+here too would apply it twice. ``MoeFp8MoEMethod.applies_routed_scaling`` says which.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ def _frozen(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=False)
 
 
+def sglang_expects_scaled_experts() -> bool:
+    """Whether SGLang expects a MoE method's output already multiplied by ``routed_scaling_factor``: on CUDA its
+    runners do it; off CUDA its models do it after the experts. (Other accelerators are refused by the config.)"""
+    from sglang.srt.utils import is_cuda
+
+    return bool(is_cuda())
+
+
 class MoeFp8MoEMethod(FusedMoEMethodBase):
     """Block-FP8 experts on moe_fp8's grouped GEMMs, for SGLang's ``FusedMoE`` (standard dispatcher).
 
@@ -63,6 +74,7 @@ class MoeFp8MoEMethod(FusedMoEMethodBase):
         self.masked_max_tokens = masked_max_tokens
         self.moe_runner_config: Any = None
         self.runner = None  # no SGLang MoeRunner: apply runs our kernels directly
+        self.applies_routed_scaling = sglang_expects_scaled_experts()
 
     # -- weights -------------------------------------------------------------------------------
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
@@ -157,7 +169,8 @@ class MoeFp8MoEMethod(FusedMoEMethodBase):
     def forward_experts(self, layer: torch.nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]``, ``topk_weights [T, top_k]``, local ``topk_ids [T, top_k]`` (-1 = skip) →
-        ``routed_scaling_factor · Σ_j w[t, j] · expert_j(hidden[t])`` as ``[T, H]`` in ``hidden``'s dtype."""
+        ``s · Σ_j w[t, j] · expert_j(hidden[t])`` as ``[T, H]`` in ``hidden``'s dtype, ``s`` the runner config's
+        ``routed_scaling_factor`` if ``applies_routed_scaling``, else 1."""
         num_local = layer.w13_weight.shape[0]
         t = hidden.shape[0]
         x_fp8, x_scale = per_token_group(hidden.contiguous())
@@ -174,6 +187,6 @@ class MoeFp8MoEMethod(FusedMoEMethodBase):
         else:  # (both paths' expected_m hint counts copies per global expert)
             y, row_map = experts_masked(x_fp8, x_scale, ids, *weights_, num_local, num_global,
                                         layer.moe_fp8_expert_map)
-        scale = getattr(config, "routed_scaling_factor", None)
+        scale = getattr(config, "routed_scaling_factor", None) if self.applies_routed_scaling else None
         weights = topk_weights if scale is None or scale == 1.0 else topk_weights * scale
         return combine(y, row_map, weights).to(hidden.dtype)

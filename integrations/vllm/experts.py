@@ -23,7 +23,6 @@ Both only support what block-FP8 DeepSeek-style experts need: SiLU-gated MLP, FP
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
@@ -53,7 +52,7 @@ from moe_fp8.layers.moe import (
     grouped_experts_masked,
 )
 from moe_fp8.quant import is_scale_tma_layout, per_token_group, to_scale_tma_layout
-from moe_fp8.utils import ceil_div
+from moe_fp8.utils import ceil_div, env, truthy
 
 __all__ = ["MoeFp8BatchedExperts", "MoeFp8Experts"]
 
@@ -208,7 +207,7 @@ class MoeFp8BatchedExperts(_MoeFp8ExpertsBase):
         a_scale = a1q_scale
         if not is_scale_tma_layout(a_scale):
             # DeepEP's FP8 dispatch writes scales column-major already (no copy); other dispatchers do not.
-            if os.environ.get(ENV_STRICT) == "1":
+            if truthy(env(ENV_STRICT)):
                 raise ValueError(f"{ENV_STRICT}=1: the dispatched activation scales (strides {a_scale.stride()}) "
                                  "are not in moe_fp8's TMA layout and would need a copy")
             if not self._warned_scale_layout:

@@ -45,10 +45,10 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.parameter import BlockQuantScaleParameter, ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from moe_fp8.integrations import no_quantization_config_message
+from moe_fp8.integrations import MIN_CAPABILITY, check_platform, no_quantization_config_message
 from moe_fp8.integrations.vllm.config import (
     QUANT_METHOD_NAME,
-    MoeFp8QuantSettings,
+    BlockFp8Settings,
     accepts_checkpoint,
     check_linear_partition,
     check_moe_partition,
@@ -75,12 +75,13 @@ _BLOCK = [GROUP_K, GROUP_K]
 class MoeFp8Config(QuantizationConfig):
     """``--quantization moe_fp8``: DeepSeek-V3-format block-FP8 checkpoints on moe_fp8's kernels."""
 
-    def __init__(self, settings: MoeFp8QuantSettings | None = None) -> None:
+    def __init__(self, settings: BlockFp8Settings | None = None) -> None:
         if settings is None:
             # vLLM builds `quant_cls()` when the checkpoint's config.json has no quantization_config (our
             # get_config_filenames() is empty): defaults would give a bf16 checkpoint FP8 parameters, cast its
             # weights into them and fail only after the whole load, on unfilled scales
             raise ValueError(no_quantization_config_message("vLLM"))
+        check_platform("vLLM")
         super().__init__()
         self.settings = settings
         # Attribute names vLLM's own code reads off a quant config (linear loaders, model code).
@@ -98,8 +99,7 @@ class MoeFp8Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # FP8 tensor cores: the Hopper kernels need sm_90, the portable (Triton) backend sm_89.
-        return 89
+        return MIN_CAPABILITY
 
     @staticmethod
     def get_config_filenames() -> list[str]:
