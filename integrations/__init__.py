@@ -1,7 +1,8 @@
 """Serving-engine integrations (installed as ``moe_fp8.integrations``): ``vllm``, ``sglang``, ``transformers``.
 
-What the engine integrations share: ``quant_config`` (a checkpoint's ``quantization_config``), the minimum
-compute capability and the platform check below, and the message for a checkpoint without a config.
+What the engine integrations share: the minimum compute capability and the platform check below, and the
+message for a checkpoint without a config. They read a checkpoint's ``quantization_config`` with
+``moe_fp8.layers.quant_config``, as the checkpoint loaders do.
 """
 
 from __future__ import annotations

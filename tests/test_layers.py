@@ -78,6 +78,29 @@ def test_fp8_linear_dtypes_views_and_from_fp8():
     assert lin(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 256)
 
 
+def test_module_casts_keep_fp8_weights_and_fp32_scales():
+    """model.to(torch.bfloat16) / .half() / .float() cast activations' dtype, never the FP8 codes, the FP32 scales
+    or the bias: the layers keep computing the same thing."""
+    w, s = _fp8_weight((256, 128), seed=1)
+    s.mul_(1 + 1e-6)  # a scale bf16 could not hold
+    lin = Fp8Linear.from_fp8(w, s, torch.ones(256, dtype=torch.bfloat16))
+    moe = Fp8FusedMoE(8, 128, 128, 2, num_shared_experts=1, use_correction_bias=True, scoring_func="sigmoid")
+    moe.w13_weight_scale_inv.data.copy_(torch.rand_like(moe.w13_weight_scale_inv) + 0.5)
+    x = randn((4, 128), seed=2)
+    logits = randn((4, 8), seed=3, dtype=torch.float32)
+    before = {id(m): {n: t.clone() for n, t in m.state_dict().items()} for m in (lin, moe)}
+    out_lin, out_moe = lin(x), moe(x, logits)
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.float(),
+                 lambda m: m.to("cpu", torch.float16)):
+        for module in (lin, moe):
+            cast(module)
+            for name, t in module.state_dict().items():
+                old = before[id(module)][name]
+                assert t.dtype == old.dtype and torch.equal(t.view(torch.uint8), old.view(torch.uint8)), name
+    assert torch.equal(lin(x), out_lin) and torch.equal(moe(x, logits), out_moe)
+    assert lin(x.half()).dtype == torch.float16
+
+
 def test_fp8_linear_refuses_bad_shapes_and_inputs():
     with pytest.raises(ValueError, match="in_features"):
         Fp8Linear(100, 256)

@@ -246,7 +246,11 @@ def test_ue8m0_mismatches_are_refused(fp8_ckpt, ue8m0_ckpt, bf16_ckpt, tmp_path)
         "quantization_config"], "scale_fmt": "fp16"})
     (tmp_path / "config.json").write_text(json.dumps(bad))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
-    with pytest.raises(ValueError, match="scale_fmt 'fp16'"):
+    with pytest.raises(ValueError, match=r"config\.json: moe_fp8: quantization_config\.scale_fmt .* got 'fp16'"):
+        CheckpointReader(tmp_path)
+    # the other rules are the engines' (moe_fp8.layers.quant_config), with the file named
+    (tmp_path / "config.json").write_text(json.dumps(dict(CFG, quantization_config={"quant_method": "fp8"})))
+    with pytest.raises(ValueError, match=r"config\.json: .*weight_block_size is missing"):
         CheckpointReader(tmp_path)
     with pytest.raises(ValueError, match="scale_fmt"):
         write_deepseek_v3_checkpoint(tmp_path / "x", CFG, scale_fmt="ue8m0", fp8=False)

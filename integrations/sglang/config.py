@@ -12,8 +12,8 @@ from sglang.srt.layers.quantization.base_config import QuantizationConfig, Quant
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 
 from moe_fp8.integrations import MIN_CAPABILITY, check_platform, no_quantization_config_message
-from moe_fp8.integrations.quant_config import accepts_checkpoint
 from moe_fp8.integrations.sglang.spec import QUANT_METHOD_NAME, BlockFp8Settings, parse_quantization_config
+from moe_fp8.layers.quant_config import accepts_checkpoint
 
 __all__ = ["MoeFp8Config"]
 

@@ -2,7 +2,7 @@
 
 Nothing here imports vLLM, so CI (which has no vLLM) tests it, and ``import moe_fp8`` stays free of it.
 
-The ``quantization_config`` is read by ``moe_fp8.integrations.quant_config`` (shared with SGLang; re-exported
+The ``quantization_config`` is read by ``moe_fp8.layers.quant_config`` (shared with SGLang; re-exported
 here). The shard rules (``check_linear_partition``, ``check_moe_partition``) say which tensor-parallel splits
 a block-FP8 weight can take: a split may only cut at 128-element scale-block boundaries (one
 ``weight_scale_inv`` entry per 128×128 block), and what is left must suit the GEMM kernels (DESIGN §2).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moe_fp8.integrations.quant_config import (
+from moe_fp8.layers.quant_config import (
     ACCEPTED_QUANT_METHODS,
     QUANT_METHOD_NAME,
     BlockFp8Settings,

@@ -41,6 +41,7 @@ import torch
 from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_weight_scales
 from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.layers.parallel import tp_shard_range
+from moe_fp8.layers.quant_config import BlockFp8Settings, parse_quantization_config
 from moe_fp8.quant import per_block
 from moe_fp8.utils import GROUP_K, ceil_div
 
@@ -86,8 +87,10 @@ class CheckpointReader:
         path: a checkpoint directory (with ``model.safetensors.index.json``, or a single
             ``*.safetensors`` file) or the path of one ``.safetensors`` file.
 
-    ``config`` is ``config.json`` as a dict (``{}`` if absent); ``ue8m0`` is True when its
-    ``quantization_config.scale_fmt`` is ``"ue8m0"`` (DeepSeek-V3.1: power-of-two scales). Tensors are read on CPU through
+    ``config`` is ``config.json`` as a dict (``{}`` if absent); ``quant_settings`` its ``quantization_config`` as
+    ``moe_fp8.layers.quant_config`` reads it (None if absent; an unsupported one raises ``ValueError`` naming the
+    field), with ``ignored_layers`` and ``ue8m0`` (``scale_fmt`` ``"ue8m0"``, DeepSeek-V3.1: power-of-two scales)
+    as properties. Tensors are read on CPU through
     ``safetensors.safe_open``; ``get_slice`` reads only the requested rows / columns. Names a loader
     consumed are collected in ``used`` (so callers can report what a model did not take). Use as a
     context manager or call ``close()`` to drop the file handles.
@@ -125,28 +128,21 @@ class CheckpointReader:
         config_file = root / "config.json"
         self.config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.used: set[str] = set()
-        self._check_quantization_config()
-
-    def _check_quantization_config(self) -> None:
         qc = self.config.get("quantization_config")
-        if qc is None:
-            return
-        method, fmt = qc.get("quant_method"), qc.get("fmt", "e4m3")
-        block = list(qc.get("weight_block_size") or [])
-        if method != "fp8" or fmt != "e4m3" or block != [GROUP_K, GROUP_K]:
-            raise ValueError(f"unsupported quantization_config in {self.path / 'config.json'}: {qc}; moe_fp8 reads "
-                             f"quant_method 'fp8', fmt 'e4m3', weight_block_size [{GROUP_K}, {GROUP_K}]")
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise ValueError(f"activation_scheme {qc.get('activation_scheme')!r} is not supported (only 'dynamic': "
-                             "activations are quantized per token per 128 columns at run time)")
-        if qc.get("scale_fmt") not in SCALE_FMTS:
-            raise ValueError(f"quantization_config.scale_fmt {qc.get('scale_fmt')!r} in {self.path / 'config.json'} "
-                             f"is not supported; moe_fp8 reads {SCALE_FMTS} (fp32 or power-of-two scales)")
+        try:
+            self.quant_settings: BlockFp8Settings | None = None if qc is None else parse_quantization_config(qc)
+        except ValueError as e:
+            raise ValueError(f"{config_file}: {e}") from None
+
+    @property
+    def ignored_layers(self) -> tuple[str, ...]:
+        """Module names ``quantization_config`` keeps unquantized (``ignored_layers`` / ``modules_to_not_convert``)."""
+        return () if self.quant_settings is None else self.quant_settings.ignored_layers
 
     @property
     def ue8m0(self) -> bool:
         """Whether the checkpoint declares power-of-two (UE8M0) scales: ``quantization_config.scale_fmt``."""
-        return (self.config.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
+        return self.quant_settings is not None and self.quant_settings.scale_fmt == "ue8m0"
 
     def _handle(self, file: str) -> Any:
         handle = self._handles.get(file)

@@ -103,7 +103,31 @@ def _flatten_tokens(x: Tensor, features: int, name: str) -> Tensor:
     return x.reshape(-1, features).contiguous()
 
 
-class Fp8Linear(nn.Module):
+class FixedDtypeModule(nn.Module):
+    """A module whose tensors named in ``fixed_dtype_tensors`` keep their dtype under module-wide casts.
+
+    ``model.to(torch.bfloat16)``, ``.half()`` or ``.float()`` would otherwise turn FP8 weights into bf16 ones
+    the GEMMs refuse and round FP32 scales: such a cast only moves these tensors (to the cast's device, if it
+    names one). Any other ``_apply`` (``.cuda()``, ``to_empty``, ...) reaches them unchanged.
+    """
+
+    fixed_dtype_tensors: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):  # (torch.nn.Module._apply's signature)
+        fixed = {id(t) for name in self.fixed_dtype_tensors if (t := getattr(self, name, None)) is not None}
+
+        def keep_dtype(t: Tensor) -> Tensor:
+            if id(t) in fixed:
+                # what fn does to an empty tensor of this dtype tells a cast from a move, at no cost
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if probe.dtype != t.dtype:
+                    return t.to(device=probe.device)
+            return fn(t)
+
+        return super()._apply(keep_dtype if fixed else fn, recurse)
+
+
+class Fp8Linear(FixedDtypeModule):
     """``y = x @ dequant(weight)ᵀ (+ bias)`` with block-FP8 weights and per-token-group FP8 activations.
 
     Args:
@@ -116,8 +140,11 @@ class Fp8Linear(nn.Module):
     (``moe_fp8.layers.load_fp8_linear``), ``from_float`` or ``copy_``.
 
     ``forward(x [..., K])`` (bf16, fp16 or fp32) returns ``[..., N]`` in ``x.dtype``; the GEMM writes
-    bf16 (FP32 accumulation) and other dtypes are cast from it.
+    bf16 (FP32 accumulation) and other dtypes are cast from it. Module-wide casts (``model.half()``) leave
+    the weight, its scales and the bias in their dtypes (``FixedDtypeModule``).
     """
+
+    fixed_dtype_tensors = ("weight", "weight_scale_inv", "bias")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, ue8m0: bool = False,
                  device: torch.device | str | None = None) -> None:

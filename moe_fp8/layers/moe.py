@@ -49,7 +49,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from moe_fp8 import backends
 from moe_fp8.layers.dispatch import (
@@ -59,7 +58,7 @@ from moe_fp8.layers.dispatch import (
     quant_dispatch_contiguous,
     quant_dispatch_masked,
 )
-from moe_fp8.layers.linear import Fp8MLP, _frozen, _is_int
+from moe_fp8.layers.linear import FixedDtypeModule, Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
 from moe_fp8.quant import silu_mul_per_token_group
@@ -416,7 +415,7 @@ def experts_masked(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, w13: Tensor
     return y, row_map
 
 
-class Fp8FusedMoE(nn.Module):
+class Fp8FusedMoE(FixedDtypeModule):
     """Block-FP8 MoE layer: routing, dispatch, two grouped GEMMs with fused SiLU·mul, combine, shared experts.
 
     Args:
@@ -457,7 +456,11 @@ class Fp8FusedMoE(nn.Module):
         fp32 ``[E_local, ceil(H/128), I/128]``, ``e_score_correction_bias`` fp32 ``[E]`` when used, and
         ``shared_experts.{gate_up_proj, down_proj}`` (``Fp8Linear``) when there are shared experts.
         They start as zeros with unit scales: fill them with ``moe_fp8.layers.load_fused_moe`` or ``copy_``.
+        Module-wide casts (``model.to(torch.bfloat16)``) leave them in these dtypes (``FixedDtypeModule``).
     """
+
+    fixed_dtype_tensors = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv",
+                           "e_score_correction_bias")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, *,
                  scoring_func: str = "softmax", renormalize: bool = True, n_group: int | None = None,

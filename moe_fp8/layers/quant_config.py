@@ -1,4 +1,4 @@
-"""A checkpoint's ``quantization_config``, read the same way for every engine; imports no engine.
+"""A checkpoint's ``quantization_config``, read the same way by the loaders (``CheckpointReader``) and every engine.
 
 A DeepSeek-V3-format checkpoint says, in ``config.json``::
 
@@ -7,8 +7,9 @@ A DeepSeek-V3-format checkpoint says, in ``config.json``::
 
 ``parse_quantization_config`` turns that into ``BlockFp8Settings`` or raises ``ValueError`` naming the field
 it cannot run: another block size, static activation scales, a format other than e4m3, a per-tensor FP8
-checkpoint (no ``weight_block_size``), an unknown ``scale_fmt`` or another ``quant_method``. The vLLM and
-SGLang integrations both use it, so a checkpoint is accepted or refused alike by both.
+checkpoint (no ``weight_block_size``), an unknown ``scale_fmt`` or another ``quant_method``. The checkpoint
+reader and the vLLM, SGLang and transformers integrations all use it, so a checkpoint is accepted or refused
+alike by each.
 """
 
 from __future__ import annotations
