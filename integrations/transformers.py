@@ -20,10 +20,16 @@ Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` 
 
 FP8 weights are copied as stored (never through bf16); a bf16 checkpoint is quantized on load per
 128×128 block. A DeepSeek-V3.1-style checkpoint (``quantization_config.scale_fmt = "ue8m0"``) gets layers
-built with ``ue8m0=True`` (power-of-two activation scales; weight scales checked to be powers of two). A projection the FP8 GEMM cannot take (``K % 16`` or ``N % 8`` not 0) stays an
-``nn.Linear`` in ``dtype`` (dequantized if stored as FP8); ``LoadReport.kept_unquantized`` names those
+built with ``ue8m0=True`` (power-of-two activation scales; weight scales checked to be powers of two). A projection
+listed in ``quantization_config.ignored_layers`` / ``modules_to_not_convert`` (as ``moe-fp8 quantize --skip``
+writes it; listing MoE experts is refused), or one the FP8 GEMM cannot take (``K % 16`` or ``N % 8`` not 0),
+stays an ``nn.Linear`` in ``dtype`` (dequantized if stored as FP8); ``LoadReport.kept_unquantized`` names those
 (none for DeepSeek-V3 and for ``tiny_deepseek_v3_config``: the ragged ``kv_a_proj_with_mqa``, N = 576
 or 160, runs in FP8 with a partial last scale block). Single process: no tensor / expert parallelism here.
+
+The config must be transformers' DeepseekV3 model (SiLU MLPs, sigmoid router). Router logits are recorded
+as transformers records them (``output_router_logits=True``), and ``model.to(dtype)`` / ``.half()`` change
+the activation dtype only: FP8 weights, their scales and the router weight keep theirs.
 
 ``load_reference_model`` builds the same model with plain transformers modules and weights dequantized
 to ``dtype`` (fp32 by default): the baseline the tests compare logits against. ``compare_logits`` does that
@@ -35,6 +41,7 @@ and one flipped expert moves a token's logits far more than the FP8 error does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -43,9 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_fp8.layers.checkpoint import SCALE_SUFFIX, CheckpointReader, load_fp8_linear, load_fp8_mlp
+from moe_fp8.layers.checkpoint import (
+    SCALE_SUFFIX,
+    CheckpointReader,
+    load_fp8_linear,
+    load_fp8_mlp,
+    read_block_fp8,
+)
 from moe_fp8.layers.checkpoint import load_fused_moe as _load_fused_moe
-from moe_fp8.layers.linear import Fp8Linear, Fp8MLP, check_fp8_linear_shape
+from moe_fp8.layers.linear import FixedDtypeModule, Fp8Linear, Fp8MLP, check_fp8_linear_shape
 from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
@@ -85,18 +98,35 @@ class LoadReport:
     ue8m0: bool = False  # quantization_config.scale_fmt == "ue8m0": power-of-two scales throughout
 
 
-class _Router(nn.Module):
-    """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``, in fp32.
+@functools.cache
+def _router_class() -> type[nn.Module]:
+    """The router module class, built on first use (it subclasses transformers' router, imported lazily)."""
+    base = _transformers().models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter
 
-    NOTE: transformers computes the logits as ``F.linear(x.float(), weight.float())``; keeping the
-    (bf16-stored) weight as its exact fp32 upcast gives the same logits without a cast and an allocation
-    of ``[E, H]`` fp32 on every forward (7 MiB per DeepSeek-V3 layer, for 3.5 MiB more resident).
-    """
+    class Fp8Router(FixedDtypeModule, base):
+        """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``, in fp32; ``forward(x [T, H])``
+        returns the fp32 router logits ``[T, E]`` (``Fp8FusedMoE`` does the top-k).
 
-    def __init__(self, num_experts: int, hidden_size: int, device: torch.device | str | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros((num_experts, hidden_size), device=device, dtype=torch.float32),
-                                   requires_grad=False)
+        A subclass of transformers' router only so that transformers records its logits
+        (``output_router_logits=True``); none of that class's own state or top-k is used.
+
+        NOTE: transformers computes the logits as ``F.linear(x.float(), weight.float())``; keeping the
+        (bf16-stored) weight as its exact fp32 upcast gives the same logits without a cast and an allocation
+        of ``[E, H]`` fp32 on every forward (7 MiB per DeepSeek-V3 layer, for 3.5 MiB more resident).
+        Module-wide casts leave it fp32 (``FixedDtypeModule``).
+        """
+
+        fixed_dtype_tensors = ("weight",)
+
+        def __init__(self, num_experts: int, hidden_size: int, device: torch.device | str | None) -> None:
+            nn.Module.__init__(self)  # (not the base's: it would allocate its own router state)
+            self.weight = nn.Parameter(torch.zeros((num_experts, hidden_size), device=device, dtype=torch.float32),
+                                       requires_grad=False)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.linear(x.float(), self.weight)
+
+    return Fp8Router
 
 
 class Fp8DeepseekV3MoE(nn.Module):
@@ -115,7 +145,7 @@ class Fp8DeepseekV3MoE(nn.Module):
         super().__init__()
         num_experts = int(config.n_routed_experts)
         hidden = int(config.hidden_size)
-        self.gate = _Router(num_experts, hidden, device)
+        self.gate = _router_class()(num_experts, hidden, device)
         n_group = getattr(config, "n_group", None)
         topk_group = getattr(config, "topk_group", None)
         if not n_group or n_group <= 1:
@@ -123,7 +153,7 @@ class Fp8DeepseekV3MoE(nn.Module):
         shared = int(getattr(config, "n_shared_experts", 0) or 0)
         self.experts = Fp8FusedMoE(
             num_experts, hidden, int(config.moe_intermediate_size), int(config.num_experts_per_tok),
-            scoring_func=getattr(config, "scoring_func", "sigmoid"),
+            scoring_func="sigmoid",  # transformers' DeepseekV3 router (_check_config refuses others)
             renormalize=bool(getattr(config, "norm_topk_prob", True)),
             n_group=n_group, topk_group=topk_group,
             routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
@@ -133,7 +163,7 @@ class Fp8DeepseekV3MoE(nn.Module):
 
     def router_logits(self, x: Tensor) -> Tensor:
         """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on; the gate weight is kept fp32)."""
-        return F.linear(x.float(), self.gate.weight)
+        return self.gate(x)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
@@ -152,6 +182,27 @@ def _check_config(config: Any) -> None:
     if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
         raise ValueError("moe_layer_freq != 1 is not supported (transformers' DeepseekV3 puts a MoE block in "
                          "every layer from first_k_dense_replace on)")
+    # transformers' DeepseekV3 ignores these two (its MLPs take hidden_act, its router always scores with a
+    # sigmoid); moe_fp8's MLPs are SiLU-gated: anything else would run a different model without a word
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"moe_fp8's MLPs and experts are SiLU-gated; hidden_act {config.hidden_act!r} is not "
+                         "supported")
+    if getattr(config, "scoring_func", None) not in (None, "sigmoid"):
+        raise ValueError(f"scoring_func {config.scoring_func!r}: transformers' DeepseekV3 router scores experts "
+                         "with a sigmoid, as moe_fp8's does; another scoring function is not supported")
+
+
+def _check_moe_not_listed(prefix: str, config: Any, ignored: tuple[str, ...]) -> None:
+    """Refuse ``ignored_layers`` entries naming a MoE block's experts: its routed and shared experts run only as
+    ``Fp8FusedMoE`` (the router, never quantized, may be listed)."""
+    if not ignored:
+        return
+    shared = [f"{prefix}.shared_experts.{p}" for p in _MLP_PROJECTIONS] if getattr(config, "n_shared_experts", 0) else []
+    names = [f"{prefix}.experts.{e}.{p}" for e in range(int(config.n_routed_experts)) for p in _MLP_PROJECTIONS]
+    listed = [n for n in names + shared if _listed(n, ignored)]
+    if listed:
+        raise ValueError(f"quantization_config.ignored_layers keeps {listed[0]} (and {len(listed) - 1} more) of the "
+                         f"MoE block {prefix} unquantized: moe_fp8 runs MoE experts in FP8 only")
 
 
 def _target_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -168,21 +219,34 @@ def _target_device(model: nn.Module, device: torch.device | str | None) -> torch
 
 def _dequantized(reader: CheckpointReader, prefix: str) -> Tensor:
     """``{prefix}.weight`` in fp32, dequantized when stored as block FP8."""
-    weight = reader.get(f"{prefix}.weight")
     if f"{prefix}.weight{SCALE_SUFFIX}" in reader:
-        return dequant_per_block(weight, reader.get(f"{prefix}.weight{SCALE_SUFFIX}"))
-    return weight.float()
+        return dequant_per_block(*read_block_fp8(reader, prefix))  # (scales of any stored format, checked)
+    return reader.get(f"{prefix}.weight").float()
+
+
+def _listed(name: str, ignored: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is kept unquantized by ``quantization_config.ignored_layers`` /
+    ``modules_to_not_convert``: an entry naming it or a module containing it, as a whole dotted path or its
+    tail (``"model.layers.0.self_attn.o_proj"``, ``"layers.0.mlp"`` and ``"o_proj"`` all name
+    ``model.layers.0.self_attn.o_proj``), as vLLM's full names and transformers' short ones do."""
+    dotted = f".{name}."
+    return any(f".{entry}." in dotted for entry in ignored)
 
 
 def _swap_linear(owner: nn.Module, attr: str, prefix: str, reader: CheckpointReader, device: torch.device,
                  dtype: torch.dtype, report: LoadReport) -> None:
-    """Replace ``owner.<attr>`` (an nn.Linear) by an Fp8Linear loaded from ``prefix``, or load it unquantized."""
+    """Replace ``owner.<attr>`` (an nn.Linear) by an Fp8Linear loaded from ``prefix``, or load it unquantized
+    (listed in ``ignored_layers``, or a shape the FP8 GEMM cannot take)."""
     old = getattr(owner, attr)
     has_bias = old.bias is not None
+    listed = _listed(prefix, reader.ignored_layers)
     try:
+        if listed:
+            raise ValueError("listed in quantization_config.ignored_layers")
         check_fp8_linear_shape(old.in_features, old.out_features, prefix)
-    except ValueError as exc:
-        logger.warning("moe_fp8: %s stays an unquantized nn.Linear: %s", prefix, exc)
+    except ValueError as exc:  # (asked for by the checkpoint: info; forced by the shape: a warning)
+        logger.log(logging.INFO if listed else logging.WARNING, "moe_fp8: %s stays an unquantized nn.Linear: %s",
+                   prefix, exc)
         new = nn.Linear(old.in_features, old.out_features, bias=has_bias, device=device, dtype=dtype)
         with torch.no_grad():
             new.weight.copy_(_dequantized(reader, prefix))
@@ -204,7 +268,8 @@ def _swap_dense_mlp(layer: nn.Module, prefix: str, reader: CheckpointReader, dev
                     dtype: torch.dtype, report: LoadReport) -> None:
     mlp = layer.mlp
     hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
-    if inter % GROUP_K == 0 and hidden % 16 == 0:
+    listed = any(_listed(f"{prefix}.{proj}", reader.ignored_layers) for proj in _MLP_PROJECTIONS)
+    if inter % GROUP_K == 0 and hidden % 16 == 0 and not listed:
         for proj in _MLP_PROJECTIONS:
             if f"{prefix}.{proj}.weight{SCALE_SUFFIX}" not in reader:
                 report.quantized_on_load.append(f"{prefix}.{proj}.weight")
@@ -213,7 +278,8 @@ def _swap_dense_mlp(layer: nn.Module, prefix: str, reader: CheckpointReader, dev
         layer.mlp = new
         report.fp8_linears.append(prefix)
         return
-    # An intermediate size off the 128 grid cannot fuse gate and up: keep transformers' MLP, swap each projection.
+    # An intermediate size off the 128 grid cannot fuse gate and up, and a listed projection stays unquantized:
+    # keep transformers' MLP, swap each projection.
     for proj in _MLP_PROJECTIONS:
         _swap_linear(mlp, proj, f"{prefix}.{proj}", reader, device, dtype, report)
 
@@ -264,6 +330,7 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
                 _swap_linear(layer.self_attn, proj, f"{prefix}.self_attn.{proj}", reader, dev, dtype, report)
         kind = type(layer.mlp).__name__
         if kind == "DeepseekV3MoE":
+            _check_moe_not_listed(f"{prefix}.mlp", config, reader.ignored_layers)
             moe = Fp8DeepseekV3MoE(config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
                                    path=moe_path, ue8m0=report.ue8m0)
             _copy_param(moe.gate.weight, reader.get(f"{prefix}.mlp.gate.weight"), f"{prefix}.mlp.gate.weight")

@@ -202,6 +202,87 @@ def test_ue8m0_checkpoint(tmp_path, monkeypatch):
     check_against_reference(ours, hf.load_reference_model(path), input_ids, recorder)
 
 
+def test_ignored_layers_stay_unquantized(ckpt, tmp_path, monkeypatch):
+    """quantization_config.ignored_layers (full names, as `moe-fp8 quantize --skip` writes them) and
+    modules_to_not_convert-style short names keep those projections bf16 nn.Linear; experts cannot be listed."""
+    path = tmp_path / "ignored"
+    shutil.copytree(ckpt, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+                                                       "kv_b_proj"]
+    (path / "config.json").write_text(json.dumps(config))
+    ours = hf.load_model(path, masked_max_tokens=CROSSOVER)
+    layer0 = ours.model.layers[0]
+    kept = [layer0.self_attn.o_proj, layer0.mlp.down_proj] + [layer.self_attn.kv_b_proj for layer in ours.model.layers]
+    assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in kept)
+    assert isinstance(layer0.mlp.gate_proj, Fp8Linear) and isinstance(ours.model.layers[1].self_attn.o_proj, Fp8Linear)
+    assert sorted(ours.moe_fp8_report.kept_unquantized) == sorted(
+        ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+        + [f"model.layers.{i}.self_attn.kv_b_proj" for i in range(3)])
+    recorder = RoutingRecorder(ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(9))
+    check_against_reference(ours, hf.load_reference_model(path), input_ids, recorder)
+    for entry in ("model.layers.1.mlp.experts.3", "shared_experts"):
+        config["quantization_config"]["ignored_layers"] = [entry]
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=r"keeps model\.layers\.1\.mlp\..* unquantized: moe_fp8 runs MoE experts"):
+            hf.load_model(path)
+
+
+def test_scales_stored_as_e8m0_in_unquantized_projections(tmp_path):
+    """A DeepSeek-V3.1-style checkpoint may store its scales as float8_e8m0fnu: a projection kept unquantized
+    (kv_b_proj, K = 120) and the reference model dequantize them like the FP8 layers read them."""
+    from safetensors.torch import load_file, save_file
+
+    config = tiny_deepseek_v3_config(num_hidden_layers=2, kv_lora_rank=120)
+    path = write_deepseek_v3_checkpoint(tmp_path / "v31", config, seed=0, scale_fmt="ue8m0", num_shards=1)
+    shard = path / "model-00001-of-00001.safetensors"
+    fp32 = load_file(str(shard))
+    save_file({k: v.to(torch.float8_e8m0fnu) if k.endswith("_scale_inv") else v for k, v in fp32.items()},
+              str(shard), metadata={"format": "pt"})
+    ours, reference = hf.load_model(path), hf.load_reference_model(path)
+    kv_b = ours.model.layers[0].self_attn.kv_b_proj
+    assert type(kv_b) is torch.nn.Linear
+    name = "model.layers.0.self_attn.kv_b_proj"
+    want = quant.dequant_per_block(fp32[f"{name}.weight"], fp32[f"{name}.weight_scale_inv"])
+    assert torch.equal(kv_b.weight, want.to(torch.bfloat16))
+    assert torch.equal(reference.model.layers[0].self_attn.kv_b_proj.weight, want)
+
+
+@torch.no_grad()
+def test_dtype_casts_and_router_logits(ckpt):
+    """model.to(bf16) / .half() change the activation dtype only (FP8 weights, scales and the fp32 router stay);
+    output_router_logits=True returns the logits each MoE block routed on, as transformers' model does."""
+    ours = hf.load_model(ckpt, masked_max_tokens=CROSSOVER)
+    input_ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(10))
+    inputs: list[torch.Tensor] = []
+    blocks = [m for m in ours.modules() if isinstance(m, hf.Fp8DeepseekV3MoE)]
+    handles = [b.register_forward_pre_hook(lambda mod, args: inputs.append(args[0])) for b in blocks]
+    out = ours(input_ids, output_router_logits=True)
+    for h in handles:
+        h.remove()
+    assert len(out.router_logits) == len(blocks) == 2
+    for logits, block, x in zip(out.router_logits, blocks, inputs, strict=True):
+        assert logits.dtype == torch.float32 and logits.shape == (18, 16)
+        assert torch.equal(logits, block.router_logits(x.reshape(-1, x.shape[-1])))
+    before = out.logits
+
+    def dtypes() -> dict[str, torch.dtype]:
+        return {n: t.dtype for n, t in [*ours.named_parameters(), *ours.named_buffers()]}
+
+    start = dtypes()
+    ours.to(torch.bfloat16)  # the model is bf16 already: only transformers' fp32 rotary tables are rounded
+    assert {n for n, dt in dtypes().items() if dt != start[n]} <= {"model.rotary_emb.inv_freq",
+                                                                   "model.rotary_emb.original_inv_freq"}
+    ours.half()
+    ours_tensors = {n for n in start if ".mlp." in n and not n.endswith("layernorm.weight")} | {
+        n for n, m in ours.named_modules() if isinstance(m, Fp8Linear) for n in (f"{n}.weight", f"{n}.weight_scale_inv")}
+    assert all(dtypes()[n] == start[n] for n in ours_tensors)
+    assert ours.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    logits16 = ours(input_ids).logits
+    assert logits16.dtype == torch.float16 and calc_diff(logits16.float(), before.float()) < 2e-2
+
+
 def test_transformers_own_loader_reads_our_checkpoint(tmp_path):
     """transformers' ``from_pretrained`` (its FP8 quantizer, dequantizing on a CPU machine) reads the synthetic
     checkpoint into exactly the weights of ``load_reference_model``: the format is the one it expects.
@@ -233,6 +314,13 @@ def test_errors(ckpt, tmp_path, monkeypatch):
         other = transformers.LlamaForCausalLM(llama)
     with pytest.raises(ValueError, match="deepseek_v3"):
         hf.patch_model(other, ckpt, device="cpu")
+    # config fields transformers' DeepseekV3 ignores but our layers would not honour
+    for field, value, match in (("hidden_act", "gelu", "SiLU-gated"), ("scoring_func", "softmax", "sigmoid")):
+        changed = transformers.AutoConfig.from_pretrained(ckpt, **{field: value})
+        with torch.device("meta"):
+            model = transformers.DeepseekV3ForCausalLM(changed)
+        with pytest.raises(ValueError, match=match):
+            hf.patch_model(model, ckpt, device="cpu")
     # a checkpoint that lacks a tensor the model needs
     broken = tmp_path / "broken"
     shutil.copytree(ckpt, broken)
