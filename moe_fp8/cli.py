@@ -498,6 +498,32 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     sp.add_argument("--title", help="figure title (default: device · commit · date of the first record)")
 
 
+def _check_creatable(path: Path, option: str, shown: Path) -> None:
+    """``CliError`` unless the nearest existing ancestor of ``path`` is a writable folder (the writers create
+    the missing folders below it)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise CliError(f"{option} {shown}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CliError(f"{option} {shown}: {probe} is not writable")
+
+
+def _check_output_file(path: Path, option: str) -> None:
+    """``CliError`` when ``path`` cannot be written as a file; run it before the work whose result goes there."""
+    if path.is_dir():
+        raise CliError(f"{option} {path} is a directory; give a file path")
+    _check_creatable(path.parent, option, path)
+
+
+def _check_output_dir(path: Path, option: str) -> None:
+    """``CliError`` when ``path`` cannot be (created as) a writable folder."""
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{option} {path} is not a directory")
+    _check_creatable(path, option, path)
+
+
 def _need_matplotlib() -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise CliError("plotting needs matplotlib: pip install 'moe-fp8[plots]' (or pip install matplotlib)")
@@ -530,10 +556,14 @@ def _bench_plot(args: argparse.Namespace) -> int:
     from moe_fp8.benchmarks.report import load_record, merge_records
 
     _need_matplotlib()
+    _check_output_file(args.out, "--out")
     try:
         record = merge_records([load_record(p) for p in args.records])
     except ValueError as e:
         raise CliError(str(e)) from None
+    if not record.get("rows"):
+        raise CliError(f"nothing to plot: {', '.join(map(str, args.records))} "
+                       f"{'has' if len(args.records) == 1 else 'have'} no rows")
     print(f"wrote {plot_record(record, args.out, title=args.title)}")
     return 0
 
@@ -550,6 +580,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         _need_matplotlib()  # before the minutes of measuring, not after
+    # every output path too: a typo must not cost the measurement
+    for option, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None:
+            _check_output_file(path, option)
+    if args.out_dir is not None and not args.no_record:
+        _check_output_dir(args.out_dir, "--out-dir")
     kinds = [load_kind(n) for n in (KINDS if args.bench_kind == "all" else [args.bench_kind])]
     backend = {k.name: _check_bench_device(k.op) for k in kinds}
 
@@ -616,7 +652,8 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompt (default 0)")
-    p.add_argument("--save", type=Path, metavar="DIR", help="keep the generated FP8 checkpoint in DIR")
+    p.add_argument("--save", type=Path, metavar="DIR",
+                   help="keep the generated FP8 checkpoint in DIR (a new or empty folder)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
@@ -630,6 +667,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError(f"--device {args.device}: no CUDA GPU is visible; use --device cpu (the PyTorch reference "
                        f"ops: slower, same numbers); `moe-fp8 info` shows what torch and the driver see")
+    if args.save is not None:
+        try:
+            demo.check_save_dir(args.save)
+        except ValueError as e:
+            raise CliError(f"--save {e}") from None
     if importlib.util.find_spec("transformers") is None:
         raise CliError("the demo runs transformers' DeepseekV3ForCausalLM: pip install 'moe-fp8[transformers]'")
     with Progress(5, "demo", enabled=not args.no_progress) as progress:
@@ -651,6 +693,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -680,10 +732,14 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
     cfg = W.load_model_config(args.model)
     gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W.fp8_lm_head_in_checkpoint(args.model))
-    num_sms = args.num_sms or get_num_sms()
+    try:
+        # both read the environment (MOE_FP8_NUM_SMS, MOE_FP8_JIT_COMPILER) and raise ValueError naming it
+        num_sms = args.num_sms or get_num_sms()
+        comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys
+    except ValueError as e:
+        raise CliError(str(e)) from None
     variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
     routing = W.routing_variants(cfg)
-    comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
@@ -744,14 +800,18 @@ def _device(text: str) -> str:
 
 def _add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", type=Path, metavar="SRC", help="bf16 Hugging Face checkpoint directory (safetensors)")
-    p.add_argument("dst", type=Path, metavar="DST", help="output directory (created; must be empty)")
-    p.add_argument("--skip", nargs="+", action="extend", default=[], metavar="PATTERN",
-                   help="keep tensors whose name matches this regular expression as they are (repeatable)")
+    p.add_argument("dst", type=Path, metavar="DST",
+                   help="output directory (created; must be missing or empty, unless --overwrite)")
+    # one pattern per flag: nargs="+" would swallow SRC and DST after `--skip PATTERN`
+    p.add_argument("--skip", action="append", default=None, metavar="PATTERN",
+                   help="keep tensors whose name matches this regular expression as they are; one pattern per "
+                        "--skip, repeat it for more (--skip 'o_proj' --skip 'experts\\.0\\.')")
     p.add_argument("--device", type=_device, default=None,
                    help="where to quantize: cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty DST (its old contents are removed once the new output is complete)")
     p.add_argument("--report", type=Path, metavar="CSV", help="write the per-tensor table (all tensors) as CSV")
-    p.add_argument("--top", type=int, default=30, metavar="N",
+    p.add_argument("--top", type=_non_negative_int, default=30, metavar="N",
                    help="with more than 2N tensors, show the N largest errors and a count per kept reason "
                         "(default 30)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -805,16 +865,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError(f"--device {device}: no CUDA GPU is visible; use --device cpu (slower, same result)")
+    if args.report is not None:
+        _check_output_file(args.report, "--report")  # before the conversion, not after it
     progress = Progress(0, "quantize", enabled=not args.no_progress)
 
     def total(n: int) -> None:
         progress.total = n
 
     with progress:
-        result = quantize_checkpoint(args.src, args.dst, args.skip, device=device, overwrite=args.overwrite,
+        result = quantize_checkpoint(args.src, args.dst, args.skip or [], device=device, overwrite=args.overwrite,
                                      on_total=total, on_tensor=lambda t: progress.update(1, t.name))
     print(_format_quantize(result, args.top))
     if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
         with args.report.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["name", "shard", "shape", "dtype", "action", "diff", "reason", "bytes_in", "bytes_out"])

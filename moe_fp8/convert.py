@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -178,20 +179,46 @@ def quantize_weight(w: torch.Tensor, device: torch.device | str = "cpu",
 # the checkpoint
 # --------------------------------------------------------------------------------------------
 
+def _read_json(path: Path, what: str) -> dict:
+    """``path`` parsed as a JSON object; ``CheckpointError`` naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {what}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object (got {type(data).__name__}); {what}")
+    return data
+
+
+def _shard_name(index: Path, value: object) -> str:
+    """A shard name of the index as a normalized relative path inside the checkpoint folder."""
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"{index}: weight_map value {value!r} is not a file name")
+    path = PurePosixPath(value)
+    # the output shard is written under DST at the same relative path: it must stay inside DST
+    if path.is_absolute() or ".." in path.parts:
+        raise CheckpointError(f"{index} names shard {value!r}, outside the checkpoint folder")
+    return path.as_posix()
+
+
 def _shards(src: Path) -> tuple[list[str], bool]:
-    """Shard file names in order, and whether the source has an index."""
+    """Shard file names in order (relative paths), and whether the source has an index."""
     index = src / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index ({e})") from None
-        shards = list(dict.fromkeys(weight_map.values()))
+        weight_map = _read_json(index, "expected a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} is not a safetensors index: its weight_map is not an object "
+                                  f"(got {type(weight_map).__name__})")
+        shards = list(dict.fromkeys(_shard_name(index, v) for v in weight_map.values()))
+        if not shards:
+            raise CheckpointError(f"{index} is not a safetensors index: its weight_map is empty")
         missing = [s for s in shards if not (src / s).is_file()]
         if missing:
             raise CheckpointError(f"{index} names shards that are missing: {', '.join(missing[:5])}")
         return shards, True
-    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    shards = sorted(p.name for p in src.glob("*.safetensors") if p.is_file())
     if not shards:
         raise CheckpointError(f"no *.safetensors in {src}; convert a .bin checkpoint to safetensors first "
                               f"(transformers: model.save_pretrained(dir, safe_serialization=True))")
@@ -201,14 +228,54 @@ def _shards(src: Path) -> tuple[list[str], bool]:
 def _check_dirs(src: Path, dst: Path, overwrite: bool) -> None:
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} has no config.json: SRC must be a Hugging Face model directory")
-    if dst.resolve() == src.resolve():
+    src_r, dst_r = src.resolve(), dst.resolve()
+    if dst_r == src_r:
         raise CheckpointError("DST must differ from SRC (the source is read while the output is written)")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
+    # DST inside SRC would copy the output into itself; SRC inside DST would be deleted by --overwrite
+    if dst_r.is_relative_to(src_r):
+        raise CheckpointError(f"DST {dst} is inside SRC {src}; write the output somewhere else")
+    if src_r.is_relative_to(dst_r):
+        raise CheckpointError(f"SRC {src} is inside DST {dst}; write the output somewhere else")
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst} exists and is not a directory; remove it or choose another DST")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise CheckpointError(f"{dst} exists and is not empty; remove it or pass --overwrite")
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"cannot create {dst}: {e.strerror or e}") from None
+
+
+def _open_error(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{path} is not a readable safetensors file ({e})")
+
+
+def _scan_shards(src: Path, shards: list[str]) -> int:
+    """Check every shard before anything is written; returns the tensor count.
+
+    Reads the headers only: a corrupt or truncated file, a tensor in two shards, and a checkpoint that
+    is already quantized (scale tensors, FP8 weights) are refused here rather than half way through.
+    """
+    from safetensors import safe_open
+
+    seen: dict[str, str] = {}
+    for shard in shards:
+        path = src / shard
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in list(f.keys()):
+                    if name in seen:
+                        raise CheckpointError(f"tensor {name} is in both {src / seen[name]} and {path}")
+                    seen[name] = shard
+                    if name.endswith(SCALE_SUFFIX) or name.endswith(".weight_scale"):
+                        raise CheckpointError(f"{path} already has scale tensor {name}: the checkpoint is "
+                                              f"quantized; moe-fp8 quantize takes a bf16 checkpoint")
+                    dtype = f.get_slice(name).get_dtype()
+                    if dtype.startswith("F8"):
+                        torch_dtype = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}.get(dtype, dtype)
+                        raise CheckpointError(f"{name} in {path} is already torch.{torch_dtype}; moe-fp8 "
+                                              f"quantize takes a bf16 checkpoint")
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError (no public base) or OSError
+            raise _open_error(path, e) from None
+    return len(seen)
 
 
 def _copy_other_files(src: Path, dst: Path, shards: list[str]) -> tuple[list[str], list[str]]:
@@ -231,14 +298,36 @@ def _copy_other_files(src: Path, dst: Path, shards: list[str]) -> tuple[list[str
     return copied, skipped
 
 
-def _count_tensors(src: Path, shards: list[str]) -> int:
-    from safetensors import safe_open
+def _new_sibling(path: Path, tag: str) -> Path:
+    """A new, empty folder next to ``path`` named ``<name>.<tag>-<pid>[-i]`` (same filesystem: renames
+    from it are atomic)."""
+    for i in range(1000):
+        candidate = path.with_name(f"{path.name}.{tag}-{os.getpid()}" + (f"-{i}" if i else ""))
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise CheckpointError(f"cannot create a temporary folder next to {path}: too many {path.name}.{tag}-* exist")
 
-    total = 0
-    for shard in shards:
-        with safe_open(src / shard, framework="pt") as f:
-            total += len(list(f.keys()))
-    return total
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move the finished output ``tmp`` to ``dst``; an existing ``dst`` (--overwrite) is removed only after."""
+    old = None
+    if dst.is_dir():
+        if any(dst.iterdir()):
+            old = _new_sibling(dst, "old")
+            os.replace(dst, old)  # onto the new empty folder: a rename, nothing is copied
+        else:
+            dst.rmdir()
+    try:
+        os.replace(tmp, dst)
+    except OSError:
+        if old is not None:
+            os.replace(old, dst)  # the previous output stays as it was
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, skip: Iterable[str] = (), *,
@@ -251,51 +340,85 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, skip: Iterable[str] = 
     the quantization math runs (``cuda`` is much faster for large models). ``on_total(n)`` is called
     once with the tensor count, ``on_tensor(report)`` after each tensor (progress). Raises
     ``CheckpointError`` for unusable input or output directories.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
+    Atomic: the output is written into a new folder next to ``dst`` (``<dst>.partial-<pid>``) and renamed
+    to ``dst`` once complete, so a failure leaves ``dst`` as it was (absent, or with ``overwrite`` its old
+    contents) and no file of an older output can survive an overwrite.
+    """
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
+    if dst.is_symlink():  # write where the link points, as writing into it did
+        dst = dst.resolve()
     try:
         patterns = [re.compile(p) for p in skip]
     except re.error as e:
         raise CheckpointError(f"--skip pattern {e.pattern!r} is not a regular expression: {e}") from None
     _check_dirs(src, dst, overwrite)
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+    config = _read_json(src / "config.json", "SRC must be a Hugging Face model directory")
+    qc = config.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else repr(qc)
         raise CheckpointError(f"{src} is already quantized (quantization_config.quant_method = {method}); "
                               f"moe-fp8 quantize takes a bf16 / fp16 / fp32 checkpoint")
     shards, write_index = _shards(src)
+    total = _scan_shards(src, shards)
     if on_total is not None:
-        on_total(_count_tensors(src, shards))
+        on_total(total)
+
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _new_sibling(dst, "partial")
+    except OSError as e:
+        raise CheckpointError(f"cannot create the output next to {dst}: {e.strerror or e}") from None
+    try:
+        result = _convert(src, tmp, config, shards, write_index, patterns, device, on_tensor)
+        _publish(tmp, dst)
+    except OSError as e:  # disk full, permissions: the user's to fix, the output is gone either way
+        raise CheckpointError(f"cannot write {dst}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _convert(src: Path, out_dir: Path, config: dict, shards: list[str], write_index: bool,
+             patterns: list[re.Pattern[str]], device: torch.device | str,
+             on_tensor: Callable[[TensorReport], None] | None) -> QuantizeResult:
+    """Write the whole output into the empty folder ``out_dir`` (inputs checked by the caller)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     reports: list[TensorReport] = []
     weight_map: dict[str, str] = {}
     total_size = 0
     for shard in shards:
         out: dict[str, torch.Tensor] = {}
-        with safe_open(src / shard, framework="pt") as f:
+        path = src / shard
+        try:
+            f = safe_open(path, framework="pt")
+        except Exception as e:  # changed since it was scanned
+            raise _open_error(path, e) from None
+        with f:
             metadata = f.metadata() or {"format": "pt"}
-            names = list(f.keys())
-            for name in names:
-                if name.endswith(SCALE_SUFFIX) or name.endswith(".weight_scale"):
-                    raise CheckpointError(f"{src / shard} already has scale tensor {name}: the checkpoint is "
-                                          f"quantized; moe-fp8 quantize takes a bf16 checkpoint")
-                t = f.get_tensor(name)
-                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    raise CheckpointError(f"{name} in {src / shard} is already {t.dtype}; moe-fp8 quantize "
-                                          f"takes a bf16 checkpoint")
+            for name in list(f.keys()):
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise _open_error(path, e) from None
                 quantize, reason = plan_tensor(name, t.dtype, t.shape, patterns)
                 rep = TensorReport(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), quantize, reason,
                                    bytes_in=t.numel() * t.element_size(), shard=shard)
                 if quantize:
-                    scale_name = name + SCALE_SUFFIX
-                    if scale_name in names:
-                        raise CheckpointError(f"{src / shard} has both {name} and {scale_name}")
                     w_fp8, w_scale, rep.diff = quantize_weight(t, device)
-                    out[name], out[scale_name] = w_fp8, w_scale
+                    # an inf / NaN weight gives an inf / NaN block scale, which loaders refuse: stop here,
+                    # naming the tensor, instead of writing a checkpoint that cannot be loaded
+                    if not (math.isfinite(rep.diff) and bool(torch.isfinite(w_scale).all())):
+                        raise CheckpointError(
+                            f"{name} in {path} has values that are not finite (inf or NaN), which block FP8 "
+                            f"cannot represent; fix the weight, or keep it as it is with --skip "
+                            f"'{re.escape(name)}$'")
+                    out[name], out[name + SCALE_SUFFIX] = w_fp8, w_scale
                     rep.bytes_out = w_fp8.numel() + w_scale.numel() * 4
                 else:
                     out[name] = t
@@ -307,17 +430,18 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, skip: Iterable[str] = 
         for key, value in out.items():
             weight_map[key] = shard
             total_size += value.numel() * value.element_size()
-        save_file(out, dst / shard, metadata=metadata)
+        (out_dir / shard).parent.mkdir(parents=True, exist_ok=True)  # an index may name shards in subfolders
+        save_file(out, out_dir / shard, metadata=metadata)
         del out
 
     ignored = sorted({r.name.removesuffix(".weight") for r in reports if _is_linear_kept_by_choice(r)})
     qcfg = dict(QUANTIZATION_CONFIG)
     if ignored:
         qcfg["ignored_layers"] = ignored
-    config["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = {**config, "quantization_config": qcfg}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if write_index:
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    copied, not_copied = _copy_other_files(src, dst, shards)
-    return QuantizeResult(reports, shards, copied, not_copied, time.perf_counter() - t0, ignored)
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    copied, not_copied = _copy_other_files(src, out_dir, shards)
+    return QuantizeResult(reports, shards, copied, not_copied, 0.0, ignored)

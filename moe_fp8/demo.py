@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIFF_BOUND", "DemoError", "run_demo"]
+__all__ = ["DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
 # The ops a forward of the model calls (GEMMs of every projection and expert, the MoE data path).
@@ -49,6 +49,16 @@ def summarize_backends(backends: dict[str, str]) -> str:
     return "; ".join(f"{name} ({', '.join(ops)})" for name, ops in by_backend.items())
 
 
+def check_save_dir(save: str | Path) -> None:
+    """``ValueError`` unless ``save`` is missing or an empty folder: the demo writes a whole checkpoint there
+    and must not mix it with (or overwrite) files that are already in it."""
+    path = Path(save)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory; give a new or empty folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise ValueError(f"{path} exists and is not empty; remove it or give a new or empty folder")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -63,10 +73,11 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
         layers: decoder layers (the first is dense when there are two or more; the others MoE).
         tokens: new tokens to generate per sequence; batch: sequences; prompt_len: prompt tokens each.
         device: ``"cpu"`` / ``"cuda[:N]"`` (default: the current GPU if one is visible, else CPU).
-        seed: weights and prompt. save: keep the checkpoint in this directory (default: a temporary one).
+        seed: weights and prompt. save: keep the checkpoint in this directory, which must be missing or
+            empty (default: a temporary one).
         on_phase: called with the name of each phase as it starts (progress).
 
-    Raises ``ValueError`` for bad sizes, ``ImportError`` without transformers, ``DemoError`` when the model's
+    Raises ``ValueError`` for bad sizes or a ``save`` folder that is a file or not empty, ``ImportError`` without transformers, ``DemoError`` when the model's
     logits are not finite or differ from the bf16 model's by more than ``DIFF_BOUND`` under the same routing.
     """
     from moe_fp8.backends import _normalize_device
@@ -76,6 +87,8 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     for name, value in (("layers", layers), ("tokens", tokens), ("batch", batch), ("prompt_len", prompt_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if save is not None:
+        check_save_dir(save)
     dev = _normalize_device(device)
     phase = on_phase or (lambda name: None)
     config = tiny_deepseek_v3_config(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,

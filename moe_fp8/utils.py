@@ -152,7 +152,22 @@ def get_num_sms() -> int:
         return _device_sm_count_of(torch._C._cuda_getDevice())
     if torch.cuda.is_available():
         return _device_sm_count()
-    return int(os.environ.get("MOE_FP8_NUM_SMS", "132"))
+    return _env_num_sms()
+
+
+def _env_num_sms() -> int:
+    """``$MOE_FP8_NUM_SMS`` (default 132); ``ValueError`` naming the variable unless a positive int, since
+    0 would divide by zero in the heuristics and a negative count would plan no work."""
+    text = os.environ.get("MOE_FP8_NUM_SMS", "").strip() or "132"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"MOE_FP8_NUM_SMS={text!r} is not an integer; set it to the serving GPU's SM count "
+                         f"(132 on H100 SXM) or unset it") from None
+    if value < 1:
+        raise ValueError(f"MOE_FP8_NUM_SMS={value} must be >= 1; set it to the serving GPU's SM count "
+                         f"(132 on H100 SXM) or unset it")
+    return value
 
 
 @functools.cache

@@ -2,8 +2,11 @@
 # Test moe_fp8's integration with a serving engine against the engine version pinned in pyproject.toml,
 # in a virtualenv of its own, and write the result to docs/engines/<engine>-cpu-check.md.
 #
-#   bash scripts/engine_check.sh vllm|sglang     # venv: $ENGINE_VENV, else ~/.cache/moe_fp8/engine-venvs/vllm-<version>
+#   bash scripts/engine_check.sh vllm|sglang     # venv: $ENGINE_VENV, else ~/.cache/moe_fp8-engine-venvs/vllm-<version>
 #   ENGINE_VENV=/path/to/venv bash scripts/engine_check.sh vllm
+#
+# The default venv folder is deliberately outside the JIT cache (~/.cache/moe_fp8, $MOE_FP8_CACHE_DIR):
+# the cache's entries, sizes and cleanup are its own, and a venv there is none of them.
 #
 # The venv is created if missing and gets the pinned engine (which brings its own torch), then this
 # checkout with --no-deps plus moe_fp8's small dependencies, so the engine's pins are never disturbed.
@@ -53,7 +56,7 @@ run_check() {  # run_check ENGINE MODULE TEST_FILE...
   local spec version venv out log rc=0
   spec=$(pinned_spec "$engine")
   version=${spec#*==}
-  venv=${ENGINE_VENV:-$HOME/.cache/moe_fp8/engine-venvs/$engine-$version}
+  venv=${ENGINE_VENV:-$HOME/.cache/moe_fp8-engine-venvs/$engine-$version}
   ensure_venv "$venv" "$spec" "$module"
 
   out="docs/engines/$engine-cpu-check.md"

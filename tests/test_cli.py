@@ -235,3 +235,40 @@ def test_every_env_var_the_code_reads_is_reported_and_documented():
     assert names <= set(cli.ENV_VARS), names - set(cli.ENV_VARS)
     assert names <= documented, names - documented
     assert documented <= set(cli.ENV_VARS), documented - set(cli.ENV_VARS)
+
+
+def test_info_counts_only_published_kernel_entries(tmp_path, capsys, monkeypatch):
+    """Only folders the cache published count as entries (and their bytes): not a virtualenv or anything else
+    kept in the cache directory, not a half-built temporary folder; and the cache never deletes such folders."""
+    from moe_fp8.kernels.jit import cache
+
+    root = tmp_path / "cache"
+    entry = root / "fp8_gemm_x-0123456789abcdef"
+    entry.mkdir(parents=True)
+    (entry / "kernel.cubin").write_bytes(b"\0" * 1000)
+    (entry / "meta.json").write_text("{}")
+    (root / "route_y-fedcba9876543210").mkdir()  # no meta.json: not published
+    (root / ".tmp-fp8_gemm_z-0000000000000000-abc").mkdir()
+    (root / "locks").mkdir()
+    (root / "failed").mkdir()
+    (root / "compile-journal.log").write_text("one line\n")
+    venv = root / "engine-venvs" / "vllm-0.32.0"
+    venv.mkdir(parents=True)
+    (venv / "blob").write_bytes(b"\0" * 5_000_000)
+    (venv / "meta.json").write_text("{}")
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(root))
+
+    info = cache.cache_info()
+    assert info["entries"] == 1 and 1000 < info["bytes"] < 10_000
+    out = _run_info(capsys)
+    assert any(ln.split()[:2] == ["entries", "1"] for ln in out.splitlines())
+    with pytest.raises(ValueError, match="not a JIT cache entry folder"):
+        cache._remove_dir(root / "engine-venvs")
+    assert (venv / "blob").is_file()
+
+
+def test_engine_venvs_live_outside_the_jit_cache():
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "engine_check.sh").read_text()
+    assert "$HOME/.cache/moe_fp8-engine-venvs/$engine-$version" in script
+    assert "moe_fp8/engine-venvs" not in script

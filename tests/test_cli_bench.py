@@ -219,6 +219,43 @@ def test_bench_all_runs_every_kind_with_default_shapes(tmp_path, capsys, monkeyp
     assert not (tmp_path / "records").exists()
 
 
+def _bench_error(capsys, argv: list[str], *parts: str) -> None:
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("moe-fp8 bench: error: ") and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, (part, err)
+
+
+def test_bad_output_paths_are_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    """A --json / --csv / --plot path that is a folder, or an --out-dir that is a file: one line, and nothing
+    measured (not minutes of measuring and then a traceback)."""
+    seen = _fake_kind(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["bench", "fake", "--no-progress", "--shapes", "64,4096"]
+    _bench_error(capsys, [*base, "--no-record", "--json", str(tmp_path)], f"--json {tmp_path} is a directory")
+    _bench_error(capsys, [*base, "--no-record", "--csv", str(tmp_path)], f"--csv {tmp_path} is a directory")
+    _bench_error(capsys, [*base, "--no-record", "--json", str(afile / "r.json")], f"{afile} is not a directory")
+    _bench_error(capsys, [*base, "--out-dir", str(afile)], f"--out-dir {afile} is not a directory")
+    if __import__("importlib").util.find_spec("matplotlib") is not None:
+        _bench_error(capsys, [*base, "--no-record", "--plot", str(tmp_path)], f"--plot {tmp_path} is a directory")
+    assert seen == []
+    # a missing folder is created
+    assert cli.main([*base, "--no-record", "--json", str(tmp_path / "new" / "r.json")]) == 0
+    assert (tmp_path / "new" / "r.json").is_file() and seen == [(64, 4096)]
+
+
+@needs_matplotlib
+def test_plot_of_a_record_without_rows_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"rows": []}')
+    out = tmp_path / "x.png"
+    _bench_error(capsys, ["bench", "plot", str(empty), "--out", str(out)], f"nothing to plot: {empty} has no rows")
+    _bench_error(capsys, ["bench", "plot", str(RECORDS[0]), "--out", str(tmp_path)], f"--out {tmp_path} is a directory")
+    assert not out.exists()
+
+
 def test_bench_refuses_a_gpu_without_our_kernels(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

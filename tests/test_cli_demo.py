@@ -109,3 +109,24 @@ def test_errors_are_one_message(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "moe-fp8 demo: error: logits differ from the bf16 model by calc_diff 5.0e-02 with the same experts",
         "  this is a bug: please report it with the output of `moe-fp8 info`"]
+
+
+def test_save_refuses_a_non_empty_folder_or_a_file(tmp_path, capsys):
+    """--save writes a whole checkpoint: into a folder with files it would mix or overwrite them, and a file
+    cannot hold it; both are refused before any work, like quantize's DST."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, why in ((mine, "exists and is not empty"), (afile, "exists and is not a directory")):
+        assert cli.main(["demo", "--device", "cpu", "--layers", "1", "--tokens", "1", "--save", str(path),
+                         "--no-progress"]) == 1
+        out, err = capsys.readouterr()
+        assert err.splitlines() == [f"moe-fp8 demo: error: --save {path} {why}; "
+                                    f"{'remove it or ' if 'empty' in why else ''}give a new or empty folder"]
+        assert out == ""
+    assert [p.name for p in mine.iterdir()] == ["config.json"] and (mine / "config.json").read_text() == '{"mine": 1}'
+    assert afile.read_text() == "x"
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        demo.run_demo(layers=1, tokens=1, batch=1, prompt_len=2, device="cpu", save=mine)

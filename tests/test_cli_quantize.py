@@ -215,3 +215,193 @@ def test_large_summary_shows_worst_and_counts(tmp_path, capsys):
     assert f"... {fp8 - 2} more FP8 tensors (--report CSV lists every tensor)" in out
     assert "  kept: 1 × MoE router" in out and "  kept: 2 × 1-D" in out
     assert sum(" fp8   " in ln for ln in out.splitlines()) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# bad input, failures half way, unsafe destinations: one error line, DST untouched
+# --------------------------------------------------------------------------------------------
+
+def _single(root: Path, name: str = "src", weight: torch.Tensor | None = None, config: str = "{}") -> Path:
+    """A one-file bf16 checkpoint: one 256×512 linear weight (or ``weight``) and a norm."""
+    src = root / name
+    src.mkdir()
+    w = torch.randn(256, 512).to(BF16) if weight is None else weight
+    save_file({"layer.proj.weight": w, "layer.norm.weight": torch.ones(512, dtype=BF16)}, src / "model.safetensors")
+    (src / "config.json").write_text(config)
+    return src
+
+
+def _one_line_error(capsys, rc: int, *parts: str) -> str:
+    """``rc`` is 1 and stderr is exactly one ``moe-fp8 quantize: error:`` line containing every part."""
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert len(err.splitlines()) == 1 and err.startswith("moe-fp8 quantize: error: "), err
+    assert "Traceback" not in err
+    for part in parts:
+        assert part in err, (part, err)
+    return err
+
+
+def _siblings(path: Path) -> list[str]:
+    """What a run left next to ``path`` besides itself and the source (temporary folders would show here)."""
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name + "."))
+
+
+def _break_config(src: Path, text: str) -> Path:
+    (src / "config.json").write_text(text)
+    return src / "config.json"
+
+
+def _break_index(src: Path, text: str) -> Path:
+    (src / "model.safetensors.index.json").write_text(text)
+    return src / "model.safetensors.index.json"
+
+
+def _break_shard(src: Path, data: bytes) -> Path:
+    (src / "model.safetensors").write_bytes(data)
+    return src / "model.safetensors"
+
+
+@pytest.mark.parametrize("breaks,problem", [
+    (lambda s: _break_config(s, "{not json"), "is not valid JSON"),
+    (lambda s: _break_config(s, "[1, 2]"), "is not a JSON object"),
+    (lambda s: _break_config(s, '{"quantization_config": "fp8"}').parent, "is already quantized"),
+    (lambda s: _break_index(s, "{not json"), "is not valid JSON"),
+    (lambda s: _break_index(s, '{"weight_map": ["model.safetensors"]}'), "weight_map is not an object"),
+    (lambda s: _break_index(s, '{"weight_map": {"a": 3}}'), "is not a file name"),
+    (lambda s: _break_index(s, '{"weight_map": {"a": "../model.safetensors"}}'), "outside"),
+    (lambda s: _break_shard(s, b"garbage" * 10), "is not a readable safetensors file"),
+    (lambda s: _break_shard(s, (s / "model.safetensors").read_bytes()[:-10]), "is not a readable safetensors file"),
+])
+def test_bad_checkpoints_are_one_line_errors(tmp_path, capsys, breaks, problem):
+    src = _single(tmp_path)
+    bad_file = breaks(src)
+    dst = tmp_path / "dst"
+    rc = cli.main(["quantize", str(src), str(dst), "--no-progress"])
+    _one_line_error(capsys, rc, str(bad_file), problem)
+    assert not dst.exists() and _siblings(dst) == []
+
+
+def test_index_may_name_shards_in_subfolders(tmp_path, capsys):
+    src = _single(tmp_path)
+    (src / "part").mkdir()
+    (src / "model.safetensors").rename(src / "part" / "model.safetensors")
+    _break_index(src, json.dumps({"weight_map": {"layer.proj.weight": "part/model.safetensors",
+                                                 "layer.norm.weight": "part/model.safetensors"}}))
+    dst = tmp_path / "dst"
+    assert cli.main(["quantize", str(src), str(dst), "--no-progress"]) == 0, capsys.readouterr().err
+    assert set(_load(dst / "part" / "model.safetensors")) == {"layer.proj.weight", "layer.proj.weight_scale_inv",
+                                                              "layer.norm.weight"}
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"part/model.safetensors"}
+    assert not (dst / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_weight_is_refused_by_name(tmp_path, capsys, bad):
+    w = torch.randn(256, 512).to(BF16)
+    w[3, 5] = bad
+    src = _single(tmp_path, weight=w)
+    dst = tmp_path / "dst"
+    rc = cli.main(["quantize", str(src), str(dst), "--no-progress"])
+    _one_line_error(capsys, rc, "layer.proj.weight", str(src / "model.safetensors"), "not finite", "--skip")
+    assert not dst.exists() and _siblings(dst) == []
+
+
+def test_failure_in_a_later_shard_leaves_no_output(tmp_path, capsys):
+    """Shard 1 converts, shard 2 fails: nothing of the run remains, and the rerun is not refused."""
+    src, _ = _checkpoint(tmp_path)
+    s2 = _load(src / SHARD2)
+    good = s2["model.layers.0.mlp.experts.0.up_proj.weight"].clone()
+    s2["model.layers.0.mlp.experts.0.up_proj.weight"][0, 0] = float("inf")
+    save_file(s2, src / SHARD2, metadata={"format": "pt"})
+    dst = tmp_path / "dst"
+    rc = cli.main(["quantize", str(src), str(dst), "--no-progress"])
+    _one_line_error(capsys, rc, "model.layers.0.mlp.experts.0.up_proj.weight")
+    assert not dst.exists() and _siblings(dst) == []
+
+    # the same into an existing DST with --overwrite: its old contents stay as they were
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+    rc = cli.main(["quantize", str(src), str(dst), "--no-progress", "--overwrite"])
+    _one_line_error(capsys, rc, "not finite")
+    assert sorted(p.name for p in dst.iterdir()) == ["old.txt"] and _siblings(dst) == []
+
+    s2["model.layers.0.mlp.experts.0.up_proj.weight"] = good
+    save_file(s2, src / SHARD2, metadata={"format": "pt"})
+    assert cli.main(["quantize", str(src), str(tmp_path / "dst2"), "--no-progress"]) == 0
+
+
+def test_already_fp8_shard_is_refused_before_writing(tmp_path, capsys):
+    src, _ = _checkpoint(tmp_path)
+    s2 = _load(src / SHARD2)
+    s2["model.layers.0.mlp.experts.0.up_proj.weight"] = s2["model.layers.0.mlp.experts.0.up_proj.weight"].to(
+        torch.float8_e4m3fn)
+    save_file(s2, src / SHARD2, metadata={"format": "pt"})
+    dst = tmp_path / "dst"
+    rc = cli.main(["quantize", str(src), str(dst)])
+    _one_line_error(capsys, rc, "model.layers.0.mlp.experts.0.up_proj.weight", "float8_e4m3fn", str(src / SHARD2))
+    assert not dst.exists() and _siblings(dst) == []
+
+
+def test_overwrite_replaces_every_old_file(tmp_path, capsys):
+    """--overwrite of a sharded model by a one-file model: no stale index or shard of the old one remains."""
+    sharded, _ = _checkpoint(tmp_path)
+    dst = tmp_path / "dst"
+    assert cli.main(["quantize", str(sharded), str(dst), "--no-progress"]) == 0
+    single = _single(tmp_path, "single")
+    assert cli.main(["quantize", str(single), str(dst), "--no-progress", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+    assert set(_load(dst / "model.safetensors")) == {"layer.proj.weight", "layer.proj.weight_scale_inv",
+                                                     "layer.norm.weight"}
+    assert _siblings(dst) == []
+
+
+def test_nested_source_and_destination_are_refused(tmp_path, capsys):
+    src = _single(tmp_path)
+    rc = cli.main(["quantize", str(src), str(src / "fp8"), "--no-progress"])
+    _one_line_error(capsys, rc, "is inside SRC")
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.safetensors"]
+
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    inner = _single(outer, "inner")
+    rc = cli.main(["quantize", str(inner), str(outer), "--no-progress", "--overwrite"])
+    _one_line_error(capsys, rc, "is inside DST")
+    assert (inner / "model.safetensors").is_file()
+
+
+def test_report_path_is_checked_before_converting(tmp_path, capsys):
+    src = _single(tmp_path)
+    # a missing folder is created (as bench --json does) ...
+    report = tmp_path / "no" / "dir" / "r.csv"
+    assert cli.main(["quantize", str(src), str(tmp_path / "dst"), "--no-progress", "--report", str(report)]) == 0
+    assert "wrote " + str(report) in capsys.readouterr().out
+    assert len(list(csv.DictReader(report.open()))) == 2
+    # ... a folder, or a path under a file, is refused before any work
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in (tmp_path, blocker / "r.csv"):
+        dst = tmp_path / "dst2"
+        rc = cli.main(["quantize", str(src), str(dst), "--no-progress", "--report", str(bad)])
+        _one_line_error(capsys, rc, "--report", str(bad))
+        assert not dst.exists()
+
+
+def test_top_must_not_be_negative(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["quantize", "--top", "-1", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert e.value.code == 2 and "argument --top: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_skip_is_one_pattern_per_flag_and_repeatable(tmp_path, capsys):
+    src, _ = _checkpoint(tmp_path)
+    dst = tmp_path / "dst"
+    # --skip before the positionals takes one pattern, not SRC and DST as well
+    assert cli.main(["quantize", "--skip", r"o_proj\.weight$", "--skip", r"experts\.3\.", str(src), str(dst),
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert r"(--skip o_proj\.weight$)" in out and r"(--skip experts\.3\.)" in out
+    ignored = json.loads((dst / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    assert "model.layers.0.self_attn.o_proj" in ignored and "model.layers.0.mlp.experts.3.up_proj" in ignored

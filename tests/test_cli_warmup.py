@@ -245,3 +245,33 @@ def test_fp8_lm_head_is_detected_from_the_index(tmp_path, capsys, monkeypatch):
     assert W.fp8_lm_head_in_checkpoint(model)
     assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--dry-run"]) == 0
     assert "  lm_head                            256×128  normal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env,value,message", [
+    ("MOE_FP8_NUM_SMS", "0", "MOE_FP8_NUM_SMS=0 must be >= 1"),
+    ("MOE_FP8_NUM_SMS", "-4", "MOE_FP8_NUM_SMS=-4 must be >= 1"),
+    ("MOE_FP8_NUM_SMS", "abc", "MOE_FP8_NUM_SMS='abc' is not an integer"),
+    ("MOE_FP8_JIT_COMPILER", "nvrt", "unknown JIT compiler 'nvrt' (from MOE_FP8_JIT_COMPILER)"),
+])
+def test_bad_environment_values_are_one_line_errors(tmp_path, capsys, monkeypatch, env, value, message):
+    import torch
+
+    from moe_fp8 import utils
+
+    # the SM count comes from the environment only without a GPU and without set_num_sms
+    monkeypatch.setattr(utils, "_num_sms", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(env, value)
+    model = _model(tmp_path, TINY_DENSE)
+    assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert len(err.splitlines()) == 1 and err.startswith("moe-fp8 warmup: error: ") and "Traceback" not in err
+    assert message in err and out == ""
+    if env == "MOE_FP8_NUM_SMS":  # the library refuses it too, naming the variable
+        with pytest.raises(ValueError, match="MOE_FP8_NUM_SMS"):
+            utils.get_num_sms()
+        # --num-sms overrides the environment
+        assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--dry-run", "--num-sms", "8"]) == 0
+        assert ", 8 SMs, " in capsys.readouterr().out

@@ -54,6 +54,9 @@ META_FILE = "meta.json"
 JOURNAL_FILE = "compile-journal.log"
 ENTRY_FORMAT = 1
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
+# The folder name of an entry (``_entry_dir``). Other tools may keep folders of their own in the cache
+# directory; only names of this shape (under the root or failed/) are ever counted or deleted as entries.
+_ENTRY_RE = re.compile(_NAME_RE.pattern + r"-[0-9a-f]{16}")
 
 
 class JitCacheError(OSError):
@@ -154,7 +157,9 @@ def _load_entry(entry: Path, key: str) -> tuple[bytes, dict] | str:
 
 
 def _remove_dir(path: Path) -> None:
-    """Rename aside (atomic disappearance), then delete."""
+    """Rename aside (atomic disappearance), then delete. Only entry folders: anything else is a bug."""
+    if not _ENTRY_RE.fullmatch(path.name):
+        raise ValueError(f"refusing to delete {path}: not a JIT cache entry folder")
     trash = path.parent / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.replace(path, trash)
@@ -304,18 +309,43 @@ def _build_locked(root: Path, entry: Path, name: str, key: str, source: str, com
         return cubin, meta
 
 
+def _is_entry(path: Path) -> bool:
+    """A published entry: an entry-shaped folder with ``meta.json``, which is written last, just before the
+    atomic publication (a folder without it is not the cache's, or not finished)."""
+    return _ENTRY_RE.fullmatch(path.name) is not None and (path / META_FILE).is_file()
+
+
+def _tree_bytes(path: Path) -> int:
+    size = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):  # removed while we walked
+                size += (Path(dirpath) / f).stat().st_size
+    return size
+
+
 def cache_info() -> dict:
-    """``{"dir": str, "entries": int, "bytes": int}`` of the cache (entries = published variants)."""
+    """``{"dir": str, "entries": int, "bytes": int}`` of the cache: entries = published variants; bytes =
+    what the cache itself holds (entries, failed/, locks/, temporary build folders, its files at the root).
+
+    Other folders in the cache directory (e.g. virtualenvs someone put there) are neither counted nor sized.
+    """
     root = cache_dir()
     entries = 0
     size = 0
     if root.is_dir():
-        entries = sum(1 for d in root.iterdir()
-                      if d.is_dir() and not d.name.startswith(".") and d.name not in ("locks", "failed"))
-        for dirpath, _, files in os.walk(root):
-            for f in files:
-                with contextlib.suppress(OSError):  # removed while we walked
-                    size += (Path(dirpath) / f).stat().st_size
+        with contextlib.suppress(OSError):
+            for d in root.iterdir():
+                if d.is_symlink():
+                    continue
+                if d.is_file():
+                    with contextlib.suppress(OSError):
+                        size += d.stat().st_size
+                elif _is_entry(d):
+                    entries += 1
+                    size += _tree_bytes(d)
+                elif d.name in ("locks", "failed") or d.name.startswith((".tmp-", ".trash-")):
+                    size += _tree_bytes(d)
     return {"dir": str(root), "entries": entries, "bytes": size}
 
 
