@@ -207,6 +207,10 @@ def _ref_quant_dispatch_masked(x: Tensor, topk_ids: Tensor, num_experts: int, ma
 def _ref_dispatch_contiguous(x_fp8: Tensor, x_scale: Tensor, topk_ids: Tensor, num_experts: int,
                              expert_map: Tensor | None, align_m: int, *, sync: bool = True,
                              return_m_total: bool = False) -> tuple[Tensor, ...]:
+    if not sync:  # invalid ids are not local (the reference would raise): route them to a sentinel expert
+        local = reference._local_expert_ids(topk_ids, num_experts, expert_map).view(topk_ids.shape)
+        topk_ids = torch.where(local >= 0, local, num_experts)
+        expert_map = torch.arange(-1, num_experts, dtype=torch.int32, device=x_fp8.device).roll(-1)
     out = reference.dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m)
     if return_m_total:
         out = (*out, torch.tensor([out[0].shape[0]], dtype=torch.int32, device=x_fp8.device))

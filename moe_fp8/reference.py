@@ -323,8 +323,8 @@ def fp8_grouped_gemm_masked(
     Args:
         x_fp8: ``[G, max_m, K]`` FP8; ``x_scale``: ``[G, max_m, ceil(K/128)]`` FP32 (any layout).
         w_fp8: ``[G, N, K]`` FP8; ``w_scale``: ``[G, ceil(N/128), ceil(K/128)]`` FP32.
-        masked_m: int ``[G]`` on x's device: valid rows per group (clamped to ``[0, max_m]`` here;
-            the API layer rejects ``masked_m > max_m``).
+        masked_m: int ``[G]`` on x's device: valid rows per group (clamped to ``[0, max_m]``, as the kernels
+            do: the values are on the device and are not checked).
         out: optional bf16 ``[G, max_m, N]``; allocated as zeros when None.
 
     Returns ``out``: rows ``r < masked_m[g]`` hold ``dequant(x[g, r]) @ dequant(w[g])ᵀ``; rows
@@ -544,11 +544,18 @@ def select_experts(
 def _local_expert_ids(
     topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None
 ) -> torch.Tensor:
-    """int64 ``[T·top_k]`` local expert id of each (token, slot) pair in row-major order, -1 = not here."""
+    """int64 ``[T·top_k]`` local expert id of each (token, slot) pair in row-major order, -1 = not here.
+
+    An id outside ``[0, num_ids)`` (``num_experts``, or the map's length) and a map target outside
+    ``[0, num_experts)`` are not here either, as in the kernels (a negative id must not wrap around the map).
+    """
     flat = topk_ids.reshape(-1).long()
-    if expert_map is None:
-        return flat
-    return expert_map.long()[flat]
+    num_ids = num_experts if expert_map is None else expert_map.shape[0]
+    valid = (flat >= 0) & (flat < num_ids)
+    if expert_map is not None:
+        flat = expert_map.long()[flat.clamp(0, num_ids - 1)] if num_ids else flat
+        valid &= (flat >= 0) & (flat < num_experts)
+    return torch.where(valid, flat, -1)
 
 
 def _rank_within_expert(local: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -639,9 +646,11 @@ def dispatch_contiguous(
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= num_ids:
             raise ValueError(f"topk_ids must lie in [0, {num_ids}), got range [{lo}, {hi}]")
+    if expert_map is not None and topk_ids.numel() > 0:
+        targets = expert_map.long()[topk_ids.reshape(-1).long()]
+        if int(targets.max()) >= num_experts:
+            raise ValueError(f"expert_map maps to local id {int(targets.max())} >= num_experts={num_experts}")
     local = _local_expert_ids(topk_ids, num_experts, expert_map)
-    if local.numel() > 0 and int(local.max()) >= num_experts:
-        raise ValueError(f"expert_map maps to local id {int(local.max())} >= num_experts={num_experts}")
 
     rank, counts = _rank_within_expert(local, num_experts)
     seg_len = align(counts, align_m)  # elementwise on the int64 tensor; 0 stays 0
@@ -720,7 +729,8 @@ def combine(
 
     Returns bf16 ``[T, H]``: ``Σ_j w[t, j] · y[row_map[t, j]]`` over ``row_map >= 0``, in float32
     (slots summed in order j = 0, 1, ...), plus ``shared_output``. Skipped slots contribute exactly
-    0 even if ``y`` holds NaN/Inf elsewhere.
+    0 even if ``y`` holds NaN/Inf elsewhere; a row past the end of ``y`` makes its token NaN (as the
+    kernels do: never a read of other memory, never a silent 0).
     """
     h = y.shape[-1]
     rows = y.reshape(-1, h).float()
@@ -730,10 +740,11 @@ def combine(
             f"row_map and topk_weights must both be [T, top_k], got {tuple(row_map.shape)} and "
             f"{tuple(topk_weights.shape)}"
         )
-    # One extra zero row serves the skipped slots (also works when y has no rows at all).
-    rows = torch.cat([rows, rows.new_zeros(1, h)])
+    # One extra zero row serves the skipped slots (also when y has no rows at all), one NaN row the rows past
+    # the end.
+    rows = torch.cat([rows, rows.new_zeros(1, h), rows.new_full((1, h), float("nan"))])
     valid = row_map >= 0
-    index = torch.where(valid, row_map.long(), num_rows)
+    index = torch.where(valid, torch.where(row_map < num_rows, row_map.long(), num_rows + 1), num_rows)
     weights = torch.where(valid, topk_weights.float(), 0.0)
     out = torch.zeros((row_map.shape[0], h), dtype=torch.float32, device=y.device)
     for j in range(row_map.shape[1]):

@@ -102,7 +102,14 @@ def is_scale_tma_layout(scale: torch.Tensor) -> bool:
 
 
 def to_scale_tma_layout(scale: torch.Tensor) -> torch.Tensor:
-    """Copy any ``[M, KG]`` / ``[G, M, KG]`` FP32 scale into the kernels' layout (explicit, never implicit)."""
+    """Copy any ``[M, KG]`` / ``[G, M, KG]`` floating-point scale into the kernels' FP32 layout (explicit, never
+    implicit). ``TypeError`` for a non-tensor, or an integer or FP8-data tensor (their values are not scales;
+    UE8M0 ``float8_e8m0fnu`` scales are)."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
+    if not scale.dtype.is_floating_point or (scale.dtype.itemsize == 1 and scale.dtype != torch.float8_e8m0fnu):
+        raise TypeError(f"scale must be a floating-point scale tensor (float32, bf16, fp16, fp64 or "
+                        f"float8_e8m0fnu), got {scale.dtype}")
     if scale.dim() == 2:
         out = empty_scale_tma(scale.shape[0], scale.shape[1], device=scale.device)
     elif scale.dim() == 3:

@@ -118,7 +118,9 @@ def check_tma_aligned(name: str, t: torch.Tensor) -> None:
     if (t.storage_offset() * t.element_size()) % TMA_ALIGN_BYTES != 0:
         raise ValueError(
             f"{name} must start on a {TMA_ALIGN_BYTES}-byte boundary for TMA; got storage_offset "
-            f"{t.storage_offset()} × {t.element_size()} bytes — pass a fresh or .clone()d tensor")
+            f"{t.storage_offset()} × {t.element_size()} bytes — pass a fresh copy ("
+            + ("moe_fp8.quant.to_scale_tma_layout(...) for scales: .clone() drops their column-major layout)"
+               if t.dtype == torch.float32 else ".clone())"))
 
 
 def check_same_device(name: str, t: torch.Tensor, ref_name: str, device: torch.device) -> None:
@@ -501,10 +503,13 @@ def check_per_token_group(x: object, group_size: object, ue8m0: object, eps: obj
 
 
 def check_eps(eps: object) -> None:
-    """``eps`` (lower bound on a group's amax) must be a positive host float."""
+    """``eps`` (lower bound on a group's amax) must be a finite positive host float (inf would make every
+    scale infinite and every output NaN)."""
     check_float("eps", eps)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
+    if eps == float("inf"):
+        raise ValueError(f"eps must be finite, got {eps}")
 
 
 def check_per_block(w: object, block: object) -> tuple[int, int]:

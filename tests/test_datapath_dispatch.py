@@ -348,6 +348,31 @@ def test_dispatch_masked_drops_invalid_ids():
     check_masked((out, out_scale, masked_m, row_map), ref.dispatch_masked(d.x_fp8, d.x_scale, keep, 4, 8), 8)
 
 
+def test_bad_ids_are_not_local_on_every_backend():
+    """The reference agrees with the kernel on ids the masked and the sync-free contiguous dispatch do not
+    check: a negative id (which must not wrap around an expert map), an id past the map or past E, and a map
+    target past E are not local."""
+    import moe_fp8
+
+    d = make_dispatch_inputs(6, 128, 8, 2, seed=2, device=DEVICE)
+    emap = torch.tensor([-1, 0, -1, 1, 2, -1, 3, 7], dtype=torch.int32, device=DEVICE)  # 7: past E = 4
+    ids = d.topk_ids.clone()
+    ids[0, 0], ids[1, 1], ids[2, 0] = -4, 8, 7  # emap[-4] would be 2; past the map; maps past E
+    got = dispatch.dispatch_masked(d.x_fp8, d.x_scale, ids, 4, 8, emap)
+    want = ref.dispatch_masked(d.x_fp8, d.x_scale, ids, 4, 8, emap)
+    check_masked(got, want, 8)
+    assert want[3][0, 0] == want[3][1, 1] == want[3][2, 0] == -1
+    plain = d.topk_ids % 4
+    plain[0, 0], plain[3, 1] = 4, 7  # past E, no map
+    check_masked(dispatch.dispatch_masked(d.x_fp8, d.x_scale, plain, 4, 8, None),
+                 ref.dispatch_masked(d.x_fp8, d.x_scale, plain, 4, 8), 8)
+    # the public sync-free contiguous dispatch (the reference backend on CPU) drops them alike
+    fixed = torch.where((ids < 0) | (ids >= 8), 0, ids)  # emap[0] = -1: not local either
+    want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, fixed, 4, torch.where(emap >= 4, -1, emap), 128)
+    got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, ids, 4, emap, sync=False)
+    check_contiguous_bound(got, want, 128)
+
+
 # the top_k rows in one load (decode), one load per slot, one branch per slot (expert parallelism)
 COMBINE_MODES = ["gather_all", "per_slot", "sparse"]
 
@@ -403,6 +428,7 @@ def test_combine_edge_cases(mode):
     out = dispatch.combine(y, row_map, w, None, config=combine_mode_config(4, 128, mode))
     assert_same_bits(out[:3], ref.combine(y, row_map[:3], w[:3]), "combine")
     assert torch.isnan(out[3]).all(), "an out-of-range row must poison the token, not read memory"
+    assert torch.isnan(ref.combine(y, row_map, w)[3]).all()  # the reference too (it read a zero row: a silent 0)
     y_t = randn((128, 6), seed=1, device=DEVICE).t()  # non-contiguous y
     assert_same_bits(dispatch.combine(y_t, row_map[:3], w[:3], None), ref.combine(y_t, row_map[:3], w[:3]),
                      "strided y")

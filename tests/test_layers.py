@@ -436,6 +436,8 @@ def test_parallel_helpers_refuse_bad_splits():
 
 
 def test_fused_moe_refuses_bad_configs_and_inputs():
+    with pytest.raises(TypeError, match=r"Fp8FusedMoE: hidden must be bfloat16, float16 or float32, got torch\.int32"):
+        Fp8FusedMoE(8, 128, 128, 2)(torch.zeros(3, 128, dtype=torch.int32), torch.zeros(3, 8))
     with pytest.raises(ValueError, match="intermediate_size must be a multiple of 128"):
         Fp8FusedMoE(8, 128, 192, 2)
     with pytest.raises(ValueError, match="hidden_size"):

@@ -276,6 +276,7 @@ def test_per_token_group_rejects(name, kwargs, exc, pattern):
     ("block zero", dict(block=(0, 128)), ValueError, r"block must be positive, got \(0, 128\)"),
     ("ue8m0 str", dict(ue8m0="yes"), TypeError, r"ue8m0 must be a bool"),
     ("eps zero", dict(eps=0.0), ValueError, r"eps must be > 0, got 0\.0"),
+    ("eps inf", dict(eps=float("inf")), ValueError, r"eps must be finite, got inf"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_per_block_rejects(name, kwargs, exc, pattern):
     args = dict(w=torch.ones(8, 16))
@@ -504,3 +505,15 @@ def test_check_helpers_name_the_argument():
         V.check_dtype("bar", t, torch.int32)
     with pytest.raises(ValueError, match=r"baz must be <= 1, got 2"):
         V.check_int("baz", 2, max_value=1)
+
+
+def test_to_scale_tma_layout_takes_scales_only():
+    from moe_fp8.quant import to_scale_tma_layout
+
+    e8m0 = torch.tensor([[1.0, 0.5], [4.0, 2.0]]).to(torch.float8_e8m0fnu)  # UE8M0 scales are scales
+    assert torch.equal(to_scale_tma_layout(e8m0), torch.tensor([[1.0, 0.5], [4.0, 2.0]]))
+    with pytest.raises(TypeError, match=r"scale must be a torch\.Tensor, got list"):
+        to_scale_tma_layout([[1.0, 2.0]])
+    for dtype in (torch.int32, torch.float8_e4m3fn):  # integers and FP8 data are not scales
+        with pytest.raises(TypeError, match=f"floating-point scale tensor .* got {dtype}"):
+            to_scale_tma_layout(torch.ones(4, 2).to(dtype))

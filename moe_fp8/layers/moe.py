@@ -566,6 +566,8 @@ class Fp8FusedMoE(FixedDtypeModule):
         if not isinstance(hidden, Tensor) or hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"Fp8FusedMoE: hidden must be [T, {self.hidden_size}], got "
                              f"{tuple(getattr(hidden, 'shape', ()))}")
+        if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"Fp8FusedMoE: hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
         t = hidden.shape[0]
         if (not isinstance(router_logits, Tensor) or router_logits.dim() != 2
                 or tuple(router_logits.shape) != (t, self.num_experts)):
