@@ -644,7 +644,10 @@ def check_routing_options(num_experts: int, top_k: object, scoring_func: object,
             raise ValueError(f"top_k must be <= topk_group * E / n_group = {topk_group * (e // n_group)}, "
                              f"got {top_k}")
     check_float("routed_scaling_factor", routed_scaling_factor)
-    if isinstance(routed_scaling_factor, (int, float)) and not math.isfinite(routed_scaling_factor):
+    # (eager only: under torch.compile(dynamic=True) the float is symbolic, and math.isfinite does not trace;
+    # Fp8FusedMoE checked its own factor at construction)
+    if (not torch.compiler.is_compiling() and isinstance(routed_scaling_factor, (int, float))
+            and not math.isfinite(routed_scaling_factor)):
         raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
 
 

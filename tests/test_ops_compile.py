@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_fp8
 from moe_fp8 import layers, quant
+from moe_fp8.layers import Fp8FusedMoE
 from moe_fp8.testing import (
     make_contiguous_inputs,
     make_dispatch_inputs,
@@ -120,6 +121,26 @@ def test_compile_moe_decode_fullgraph():
     torch.compile(moe_decode, fullgraph=True, backend=rec)(*args)
     assert {"select_experts", "dispatch_masked", "fp8_grouped_gemm_masked", "silu_mul_per_token_group_quant",
             "combine"} <= _ops_in(rec.graphs)
+
+
+def test_compile_fused_moe_with_dynamic_shapes_and_floats():
+    """dynamic=True makes Python floats symbolic (and a second routed_scaling_factor does too): the routing
+    options' checks must still trace, for select_experts and for the whole Fp8FusedMoE decode forward."""
+    def route(logits, factor: float):
+        return layers.select_experts(logits, 2, scoring_func="sigmoid", routed_scaling_factor=factor)
+
+    logits = randn((7, 8), seed=1, dtype=torch.float32)
+    for dynamic in (True, None):  # None: the factor becomes symbolic when it changes
+        torch._dynamo.reset()
+        compiled = torch.compile(route, fullgraph=True, dynamic=dynamic, backend="eager")
+        for factor in (1.0, 2.5):
+            assert all(torch.equal(a, b) for a, b in zip(compiled(logits, factor), route(logits, factor), strict=True))
+    moe = Fp8FusedMoE(4, 256, 128, 2, scoring_func="sigmoid", routed_scaling_factor=2.5)
+    compiled = torch.compile(lambda x, lg: moe(x, lg, path="masked"), fullgraph=True, dynamic=True,
+                             backend="aot_eager")
+    for t in (3, 9):
+        x, lg = randn((t, 256), seed=t), randn((t, 4), seed=t + 1, dtype=torch.float32)
+        assert torch.equal(compiled(x, lg), moe(x, lg, path="masked"))
 
 
 def moe_decode_fused(x, router_logits, w13_fp8, w13_scale, w2_fp8, w2_scale, max_m: int):
