@@ -28,12 +28,13 @@ from moe_fp8.kernels.heuristics import (
 from moe_fp8.utils import get_align_m
 
 
-def _valid(cfg, k: int) -> None:
+def _valid(cfg, k: int, one_wave: bool = False) -> None:
+    """``one_wave``: a normal GEMM whose tiles fit in one wave (every stage that fits, as with 64-row tiles)."""
     assert cfg.block_m in BLOCK_MS
     assert cfg.block_n in BLOCK_NS
     assert straddle_ok(cfg.block_n)
     full = max_stages(cfg.block_m, cfg.block_n, k)
-    assert 2 <= cfg.num_stages == (min(TWO_WG_STAGES, full) if cfg.block_m == 128 else full)
+    assert 2 <= cfg.num_stages == (min(TWO_WG_STAGES, full) if cfg.block_m == 128 and not one_wave else full)
     assert cfg.smem_bytes == smem_bytes(cfg.block_m, cfg.block_n, cfg.num_stages, k) <= MAX_SMEM_BYTES
     assert cfg.num_threads == cfg.block_m // 64 * 128 + 128
 
@@ -76,7 +77,7 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
     desc = GemmDesc(m, n, k, num_groups=groups if layout != "normal" else 1, layout=layout, num_sms=num_sms,
                     expected_m=max(1, m // 3) if layout == "masked" else None)
     cfg = get_config(desc)
-    _valid(cfg, k)
+    _valid(cfg, k, layout == "normal" and num_tiles(desc, cfg.block_m, cfg.block_n, cfg.multicast) <= num_sms)
     if layout == "contiguous":
         assert get_align_m() % cfg.block_m == 0, "a tile must not straddle two expert segments"
     if layout != "normal":
@@ -84,6 +85,19 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
     assert cfg.multicast == 1, "multicast measured no gain: never chosen"
     if cfg.block_m == 128:
         assert 128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS, "two math warpgroups: no run-time straddle"
+
+
+def test_one_wave_normal_gemms_take_every_stage() -> None:
+    """128-row tiles run TWO_WG_STAGES stages, but a normal GEMM's single wave takes all that fit (measured
+    faster, heuristics.TWO_WG_STAGES); three tiles a CTA, or grouped layouts, keep TWO_WG_STAGES."""
+    one_wave = get_config(GemmDesc(512, 4096, 7168))
+    assert (one_wave.block_m, one_wave.block_n, one_wave.num_stages) == (128, 128, max_stages(128, 128, 7168)) == (
+        128, 128, 5)
+    assert get_config(GemmDesc(512, 2112, 7168)).num_stages == max_stages(128, 64, 7168) > TWO_WG_STAGES
+    three = get_config(GemmDesc(805, 7168, 2048))  # 392 tiles of 128x128
+    assert (three.block_m, three.block_n, three.num_stages) == (128, 128, TWO_WG_STAGES)
+    contiguous = get_config(GemmDesc(512, 4096, 7168, layout="contiguous"))
+    assert contiguous.block_m == 128 and contiguous.num_stages <= TWO_WG_STAGES
 
 
 def test_tail_split_only_on_two_wave_single_cta_tiles() -> None:

@@ -18,7 +18,8 @@ Normal GEMMs of at most 128 rows, few-group masked ones at K = 2048 and many-gro
 whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``,
 ``MASKED_DECODE_WIDE_TILES``, ``CONTIGUOUS_ONE_BLOCK_TILES``), skip the model.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
-(5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits), all that fit
+(5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits) but where a normal
+GEMM's tiles fit in one wave (then all that fit: 4-10% faster, see ``TWO_WG_STAGES``), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
 scale select costs as much as the promotion); 2-CTA multicast off (measured no faster here).
 """
@@ -64,6 +65,12 @@ MASKED_SPREAD = (0.7, 1.3)
 MASKED_DRAWS = 8
 SWIZZLE_GROUP_M = 16
 TWO_WG_STAGES = 4
+# Normal GEMMs of one wave of 128-row tiles take every stage that fits, not TWO_WG_STAGES: each CTA runs one tile, so
+# no CTA drifts ahead over K, and more loads in flight shorten the start. Session 44 (H100, one process, 3 rounds,
+# kernel durations after an 8 GB memset, 4 stages -> all): 512x4096x7168 on 128x128 30.1 -> 28.4 us,
+# 256x7168x2048 12.9 -> 12.2, 256x7168x16384 64.2 -> 60.5, 805x2112x7168 27.6 -> 26.5, 512x2112x7168 on 128x64
+# 21.4 -> 19.4 (7 of 8 stages 19.3). With three tiles a CTA the gain fades or turns: 805x7168x2048 24.6 -> 24.1,
+# 805x7168x16384 196.6 -> 202-205.
 BLOCK_MS = (64, 128)
 BLOCK_NS = (*range(16, 161, 8), 192, 256)  # 192 / 256: two 96 / 128-column waves per smem stage
 WAVE_BLOCK_NS = (192, 256)
@@ -537,7 +544,8 @@ def modelled_config(desc: GemmDesc) -> GemmConfig:
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
     bm, bn, mc, on_a = best[1]
-    stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 else None
+    one_wave = desc.layout == "normal" and best[0][1] <= desc.num_sms
+    stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 and not one_wave else None
     swizzle = 1 if _one_block_contiguous(desc) else SWIZZLE_GROUP_M
     return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
                        swizzle_group_m=swizzle, k_split=masked_k_split(desc, bm, bn, mc))
