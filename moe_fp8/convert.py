@@ -17,6 +17,9 @@ What stays as it is (bytes unchanged), and why:
   logits, both accuracy-sensitive and not GEMMs of the MoE path (DeepSeek keeps both bf16);
 - MoE routers (``*.gate.weight``, ``shared_expert_gate``): tiny, and routing decisions flip on small
   errors (DeepSeek keeps ``mlp.gate`` bf16);
+- the multi-token-prediction layer's own projection and head (DeepSeek-V3's ``model.layers.61.eh_proj`` and
+  ``.shared_head.head``): DeepSeek ships both bf16, and vLLM's and SGLang's MTP modules load them into plain
+  linears and an unquantized LM head, which refuse FP8 tensors (its attention and MoE are quantized as any layer's);
 - anything with ``norm`` in its name;
 - weights the kernels cannot run: N not a multiple of 8 or K not a multiple of 16. Other ragged
   shapes *are* quantized with partial edge blocks, as DeepSeek does for its 576-row
@@ -68,6 +71,8 @@ SLAB_ELEMS = 1 << 23
 DEFAULT_SKIPS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(^|\.)(embed_tokens|embeddings|wte|word_embeddings)\."), "embedding"),
     (re.compile(r"(^|\.)lm_head\."), "lm_head"),
+    (re.compile(r"(^|\.)shared_head\.head\."), "MTP head"),
+    (re.compile(r"(^|\.)eh_proj\."), "MTP projection"),
     (re.compile(r"(^|\.)gate\.weight$"), "MoE router"),
     (re.compile(r"shared_expert_gate\."), "MoE shared-expert gate"),
     (re.compile(r"norm"), "norm"),

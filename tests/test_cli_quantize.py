@@ -175,6 +175,14 @@ def test_slabs_give_the_whole_tensor_result():
     ("model.layers.3.mlp.gate.e_score_correction_bias", (256,), torch.float32, (False, "not a weight")),
     ("model.embed_tokens.weight", (129280, 7168), BF16, (False, "embedding")),
     ("lm_head.weight", (129280, 7168), BF16, (False, "lm_head")),
+    # DeepSeek-V3's multi-token-prediction layer: its own projection and head stay bf16 (the engines' MTP modules
+    # load them unquantized), its decoder layer is quantized as any other
+    ("model.layers.61.eh_proj.weight", (7168, 14336), BF16, (False, "MTP projection")),
+    ("model.layers.61.shared_head.head.weight", (129280, 7168), BF16, (False, "MTP head")),
+    ("model.layers.61.shared_head.norm.weight", (7168,), BF16, (False, "1-D")),
+    ("model.layers.61.embed_tokens.weight", (129280, 7168), BF16, (False, "embedding")),
+    ("model.layers.61.mlp.experts.3.up_proj.weight", (2048, 7168), BF16, (True, "")),
+    ("model.layers.61.self_attn.o_proj.weight", (7168, 16384), BF16, (True, "")),
     ("model.layers.3.post_attention_layernorm.weight", (7168,), BF16, (False, "1-D")),
     ("model.layers.3.q_a_layernorm.weight", (1, 1536), BF16, (False, "norm")),
     ("model.layers.3.mlp.proj.weight", (64, 100), BF16, (False, "64×100: kernels need N % 8 == 0 and K % 16 == 0")),
