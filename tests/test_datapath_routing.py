@@ -39,6 +39,7 @@ def route(logits, top_k, scoring_func="softmax", renormalize=True, n_group=None,
 CASES = [  # T, E, top_k, scoring, renormalize, n_group, topk_group, bias, scale, logits dtype
     (5, 16, 4, "softmax", True, None, None, False, 1.0, torch.float32),
     (7, 256, 8, "sigmoid", True, 8, 4, True, 2.5, torch.bfloat16),  # DeepSeek-V3
+    (5, 384, 8, "sigmoid", True, 1, 1, True, 2.827, torch.bfloat16),  # Kimi K2: 384 experts, one group
     (3, 12, 5, "sigmoid", False, 4, 2, True, 1.0, torch.float32),  # groups of 3 (not a power of two)
     (4, 12, 3, "softmax", False, 4, 2, False, 1.0, torch.float16),  # grouped softmax: group max
     (9, 6, 2, "sigmoid", True, 6, 3, False, 1.0, torch.float32),  # one expert per group
