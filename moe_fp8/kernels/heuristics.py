@@ -534,7 +534,8 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
 
 
 def modelled_config(desc: GemmDesc) -> GemmConfig:
-    """The cost model's cheapest candidate, with as many pipeline stages as fit."""
+    """The cost model's cheapest candidate: all pipeline stages that fit, but TWO_WG_STAGES for 128-row tiles
+    unless a normal GEMM's tiles fit in one wave."""
     best = None
     for cand in candidates(desc):
         ns, tiles = estimate_ns(desc, *cand)
@@ -543,8 +544,8 @@ def modelled_config(desc: GemmDesc) -> GemmConfig:
             best = (key, cand)
     if best is None:
         raise ValueError(f"no kernel configuration fits {desc}")
-    bm, bn, mc, on_a = best[1]
-    one_wave = desc.layout == "normal" and best[0][1] <= desc.num_sms
+    (_, tiles, _, _), (bm, bn, mc, on_a) = best
+    one_wave = desc.layout == "normal" and tiles <= desc.num_sms
     stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 and not one_wave else None
     swizzle = 1 if _one_block_contiguous(desc) else SWIZZLE_GROUP_M
     return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
