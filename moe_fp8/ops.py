@@ -721,7 +721,8 @@ def select_experts(router_logits: Tensor, top_k: int, *, scoring_func: str = "so
         router_logits: ``[T, E]`` bf16/fp16/fp32 (scored in float32); ``T`` may be 0.
         top_k: ``1 <= top_k <= E``.
         scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
-        renormalize: divide the selected weights by their sum.
+        renormalize: divide the selected weights by their sum (a sum below float32's smallest normal,
+            from logits under about -87, takes the softmax of their logits: the same ratios, no 0 / 0).
         n_group, topk_group: grouped top-k, both or neither: ``E % n_group == 0``,
             ``1 <= topk_group <= n_group``, ``top_k <= topk_group·E/n_group``.
         e_score_correction_bias: optional ``[E]`` added to the scores for selection only.

@@ -455,6 +455,21 @@ def _stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _renormalize(topk_weights: torch.Tensor, topk_logits: torch.Tensor) -> torch.Tensor:
+    """float32 picks' scores divided by their sum; where that sum is below float32's smallest normal (every
+    pick's logit under about -87) the softmax of the picks' float64 logits instead: the rounded scores lose
+    their precision there and are 0 / 0 once they underflow, while both sigmoid (e^x (1 - O(e^x))) and softmax
+    scores are proportional to e^x. Picks whose logits are all -inf share the weight equally; NaN stays NaN."""
+    sums = topk_weights.sum(dim=-1, keepdim=True)
+    out = topk_weights / sums
+    tiny = sums < torch.finfo(torch.float32).tiny
+    if tiny.any():
+        x_max = topk_logits.amax(dim=-1, keepdim=True)
+        e = torch.exp(torch.where(topk_logits == x_max, 0.0, topk_logits - x_max))
+        out = torch.where(tiny, (e / e.sum(dim=-1, keepdim=True)).float(), out)
+    return out
+
+
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,
@@ -472,7 +487,8 @@ def select_experts(
         router_logits: ``[T, E]`` (any float dtype). ``T`` may be 0. Scores are float32 (see below).
         top_k: experts per token.
         scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
-        renormalize: divide the selected weights by their sum.
+        renormalize: divide the selected weights by their sum (below float32's smallest normal: the softmax
+            of their logits, the same ratios without underflow; see ``_renormalize``).
         n_group, topk_group: grouped top-k (DeepSeek): the E experts form ``n_group`` equal groups,
             only the ``topk_group`` best groups are eligible. Group score: sum of the top-2
             ``choice`` values of the group for sigmoid, the max for softmax. (vLLM instead picks
@@ -533,7 +549,7 @@ def select_experts(
     topk_ids = _stable_topk(choice, top_k)
     topk_weights = scores.gather(-1, topk_ids)
     if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        topk_weights = _renormalize(topk_weights, logits.gather(-1, topk_ids))
     topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_ids.to(torch.int32)
 

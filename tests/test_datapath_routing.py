@@ -76,6 +76,25 @@ def test_select_experts_ties_nan_and_strided_logits():
                 check_routing(got, want, True)
 
 
+@pytest.mark.parametrize(("scoring", "n_group", "topk_group", "with_bias"),
+                         [("sigmoid", 4, 2, True), ("softmax", None, None, True), ("sigmoid", None, None, False)])
+def test_select_experts_tiny_score_sums(scoring, n_group, topk_group, with_bias):
+    """Rows whose picks' scores sum below the smallest normal float (underflowed or subnormal sigmoid scores,
+    softmax picks a bias pushed off the top) take the reference's softmax of their logits, beside ordinary rows."""
+    logits, bias = make_routing_inputs(12, 16, seed=5, device=DEVICE, with_bias=with_bias)
+    logits[0::3] -= 150.0
+    logits[1::3] -= 95.0
+    if scoring == "softmax":  # the top expert out of every row's picks, the rest far below it
+        logits[:, 0] = 0.0
+        logits[:, 1:] -= 200.0
+        bias = torch.zeros(16, device=DEVICE)
+        bias[0] = -2.0
+    got, want = route(logits, 4, scoring, True, n_group, topk_group, bias, 2.5)
+    check_routing(got, want, True)
+    assert bool(got[0].isfinite().all())
+    torch.testing.assert_close(got[0].sum(-1), torch.full((12,), 2.5, device=DEVICE))
+
+
 @st.composite
 def routing_cases(draw):
     n_group = draw(st.sampled_from([None, 1, 2, 4]))

@@ -6,6 +6,8 @@ loop that builds the layout pair by pair.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -144,6 +146,33 @@ def test_select_experts_nan_propagates():
     logits[1, 3] = float("nan")
     w, _ = ref.select_experts(logits, 2)
     assert bool(w[0].isfinite().all()) and bool(w[1].isnan().any())
+
+
+def test_select_experts_renormalizes_tiny_scores_by_their_logits():
+    """Picks whose float32 scores sum below the smallest normal float (logits under ~-87) take the softmax of
+    their logits: the exact ratios of their scores, where dividing the rounded scores loses precision (and
+    gives 0 / 0 once they underflow, below ~-104). All -inf: equal weights; ordinary rows keep the quotient."""
+    # row 0: every score underflows to 0, so the picks are ties (the lower experts) and their weights still differ
+    logits = torch.tensor([[-110.0, -130.0, -115.0, -120.0, -140.0, -135.0],
+                           [-90.0, -99.0, -92.5, -150.0, -96.0, -200.0],  # subnormal float32 scores
+                           [-float("inf")] * 6,
+                           [0.5, -1.0, 2.0, -3.0, 1.0, 0.0]])
+    w, ids = ref.select_experts(logits, 3, scoring_func="sigmoid", routed_scaling_factor=2.5)
+    assert ids.tolist() == [[0, 1, 2], [0, 2, 4], [0, 1, 2], [2, 4, 0]]
+    x = logits.double().gather(1, ids.long())
+    exact = torch.sigmoid(x[:2]) / torch.sigmoid(x[:2]).sum(-1, keepdim=True)  # float64 keeps every digit
+    torch.testing.assert_close(w[:2].double(), 2.5 * exact, rtol=1e-6, atol=0)
+    assert torch.equal(w[2], torch.full((3,), 1 / 3) * 2.5)
+    sig = torch.sigmoid(x[3]).float()
+    assert torch.equal(w[3], 2.5 * (sig / sig.sum()))
+    # softmax: a bias can push the largest score out of the picks, leaving underflowed ones
+    logits = torch.tensor([[0.0, -200.0, -210.0, -220.0]])
+    w, ids = ref.select_experts(logits, 2, e_score_correction_bias=torch.tensor([-10.0, 0.0, 0.0, 0.0]))
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(w, torch.tensor([[1.0, math.exp(-10.0)]]) / (1 + math.exp(-10.0)))
+    # NaN still propagates (a NaN sum is not tiny)
+    w, _ = ref.select_experts(torch.tensor([[float("nan"), -120.0, -130.0]]), 2, scoring_func="sigmoid")
+    assert bool(w.isnan().all())
 
 
 def test_select_experts_rejects_bad_config():

@@ -148,6 +148,27 @@ def test_ties_nan_inf_and_strided_logits(seed):
 
 @pytest.mark.hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_tiny_score_sums_take_the_softmax_of_their_logits(dtype):
+    """Tokens whose picks' scores sum below the smallest normal float (underflowed or subnormal sigmoid
+    scores, and all -inf) beside ordinary ones in the same warps: the reference's softmax of their logits."""
+    from moe_fp8.kernels.routing import select_experts_hopper
+
+    logits, bias = make_routing_inputs(64, 256, seed=9, device="cuda", dtype=dtype, with_bias=True)
+    logits[0::4] -= 150.0
+    logits[1::4] -= 95.0
+    logits[2::8] = -float("inf")
+    for n_group, topk_group in ((8, 4), (None, None)):
+        got = select_experts_hopper(logits, 8, "sigmoid", True, n_group, topk_group, bias, 2.5)
+        want = ref.select_experts(logits, 8, scoring_func="sigmoid", n_group=n_group, topk_group=topk_group,
+                                  e_score_correction_bias=bias, routed_scaling_factor=2.5)
+        check_routing(got, want, True)
+        assert bool(got[0].isfinite().all())
+        torch.testing.assert_close(got[0].sum(-1), torch.full((64,), 2.5, device="cuda"))
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(3))
 def test_near_ties_below_the_estimates_resolution(seed):
     """Choices 2^-24 apart, closer than a float32 evaluation of the sigmoid can order them: only the float64

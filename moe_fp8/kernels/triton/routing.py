@@ -16,7 +16,8 @@ Exactness against ``moe_fp8.reference.select_experts``:
   logits with the same float64 formula (so the loop is one int64 max per pick); with
   ``renormalize`` they are divided (correctly rounded) by their float32 sum (a tree reduction). The
   reference's sum is a torch reduction whose order is unspecified too, so renormalized weights can
-  differ from it by an ulp or two.
+  differ from it by an ulp or two. A sum below float32's smallest normal takes the reference's softmax of
+  the picks' logits instead.
 - Warps (``configs.routing_config``): with several tokens per program one per 256 score slots, so a
   DeepSeek-V3 token's selection (256 experts) runs inside one warp (shuffle reductions, no
   shared-memory barriers); with one token per program (decode) 4 warps, measured faster there.
@@ -123,6 +124,13 @@ def _select_experts_kernel(
     weight_sum = tl.sum(out_w, axis=1)
     if RENORMALIZE:
         out_w = tl.div_rn(out_w, tl.where(tok_ok, weight_sum, 1.0)[:, None])
+        # sums below float32's smallest normal: the softmax of the picks' logits (reference._renormalize)
+        tiny = tok_ok & (weight_sum < 1.1754943508222875e-38)
+        if tl.max(tiny.to(tl.int32), axis=0) > 0:
+            x_max = tl.max(tl.where(out_mask, x_sel, float("-inf")), axis=1)
+            e = tl.where(out_mask, tl.exp(tl.where(x_sel == x_max[:, None], 0.0, x_sel - x_max[:, None])), 0.0)
+            soft = (e / tl.sum(e, axis=1)[:, None]).to(tl.float32)
+            out_w = tl.where(tiny[:, None], soft, out_w)
     out_w = out_w * routed_scaling_factor
 
     out_offs = tok.to(tl.int64)[:, None] * top_k + kcol[None, :]

@@ -373,16 +373,40 @@ __device__ __forceinline__ void order_picks(float& score, int32_t& id, const TBi
     id = __shfl_sync(kFullMask, id, from);
 }
 
-// The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + kTopK) of a token (0 in
-// lanes without one): the score, divided by the sum of the token's in pick order when `renormalize`.
+// Weights of picks whose scores sum below 2^-126 (logits under about -87): the rounded scores lose their
+// precision there and are 0 / 0 once they underflow, while sigmoid(x) = e^x (1 - O(e^x)) makes the exact weights
+// the softmax of the picks' logits (`logit`; all -inf: equal weights). Lanes of the warp's other tokens come along.
 template <uint32_t kTopK>
-__device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint32_t renormalize) {
+__device__ __noinline__ float tiny_sum_weight(float logit, uint32_t lane0) {
+    double x_max = logit;
+#pragma unroll
+    for (uint32_t k = 0; k < kTopK; ++k) {
+        x_max = fmax(x_max, static_cast<double>(__shfl_sync(kFullMask, logit, lane0 + k)));
+    }
+    const double e = exp(logit == x_max ? 0.0 : logit - x_max);
+    double sum = 0.0;
+#pragma unroll
+    for (uint32_t k = 0; k < kTopK; ++k) sum += __shfl_sync(kFullMask, e, lane0 + k);
+    return static_cast<float>(e / sum);
+}
+
+// The weight of a pick of float64 score `score` held by the lanes [lane0, lane0 + kTopK) of a token (0 in
+// lanes without one, `mine` false): the score, divided by the sum of the token's in pick order when
+// `renormalize` (tiny_sum_weight below 2^-126; `logit` reads the pick's logit, only then).
+template <uint32_t kTopK, typename LoadLogit>
+__device__ __forceinline__ float pick_weight(float weight, uint32_t lane0, uint32_t renormalize, bool mine,
+                                             const LoadLogit& logit) {
     if (renormalize) {
         float sum = 0.0f;
 #pragma unroll
         for (uint32_t k = 0; k < kTopK; ++k) sum += __shfl_sync(kFullMask, weight, lane0 + k);
+        const bool tiny = mine && sum < 0x1p-126f;  // (a NaN sum is not: NaN stays NaN)
+        if (__any_sync(kFullMask, tiny)) {
+            const float w = tiny_sum_weight<kTopK>(mine ? logit() : 0.0f, lane0);
+            if (tiny) return w;
+        }
         // = __fdiv_rn(weight, sum) without its call: the float64 quotient is within 2^-51 and a quotient of two
-        // floats is a float rounding midpoint or 2^-50 away from one (0 / 0 stays NaN)
+        // floats is a float rounding midpoint or 2^-50 away from one
         weight = static_cast<float>(static_cast<double>(weight) * reciprocal_rn(sum));
     }
     return weight;
@@ -548,9 +572,10 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
         }
         const bool mine = lane_token < picked, unordered = __any_sync(kFullMask, pass_id < 0);
         pass_id &= ~kUnordered;
-        float score = mine ? sigmoid_f32(load_f32(logits + pass_token * stride_t + pass_id)) : 0.0f;
+        const auto pick_logit = [&]() { return load_f32(logits + pass_token * stride_t + pass_id); };
+        float score = mine ? sigmoid_f32(pick_logit()) : 0.0f;
         if (unordered) order_picks<32 * V, kTopK, kHasBias>(score, pass_id, bias, lane - lane_pick);
-        const float weight = pick_weight<kTopK>(score, lane - lane_pick, renormalize);
+        const float weight = pick_weight<kTopK>(score, lane - lane_pick, renormalize, mine, pick_logit);
         if (mine) {
             weights[static_cast<uint64_t>(pass_token) * kTopK + lane_pick] = weight * routed_scaling_factor;
             ids[static_cast<uint64_t>(pass_token) * kTopK + lane_pick] = pass_id;
