@@ -13,6 +13,7 @@ from moe_fp8.kernels.heuristics import (
     BLOCK_MS,
     BLOCK_NS,
     MAX_SMEM_BYTES,
+    STRADDLE_128_BLOCK_NS,
     TWO_WG_STAGES,
     WAVE_BLOCK_NS,
     GemmConfig,
@@ -83,8 +84,25 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
     if layout != "normal":
         assert cfg.multicast == 1, "multicast pairs could span two experts"
     assert cfg.multicast == 1, "multicast measured no gain: never chosen"
-    if cfg.block_m == 128:
-        assert 128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS, "two math warpgroups: no run-time straddle"
+    if cfg.block_m == 128:  # two math warpgroups straddle scale blocks only at measured widths, normal layout
+        assert (128 % cfg.block_n == 0 or cfg.block_n in WAVE_BLOCK_NS
+                or (layout == "normal" and cfg.block_n in STRADDLE_128_BLOCK_NS))
+
+
+def test_straddling_128_row_tiles_where_they_fit_the_waves() -> None:
+    """Normal GEMMs take 128x144 / 128x160 tiles where their count fits the waves better than 128x192's (session 45
+    sweep, heuristics.STRADDLE_128_BLOCK_NS); grouped layouts and the bench's 4096-row shapes keep their tiles."""
+    def tile(m: int, n: int, k: int, **kw) -> tuple[int, int, int]:
+        cfg = get_config(GemmDesc(m, n, k, **kw))
+        return cfg.block_m, cfg.block_n, cfg.num_stages
+
+    assert tile(1280, 4096, 7168) == (128, 160, TWO_WG_STAGES)  # 260 tiles in two waves (128x192: 220)
+    assert tile(640, 4096, 7168) == (128, 160, max_stages(128, 160, 7168))  # 130 tiles: one wave, every stage
+    assert tile(1536, 1536, 7168)[:2] == (128, 144)  # 132 tiles (128x192: 96)
+    assert tile(1280, 4096, 7168, num_groups=2, layout="contiguous")[1] not in STRADDLE_128_BLOCK_NS
+    assert tile(4096, 4096, 7168, num_groups=2, layout="masked", expected_m=640)[1] not in STRADDLE_128_BLOCK_NS
+    for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)):
+        assert tile(4096, n, k)[1] not in STRADDLE_128_BLOCK_NS
 
 
 def test_one_wave_normal_gemms_take_every_stage() -> None:

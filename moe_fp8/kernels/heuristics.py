@@ -21,7 +21,8 @@ Measured, and therefore fixed rather than modelled: 4 pipeline stages with two m
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits) but where a normal
 GEMM's tiles fit in one wave (then all that fit: 4-10% faster, see ``TWO_WG_STAGES``), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
-scale select costs as much as the promotion); 2-CTA multicast off (measured no faster here).
+scale select costs as much as the promotion) but 128x144 / 128x160 in normal GEMMs, where their count
+fits the waves (``STRADDLE_128_BLOCK_NS``); 2-CTA multicast off (measured no faster here).
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ SHARED_A_BYTES_PER_NS = 3900.0
 # A one-warpgroup tile straddling weight-scale blocks pays a column select in its promotion:
 # ~100 ns per block (64x112: 533 vs 64x128: 464 ns), twice that when the split takes > 8 values.
 STRADDLE_NS = 100.0
+# Straddling widths of 128-row tiles the model may pick, for normal GEMMs only (charged STRADDLE_NS too). Session 45
+# sweep (H100, normal GEMMs of DeepSeek-V3's nine linears at 256-2048 rows, docs/kernels/gemm.md): where a wave
+# count fits them better (1280x4096x7168: 260 tiles of 128x160 in two waves against 220 of 128x192), they ran up
+# to 21% faster than the model's picks, and with them the model's picks came within 3% of the best of 18 tiles
+# on 72 of 81 shapes (67 before); of 23 shapes off that grid whose pick it changed, 20 ran 2-23% faster and two 5-8%
+# slower (the old 192 / 256-wide tiles' last wave ran as halves, which the model leaves out). Grouped layouts were
+# not measured with them.
+STRADDLE_128_BLOCK_NS = (144, 160)
 # Masked layout: expected_m is typical, not exact. The estimate averages MASKED_DRAWS draws of every
 # group's m-blocks, each group's an independent multiple in [lo, hi] of expected_m's (a fixed
 # low-discrepancy set, so the choice is deterministic): with several groups the total tile count, which
@@ -311,6 +320,8 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
             k_block_ns += STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2)
+        elif bn in STRADDLE_128_BLOCK_NS:  # (both split at a multiple of 16 columns)
+            k_block_ns += STRADDLE_NS
         band = min(m_blocks, SWIZZLE_GROUP_M, active)
         dram_ns = (band * block_m + ceil_div(active, band) * bn) * BLOCK_K / DRAM_BYTES_PER_NS
         shared_a_ns = active / band * (block_m + bn) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
@@ -358,7 +369,8 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_n beyond N adds only zero columns;
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
-      128): measured slow (the select per column chunk competes with the promotion for registers);
+      128): measured slow at large M (the select per column chunk competes with the promotion for
+      registers), but ``STRADDLE_128_BLOCK_NS`` for normal GEMMs (measured where they fit the waves);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
     - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
@@ -374,7 +386,8 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
                 continue
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
                 continue
-            if bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS:
+            if (bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS
+                    and not (desc.layout == "normal" and bn in STRADDLE_128_BLOCK_NS)):
                 continue
             out.append((bm, bn, 1, False))
     return out
