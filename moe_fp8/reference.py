@@ -461,13 +461,11 @@ def _renormalize(topk_weights: torch.Tensor, topk_logits: torch.Tensor) -> torch
     their precision there and are 0 / 0 once they underflow, while both sigmoid (e^x (1 - O(e^x))) and softmax
     scores are proportional to e^x. Picks whose logits are all -inf share the weight equally; NaN stays NaN."""
     sums = topk_weights.sum(dim=-1, keepdim=True)
-    out = topk_weights / sums
-    tiny = sums < torch.finfo(torch.float32).tiny
-    if tiny.any():
-        x_max = topk_logits.amax(dim=-1, keepdim=True)
-        e = torch.exp(torch.where(topk_logits == x_max, 0.0, topk_logits - x_max))
-        out = torch.where(tiny, (e / e.sum(dim=-1, keepdim=True)).float(), out)
-    return out
+    x_max = topk_logits.amax(dim=-1, keepdim=True)
+    e = torch.exp(torch.where(topk_logits == x_max, 0.0, topk_logits - x_max))
+    # computed for every row: a data-dependent branch would synchronise the host with a GPU
+    return torch.where(sums < torch.finfo(torch.float32).tiny, (e / e.sum(dim=-1, keepdim=True)).float(),
+                       topk_weights / sums)
 
 
 def select_experts(
