@@ -262,6 +262,14 @@ def select(op: str, device: torch.device) -> tuple[str, Callable]:
     return hit
 
 
+# Under torch.compile the name is read once, at trace time, a constant of the graph: traced, select's caches and
+# probes would become guards that fail as soon as they fill (a recompile per new entry).
+@torch.compiler.assume_constant_result
+def selected(op: str, device: torch.device) -> str:
+    """The name of the backend ``select`` picks for ``op`` on ``device``."""
+    return select(op, device)[0]
+
+
 def _select_uncached(op: str, device: torch.device, forced: str | None, strict: str | None
                      ) -> tuple[str, Callable]:
     if op not in _impls:

@@ -143,6 +143,23 @@ def test_compile_fused_moe_with_dynamic_shapes_and_floats():
         assert torch.equal(compiled(x, lg), moe(x, lg, path="masked"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_moe_decode_traces_once_for_every_token_count(device):
+    """One dynamic-shape graph serves every T (engines compile once and may skip dynamo's guards): no guard on
+    T's value (multiples of 4 or not) and none on the backend selection's caches, which fill on first use."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU visible")
+    torch._dynamo.reset()
+    moe = Fp8FusedMoE(4, 256, 256, 2, scoring_func="sigmoid", routed_scaling_factor=2.5).to(device)
+    rec = RecordGraphs()
+    compiled = torch.compile(lambda x, lg: moe(x, lg, path="masked"), fullgraph=True, dynamic=True, backend=rec)
+    for t in (3, 9, 4, 8, 5, 16, 2):  # (T = 1: dynamo specialises sizes 0 and 1 itself)
+        x = randn((t, 256), seed=t).to(device)
+        lg = randn((t, 4), seed=t + 1, dtype=torch.float32).to(device)
+        assert torch.equal(compiled(x, lg), moe(x, lg, path="masked"))
+    assert len(rec.graphs) == 1
+
+
 def moe_decode_fused(x, router_logits, w13_fp8, w13_scale, w2_fp8, w2_scale, max_m: int):
     """``moe_decode`` with the quantization fused into the dispatch (what Fp8FusedMoE's masked path runs)."""
     weights, ids = layers.select_experts(router_logits, 2, scoring_func="sigmoid", n_group=2, topk_group=1)

@@ -304,7 +304,7 @@ def _fused_gemm1(w13: Tensor) -> bool:
     ``fp8_grouped_gemm_silu_mul_quant`` runs on Hopper. Elsewhere that op is the two ops in turn, and the
     explicit steps keep ``h`` in the decode workspace instead of a per-call buffer."""
     return (FUSE_GEMM1_ACT and w13.shape[1] % 256 == 0
-            and backends.select("fp8_grouped_gemm_silu_mul_quant", w13.device)[0] == "hopper")
+            and backends.selected("fp8_grouped_gemm_silu_mul_quant", w13.device) == "hopper")
 
 
 def grouped_experts_contiguous(a_fp8: Tensor, a_scale: Tensor, m_indices: Tensor, w13: Tensor, w13_scale: Tensor,
