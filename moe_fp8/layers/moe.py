@@ -236,8 +236,9 @@ class StageTimer:
 
 
 def _stream_capturing(t: Tensor) -> bool:
-    # torch.cuda.is_current_stream_capturing raises on CPU-only builds: ask only for CUDA tensors.
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    # torch.cuda.is_current_stream_capturing raises on CPU-only builds: ask only for CUDA tensors. Dynamo cannot
+    # trace it (a graph break) and a compiled forward takes the masked path anyway: not asked under torch.compile.
+    return t.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def _parse_expert_map(expert_map: Tensor | Sequence[int] | None, num_experts: int) -> list[int] | None:
