@@ -603,6 +603,42 @@ def test_packers_agree_on_random_scalars(n: int, m: int, big: int, alpha: float)
     assert struct.unpack_from("<Q", generic, 160)[0] == big & (2**64 - 1)
 
 
+def test_primary_context_is_retained_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads without a current context (and launches retried after an invalid one) make the device's primary
+    context current: retained once per device for the process, not once per call (a driver stub counts)."""
+    class Driver:
+        def __init__(self) -> None:
+            self.current, self.retains = 0, []
+
+        def cuCtxGetCurrent(self):
+            return (0, self.current)
+
+        def cuDeviceGet(self, dev: int):
+            return (0, 100 + dev)
+
+        def cuCtxGetDevice(self):
+            return (0, self.current // 10)
+
+        def cuDevicePrimaryCtxRetain(self, cu_dev: int):
+            self.retains.append(cu_dev)
+            return (0, cu_dev * 10)
+
+        def cuCtxSetCurrent(self, ctx: int):
+            self.current = ctx
+            return (0,)
+
+    drv = Driver()
+    monkeypatch.setattr(runtime_mod, "_driver", lambda: drv)
+    monkeypatch.setattr(runtime_mod, "_PRIMARY", {})
+    for dev in (0, 0, 1, 0, 1):
+        drv.current = 0  # a fresh thread
+        assert runtime_mod._ensure_context(dev) is True
+        assert drv.current == (100 + dev) * 10
+        assert runtime_mod._ensure_context(dev) is False  # current already
+        assert runtime_mod._ensure_context(dev, force=True) is False  # (a retry) the same primary context
+    assert drv.retains == [100, 101]
+
+
 def test_pack_rejects_bad_arguments() -> None:
     k = _kernel_with_layout(((0, 8), (8, 4), (12, 4)))
     a = torch.zeros(4).as_subclass(_FakeCudaTensor)

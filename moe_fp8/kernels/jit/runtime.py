@@ -678,6 +678,11 @@ def _current_stream(dev: int) -> int:
     return _get_raw_stream(dev)
 
 
+# Each device's primary context, retained once for the life of the process (as the CUDA runtime holds it): a
+# retain per call would raise its reference count on every new thread and every retried launch.
+_PRIMARY: dict[int, object] = {}
+
+
 def _ensure_context(dev: int, force: bool = False) -> bool:
     """Make ``dev``'s primary context current on this thread if none is (threads that never touched
     the CUDA runtime have none) or the current one is another device's.  Returns True if it changed the
@@ -688,7 +693,9 @@ def _ensure_context(dev: int, force: bool = False) -> bool:
     if ctx is not None and int(ctx) != 0 and not force \
             and int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice")) == int(cu_dev):
         return False
-    primary = check(drv.cuDevicePrimaryCtxRetain(cu_dev), f"cuDevicePrimaryCtxRetain({dev})")
+    primary = _PRIMARY.get(dev)
+    if primary is None:
+        primary = _PRIMARY[dev] = check(drv.cuDevicePrimaryCtxRetain(cu_dev), f"cuDevicePrimaryCtxRetain({dev})")
     if ctx is not None and int(ctx) == int(primary):
         return False
     check(drv.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
