@@ -60,4 +60,4 @@ def backend(op: str = "fp8_gemm", device: torch.device | str | int | None = None
     ``MOE_FP8_STRICT`` exactly as a call would (so it raises ``moe_fp8.backends.BackendError`` where
     the call would). ``moe_fp8.backends.explain(op, device)`` gives every backend's reason.
     """
-    return backends.select(op, backends._normalize_device(device))[0]
+    return backends.selected(op, backends._normalize_device(device))

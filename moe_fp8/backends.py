@@ -266,7 +266,8 @@ def select(op: str, device: torch.device) -> tuple[str, Callable]:
 # probes would become guards that fail as soon as they fill (a recompile per new entry).
 @torch.compiler.assume_constant_result
 def selected(op: str, device: torch.device) -> str:
-    """The name of the backend ``select`` picks for ``op`` on ``device``."""
+    """The name of the backend ``select`` picks for ``op`` on ``device`` (``moe_fp8.backend`` normalises the
+    device first)."""
     return select(op, device)[0]
 
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 
+from moe_fp8.benchmarks import parse_ints
 from moe_fp8.benchmarks.gemm import parse_block
 from moe_fp8.benchmarks.shapes import GEMM_NK
 
@@ -28,9 +29,11 @@ BLOCKS = ([f"128x{bn}s{st}" for bn in (64, 128, 144, 160) for st in (4, "")] + [
 SMS = 132  # the H100 SXM the tables were measured on; --compile-only needs no GPU to know it
 
 
-def parse_nk(text: str) -> tuple[int, int]:
-    n, k = (int(v) for v in text.split(","))
-    return n, k
+def _nk(text: str) -> tuple[int, ...]:
+    try:
+        return parse_ints(text, 2, "N,K")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _configs(n: int, k: int, blocks, rows: list[int]) -> dict:
@@ -127,7 +130,7 @@ def sweep(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", type=parse_nk, default=[*GEMM_NK, *MID_M_NK], metavar="N,K")
+    p.add_argument("--shapes", nargs="+", type=_nk, default=[*GEMM_NK, *MID_M_NK], metavar="N,K")
     p.add_argument("--rows", nargs="+", type=int, default=ROWS)
     p.add_argument("--blocks", nargs="+", type=parse_block, default=[parse_block(b) for b in BLOCKS])
     p.add_argument("--rounds", type=int, default=3)
