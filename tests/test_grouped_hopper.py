@@ -299,11 +299,23 @@ def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) ->
     assert torch.equal(outs[0], outs[1]), "K pieces are not deterministic"
 
 
+def _graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """Names of the GPU activities of one replay of ``graph``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @pytest.mark.parametrize("warm", [True, False])
 def test_masked_k_split_cuda_graph(warm: bool) -> None:
     """Under a CUDA graph the K-split tail uses the workspace of an earlier launch on the capturing stream;
-    without one the capture makes it (its flags zeroed by a node of the graph). Both replay right with other
-    counts."""
+    without one the capture makes it, its flags taken from the device's pool (zeroed by the eager launch
+    before): either way the graph holds the GEMM alone, no zeroing node before it. Both replay right with
+    other counts."""
     g, max_m, n, k = 2, 1024, 4096, 3072
     buf = _clone_operands(make_masked_inputs(g, max_m, 512, n, k, seed=5, device="cuda"))
     out = torch.empty((g, max_m, n), dtype=torch.bfloat16, device="cuda")
@@ -321,6 +333,8 @@ def test_masked_k_split_cuda_graph(warm: bool) -> None:
             run()
     torch.cuda.current_stream().wait_stream(stream)
     assert (stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES
+    kernels = _graph_kernels(graph)
+    assert len(kernels) == 1 and "fp8_gemm_kernel" in kernels[0], kernels
     for seed, counts in [(6, [1024, 1023]), (7, [0, 700]), (8, [129, 3])]:
         _replay_masked(graph, buf, out, make_masked_inputs(g, max_m, 512, n, k, seed=seed, device="cuda",
                                                            masked_m=counts))
@@ -503,18 +517,27 @@ def test_masked_silu_mul_quant_k_pieces(masked_m: list[int], block_m: int, sms: 
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0, equal_nan=True)
 
 
-def test_masked_silu_mul_quant_k_pieces_cuda_graph() -> None:
-    """The layer's decode GEMM1 captured on a fresh stream (no workspace yet: the capture makes it), then
-    replayed with other counts, from one touched expert to all of them; every replay against the reference."""
-    from moe_fp8.kernels.gemm import fp8_grouped_gemm_silu_mul_quant_hopper
+@pytest.mark.parametrize("pooled", [True, False])
+def test_masked_silu_mul_quant_k_pieces_cuda_graph(pooled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's decode GEMM1 captured on a fresh stream (no workspace yet: the capture makes it), its first
+    launch in the process: its K-split flags from the device's pool (filled before), or, where no eager launch
+    filled one, zeroed by a node of the graph. Then replayed with other counts, from one touched expert to all
+    of them; every replay against the reference."""
+    from moe_fp8.kernels import gemm
+
+    if pooled:
+        gemm.reserve_k_split_flags(torch.cuda.current_device())
+    else:
+        monkeypatch.setattr(gemm, "_K_SPLIT_FLAG_POOLS", {})
+    monkeypatch.setattr(gemm, "_PREPARED", {})
 
     g, max_m, n, k = 32, 64, 4096, 7168
     buf = _clone_operands(make_masked_inputs(g, max_m, 2, n, k, seed=9, device="cuda", masked_m=DECODE_COUNTS[0]))
     act, scale = _poisoned_act((g, max_m, n // 2), groups=g)
 
     def run() -> None:
-        fp8_grouped_gemm_silu_mul_quant_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, None, buf.masked_m,
-                                               1, False, act, scale)
+        gemm.fp8_grouped_gemm_silu_mul_quant_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, None,
+                                                    buf.masked_m, 1, False, act, scale)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -523,6 +546,8 @@ def test_masked_silu_mul_quant_k_pieces_cuda_graph() -> None:
             run()
     torch.cuda.current_stream().wait_stream(stream)
     assert (stream.device.index, stream.cuda_stream) in _K_SPLIT_WORKSPACES
+    kernels = _graph_kernels(graph)
+    assert "fp8_gemm_kernel" in kernels[-1] and len(kernels) == (1 if pooled else 2), kernels
     for seed, counts in enumerate(DECODE_COUNTS[1:] + DECODE_COUNTS[:1] + [[0] * 32]):
         new = make_masked_inputs(g, max_m, 2, n, k, seed=10 + seed, device="cuda", masked_m=counts)
         for f in _OPERANDS:

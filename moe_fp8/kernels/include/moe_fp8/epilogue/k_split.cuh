@@ -8,11 +8,12 @@
 // 128x256 as 4 whole-width pieces, 10.7 MB of partials) piece 0 gathering everything and every piece
 // adding its band both took ~9-10 us after the math (session 27 timelines); pieces of tile halves, half the
 // traffic per piece, ~4.5 us.
-// Workspace: kKSplitFlagWords words, word c0 for the tile whose first piece runs on CTA c0 (arrived pieces
-// in the low half, live math warps done waiting in the high half: the last of them zeroes it for the next
-// launch), then one slot of BLOCK_M x BLOCK_N floats per CTA. Waiting is safe: a piece is its CTA's last
-// unit, every CTA runs as many whole tiles before it, and the persistent grid (at most one CTA per SM) is
-// resident at once.
+// Workspace, two buffers: `flags`, kKSplitFlagWords words, word c0 for the tile whose first piece runs on CTA c0
+// (arrived pieces in the low half, live math warps done waiting in the high half: the last of them zeroes it for
+// the next launch), zero before the first launch; `slots`, one slot of BLOCK_M x BLOCK_N floats per CTA, never
+// zeroed (apart, so that a CUDA-graph capture can take flags zeroed before it and slots from the graph's pool:
+// gemm.py). Waiting is safe: a piece is its CTA's last unit, every CTA runs as many whole tiles before it, and
+// the persistent grid (at most one CTA per SM) is resident at once.
 #pragma once
 
 #include "../common/types.cuh"
@@ -26,8 +27,8 @@ constexpr uint32_t kKSplitFlagWords = 1024;  // the grid's CTAs, at most (the ho
 // CTA `cta`'s slot, fragment-major: floats 4q..4q+3 of math thread t at float4 q * kNumMathThreads + t,
 // so each warp access covers 512 contiguous bytes.
 template <uint32_t kNumAccum, uint32_t kNumMathThreads>
-__device__ __forceinline__ float* k_split_slot(uint32_t* workspace, uint32_t cta) {
-    return reinterpret_cast<float*>(workspace + kKSplitFlagWords) + cta * kNumAccum * kNumMathThreads;
+__device__ __forceinline__ float* k_split_slot(float* slots, uint32_t cta) {
+    return slots + cta * kNumAccum * kNumMathThreads;
 }
 
 // First row of piece `piece`'s band of the tile (piece `num_pieces`: the band's end): the rows of math
@@ -56,7 +57,7 @@ constexpr uint32_t piece_buffer_bytes() {
 // memory that no one else uses from here on (the drained pipeline stages); `bar_id`: a named barrier of the
 // math threads.
 template <uint32_t kNumAccum, uint32_t kNumMathThreads, uint32_t kMaxPieces>
-__device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float* total, uint32_t piece,
+__device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* flags, float* slots, float* total, uint32_t piece,
                                                       uint32_t num_pieces, uint32_t num_rows, uint8_t* buffer,
                                                       uint32_t bar_id) {
     static_assert(kNumAccum % 4 == 0, "whole float4s per thread");
@@ -64,7 +65,7 @@ __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float
     const uint32_t warp = threadIdx.x / 32, cta0 = blockIdx.x - piece;
     const bool in_band = warp * num_pieces / kWarps == piece, live = warp * 16 < num_rows;
     if (!in_band && live) {  // publish for the piece that owns these rows
-        float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, blockIdx.x) + 4 * threadIdx.x;
+        float* slot = k_split_slot<kNumAccum, kNumMathThreads>(slots, blockIdx.x) + 4 * threadIdx.x;
 #pragma unroll
         for (uint32_t q = 0; q < kQuads; ++q)
             ptx::st_global_cg_v4(slot + 4 * q * kNumMathThreads, total[4 * q], total[4 * q + 1], total[4 * q + 2],
@@ -73,15 +74,15 @@ __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float
     }
     // (also: every math warp is past its mainloop, so the stage buffers are free)
     ptx::named_barrier_sync(bar_id, kNumMathThreads);
-    if (threadIdx.x == 0) ptx::red_release_gpu_add_u32(workspace + cta0, 1);
+    if (threadIdx.x == 0) ptx::red_release_gpu_add_u32(flags + cta0, 1);
     if (!in_band || !live) return false;
 
-    while ((ptx::ld_acquire_gpu_u32(workspace + cta0) & 0xFFFFu) < num_pieces) __nanosleep(32);
+    while ((ptx::ld_acquire_gpu_u32(flags + cta0) & 0xFFFFu) < num_pieces) __nanosleep(32);
     __syncwarp();
     // every live math warp of the tile's CTAs has seen the count (each is in one band): the last zeroes it
     const uint32_t live_warps = min(kWarps, ceil_div(num_rows, 16u));
-    if (threadIdx.x % 32 == 0 && ptx::atomic_add_gpu_u32(workspace + cta0, 1u << 16) >> 16 == live_warps - 1)
-        workspace[cta0] = 0;
+    if (threadIdx.x % 32 == 0 && ptx::atomic_add_gpu_u32(flags + cta0, 1u << 16) >> 16 == live_warps - 1)
+        flags[cta0] = 0;
 
     // the other pieces' fragments of this thread, j-th other piece's quad q at float4
     // (j * kQuads + q) * band_threads + band index
@@ -94,7 +95,7 @@ __device__ __forceinline__ bool reduce_scatter_pieces(uint32_t* workspace, float
 #pragma unroll 1
     for (uint32_t j = 0; j < num_pieces; ++j) {
         if (j == piece) continue;
-        const float* slot = k_split_slot<kNumAccum, kNumMathThreads>(workspace, cta0 + j) + 4 * threadIdx.x;
+        const float* slot = k_split_slot<kNumAccum, kNumMathThreads>(slots, cta0 + j) + 4 * threadIdx.x;
 #pragma unroll
         for (uint32_t q = 0; q < kQuads; ++q)
             ptx::cp_async_cg_16(&other(j - (j > piece), q), slot + 4 * q * kNumMathThreads);

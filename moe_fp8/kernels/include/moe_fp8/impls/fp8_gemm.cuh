@@ -160,7 +160,8 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                     uint32_t num_groups,
                     float* __restrict__ out_scale,  // kActQuant only
                     uint32_t out_scale_stride,
-                    uint32_t* __restrict__ k_split_workspace,  // tail split: K pieces, not halves (or null)
+                    uint32_t* __restrict__ k_split_flags,  // tail split: K pieces, not halves (or null) ...
+                    float* __restrict__ k_split_slots,     // ... and their partials (epilogue/k_split.cuh)
                     uint32_t warm_k_blocks,  // the weights' first K blocks to prefetch into L2 first (gemm.py)
                     uint32_t async_stores) {  // every tile but a CTA's last leaves by bulk copies (gemm.py)
     constexpr uint32_t kNumMathWGs = BLOCK_M / 64;
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
     ptx::wait_prerequisites();
     ptx::launch_dependents();
 
-    const bool k_split = k_split_workspace != nullptr;
+    const bool k_split = k_split_flags != nullptr;
     Scheduler scheduler(shape_m, grouped_layout, num_groups, m_rows, k_split);
     sched::Tile tile;
 
@@ -589,13 +590,13 @@ __global__ void __launch_bounds__((BLOCK_M / 64 + 1) * 128, 1)
                 for (uint32_t i = 0; i < kWaveAccum; ++i)
                     if (moved) total[i] = total[kWaveAccum + i];
                 stores = epi::reduce_scatter_pieces<kWaveAccum, kNumMathThreads, Tail::kMaxPieces>(
-                    k_split_workspace, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
+                    k_split_flags, k_split_slots, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
 #pragma unroll
                 for (uint32_t i = 0; i < kWaveAccum; ++i)
                     if (moved) total[kWaveAccum + i] = total[i];
             } else {
                 stores = epi::reduce_scatter_pieces<kNumAccum, kNumMathThreads, Tail::kMaxPieces>(
-                    k_split_workspace, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
+                    k_split_flags, k_split_slots, total, tile.piece, tile.num_pieces, num_rows, smem_a, kBarPartial);
             }
         }
         // ---- epilogue: stage bf16 in smem once the store warps have copied the previous tile out ----
