@@ -55,8 +55,8 @@ def _tail_split(cfg: GemmConfig, act_quant: int) -> bool:
 # K-split workspace (epilogue/k_split.cuh), one per stream: flags (a word per CTA, zero between launches) and slots
 # (one FP32 tile, up to 128 x 256, per CTA). The flags come from a per-device pool zeroed outside any capture, so a
 # CUDA graph captured on a stream without a workspace yet needs no zeroing node: that node ran before the GEMM at
-# every replay and cut its programmatic (early) launch. The bench layer's one-token decode replay, when it was the
-# process's first capture: 66.4 -> 63.7 us (session 46, H100).
+# every replay and cut its programmatic (early) launch: the bench layer's one-token decode replay read 66.4 us as the
+# process's first capture against 63.7 for a later one (session 46, H100; docs/kernels/gemm.md).
 K_SPLIT_FLAG_WORDS = 1024
 K_SPLIT_SLOT_WORDS = 128 * 256
 K_SPLIT_FLAG_POOL = 64  # streams' flags zeroed at once per device
