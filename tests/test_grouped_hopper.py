@@ -300,14 +300,16 @@ def test_masked_k_split_grids(m: int, n: int, k: int, block_n: int, sms: int) ->
 
 
 def _graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
-    """Names of the GPU activities of one replay of ``graph``."""
+    """Names of the GPU activities of one replay of ``graph``, in start order."""
     from torch.profiler import ProfilerActivity, profile
+
+    from moe_fp8.benchmarks.harness import gpu_events
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [name for name, _, _ in gpu_events(prof)]
 
 
 @pytest.mark.parametrize("warm", [True, False])
@@ -526,7 +528,7 @@ def test_masked_silu_mul_quant_k_pieces_cuda_graph(pooled: bool, monkeypatch: py
     from moe_fp8.kernels import gemm
 
     if pooled:
-        gemm.reserve_k_split_flags(torch.cuda.current_device())
+        gemm._reserve_k_split_flags(torch.cuda.current_device())
     else:
         monkeypatch.setattr(gemm, "_K_SPLIT_FLAG_POOLS", {})
     monkeypatch.setattr(gemm, "_PREPARED", {})

@@ -95,7 +95,7 @@ def async_stores(num_tiles: int, num_ctas: int, block_m: int) -> bool:
     return block_m == 128 and num_tiles >= ASYNC_STORE_MIN_TILES * num_ctas
 
 
-def reserve_k_split_flags(device_index: int) -> None:
+def _reserve_k_split_flags(device_index: int) -> None:
     """Zero the device's pool of K-split flags, once, unless the current stream is capturing a CUDA graph
     (then the zeroing would be a node of the graph). Every launch with new arguments calls it, so an engine's
     eager runs (a profile run, a warm-up) fill it before it captures its decode graphs."""
@@ -129,7 +129,6 @@ def _k_split_workspace(device_index: int, num_ctas: int) -> tuple[torch.Tensor, 
             flags = workspace[0]
             _K_SPLIT_OUTGROWN.append(workspace[1])
         else:
-            reserve_k_split_flags(device_index)
             pool = _K_SPLIT_FLAG_POOLS.get(device_index)
             flags = pool.pop() if pool else torch.zeros(K_SPLIT_FLAG_WORDS, dtype=torch.int32, device=device)
         slots = torch.empty(num_ctas * K_SPLIT_SLOT_WORDS, dtype=torch.float32, device=device)
@@ -285,7 +284,7 @@ def launch_fp8_gemm(layout: Layout, x_fp8: torch.Tensor, x_scale: torch.Tensor, 
             _PREPARED.clear()
         prep = _PREPARED[key] = _prepare(layout, x_fp8, x_scale, w, rows_per_group, num_groups, expected_m, config,
                                          act_quant)
-        reserve_k_split_flags(x_fp8.get_device())
+        _reserve_k_split_flags(x_fp8.get_device())
     kernel, grid, k_split, block, smem, cluster, (tmap_a, tmap_b, tmap_sa), cfg, warm, bulk = prep
     workspace = _k_split_workspace(x_fp8.get_device(), cfg.num_sms) if k_split else None
     if workspace is not None:
