@@ -105,6 +105,25 @@ def test_straddling_128_row_tiles_where_they_fit_the_waves() -> None:
         assert tile(4096, n, k)[1] not in STRADDLE_128_BLOCK_NS
 
 
+def test_narrow_tiles_where_they_fit_one_wave() -> None:
+    """Normal GEMMs whose narrower tiles still fit one wave take them (session 47 sweep and A/B, heuristics
+    OVERLAP_STRADDLE_NS and STRADDLE_128_BLOCK_NS[96]): 64-row tiles of at most 96 columns hide their scale
+    select behind the overlapped wgmmas, and 128x96 walks a block faster than 128x128. Grouped layouts keep
+    their picks (not measured)."""
+    def tile(m: int, n: int, k: int, **kw) -> tuple[int, int, int]:
+        cfg = get_config(GemmDesc(m, n, k, **kw))
+        return cfg.block_m, cfg.block_n, cfg.num_stages
+
+    assert tile(384, 1536, 7168)[:2] == (64, 72)  # 132 tiles (64x128: 72)
+    assert tile(512, 1536, 7168)[:2] == (64, 96)  # 128 tiles (64x72: 176, two waves)
+    assert tile(1280, 576, 7168)[:2] == (64, 96)  # 120 tiles (128x64: 90)
+    assert tile(768, 2112, 7168) == (128, 96, max_stages(128, 96, 7168))  # 132 tiles, every stage (128x128: 102)
+    assert tile(2048, 576, 7168)[:2] == (128, 96)  # 96 tiles (128x128: 80)
+    assert tile(1536, 1536, 7168)[:2] == (128, 144)  # two waves of 128x96: 128x144's one stays
+    assert tile(384, 1536, 7168, num_groups=3, layout="contiguous")[:2] == (64, 128)
+    assert tile(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
+
+
 def test_one_wave_normal_gemms_take_every_stage() -> None:
     """128-row tiles run TWO_WG_STAGES stages, but a normal GEMM's single wave takes all that fit (measured
     faster, heuristics.TWO_WG_STAGES); three tiles a CTA, or grouped layouts, keep TWO_WG_STAGES."""

@@ -21,7 +21,7 @@ Measured, and therefore fixed rather than modelled: 4 pipeline stages with two m
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits) but where a normal
 GEMM's tiles fit in one wave (then all that fit: 4-10% faster, see ``TWO_WG_STAGES``), all that fit
 with one; no tile straddling two weight-scale blocks with two math warpgroups (the per-column
-scale select costs as much as the promotion) but 128x144 / 128x160 in normal GEMMs, where their count
+scale select costs as much as the promotion) but 128x96 / 128x144 / 128x160 in normal GEMMs, where their count
 fits the waves (``STRADDLE_128_BLOCK_NS``); 2-CTA multicast off (measured no faster here).
 """
 
@@ -58,14 +58,26 @@ SHARED_A_BYTES_PER_NS = 3900.0
 # A one-warpgroup tile straddling weight-scale blocks pays a column select in its promotion:
 # ~100 ns per block (64x112: 533 vs 64x128: 464 ns), twice that when the split takes > 8 values.
 STRADDLE_NS = 100.0
-# Straddling widths of 128-row tiles the model may pick, for normal GEMMs only (charged STRADDLE_NS too). Session 45
-# sweep (H100, normal GEMMs of DeepSeek-V3's nine linears at 256-2048 rows, docs/kernels/gemm.md): where a wave
-# count fits them better (1280x4096x7168: 260 tiles of 128x160 in two waves against 220 of 128x192), they ran up
-# to 21% faster than the model's picks, and with them the model's picks came within 3% of the best of 18 tiles
-# on 72 of 81 shapes (67 before); of 23 shapes off that grid whose pick it changed, 20 ran 2-23% faster and two 5-8%
-# slower (the old 192 / 256-wide tiles' last wave ran as halves, which the model leaves out). Grouped layouts were
-# not measured with them.
-STRADDLE_128_BLOCK_NS = (144, 160)
+# ... but one of at most OVERLAP_MAX_BLOCK_N columns overlaps its promotion with the next block's wgmmas (two
+# accumulator sets, impls/fp8_gemm.cuh kOverlap), which hides most of the select. Session 47 sweep (H200, one
+# wave of 64-row tiles at 384-2048 rows, K = 7168, µs per 128-K block): 64x72 / 80 / 88 / 96 318-355 against
+# 64x128's 345-350, not the 30-35% more that STRADDLE_NS charges; 64x96 was already so in session 45 (H100).
+# Normal GEMMs only: the grouped layouts' choices were not measured with it.
+OVERLAP_MAX_BLOCK_N = 96
+OVERLAP_STRADDLE_NS = 25.0
+# Straddling widths of 128-row tiles the model may pick, for normal GEMMs only, and their charge per block.
+# 144 / 160, session 45 sweep (H100, normal GEMMs of DeepSeek-V3's nine linears at 256-2048 rows,
+# docs/kernels/gemm.md): where a wave count fits them better (1280x4096x7168: 260 tiles of 128x160 in two waves
+# against 220 of 128x192), they ran up to 21% faster than the model's picks, and with them the model's picks came
+# within 3% of the best of 18 tiles on 72 of 81 shapes (67 before); of 23 shapes off that grid whose pick it
+# changed, 20 ran 2-23% faster and two 5-8% slower (the old 192 / 256-wide tiles' last wave ran as halves, which
+# the model leaves out). 96, session 47 sweep (H200): one wave of 128x96 (N = 1536 / 2112 / 576 at 640-2048 rows:
+# 96-132 tiles where 128x128 makes 72-102) walks a 128-K block in 420-457 ns against 128x128's 452-477; 128x80
+# and 128x112 measured no faster than 128x128. Grouped layouts were not measured with them.
+# The two session-47 rules, A/B on an H100 (26 shapes at K = 7168 whose pick they change, old and new tile
+# alternated, chilled µs): 25 ran 3.8-13.4% faster (384x1536 18.9 -> 16.3, 768x2112 26.3 -> 24.2, 2048x576
+# 26.1 -> 23.6), one 4% slower (2304x512: 128x96's six n-blocks against 128x128's four, 25.7 -> 26.7).
+STRADDLE_128_BLOCK_NS = {96: OVERLAP_STRADDLE_NS, 144: STRADDLE_NS, 160: STRADDLE_NS}
 # Masked layout: expected_m is typical, not exact. The estimate averages MASKED_DRAWS draws of every
 # group's m-blocks, each group's an independent multiple in [lo, hi] of expected_m's (a fixed
 # low-discrepancy set, so the choice is deterministic): with several groups the total tile count, which
@@ -319,9 +331,10 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
         mma_ns = MMA_NS_PER_ELEM * block_m * bn * (MMA_192_FACTOR if bn == 192 else 1.0)
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
-            k_block_ns += STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2)
-        elif bn in STRADDLE_128_BLOCK_NS:  # (both split at a multiple of 16 columns)
-            k_block_ns += STRADDLE_NS
+            k_block_ns += (OVERLAP_STRADDLE_NS if bn <= OVERLAP_MAX_BLOCK_N and desc.layout == "normal"
+                           else STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2))
+        elif block_m == 128 and bn in STRADDLE_128_BLOCK_NS:
+            k_block_ns += STRADDLE_128_BLOCK_NS[bn]
         band = min(m_blocks, SWIZZLE_GROUP_M, active)
         dram_ns = (band * block_m + ceil_div(active, band) * bn) * BLOCK_K / DRAM_BYTES_PER_NS
         shared_a_ns = active / band * (block_m + bn) * BLOCK_K / SHARED_A_BYTES_PER_NS if band == 1 else 0.0
