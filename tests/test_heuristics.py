@@ -124,6 +124,15 @@ def test_narrow_tiles_where_they_fit_one_wave() -> None:
     assert tile(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
 
 
+def test_normal_gemms_weigh_128x192_math_at_their_own_factor() -> None:
+    """Normal GEMMs charge 128x192's math MMA_192_FACTOR_NORMAL (session 47 A/B), the grouped layouts
+    MMA_192_FACTOR (session 12): the same rows move to 128x256 in a normal GEMM only."""
+    assert get_config(GemmDesc(2560, 7168, 16384)).block_n == 256  # 128x192 at 1.10: 8% slower
+    assert get_config(GemmDesc(4608, 4096, 7168)).block_n == 256  # 9%
+    assert get_config(GemmDesc(8192, 2112, 7168)).block_n == 256
+    assert get_config(GemmDesc(8192, 2112, 7168, num_groups=8, layout="contiguous")).block_n == 192
+
+
 def test_one_wave_normal_gemms_take_every_stage() -> None:
     """128-row tiles run TWO_WG_STAGES stages, but a normal GEMM's single wave takes all that fit (measured
     faster, heuristics.TWO_WG_STAGES); three tiles a CTA, or grouped layouts, keep TWO_WG_STAGES."""

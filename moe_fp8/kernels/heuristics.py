@@ -50,6 +50,13 @@ MMA_NS_PER_ELEM = 870.0 / (128 * 256)  # ... but never below the tensor-core + p
 # 0.96, 14336 rows 1.05 (1.10 keeps 8192 rows on 192); contiguous 0.996 / 1.02; masked 1 x 1024 at
 # 4096x7168 +13-27% on 4 draws, 2 x 512 +17 / +5 / -3 / -3%.
 MMA_192_FACTOR = 1.10
+# Normal GEMMs: 1.15 (session 47, H100, same process, 2 alternated rounds; 25 shapes at 448-30720 rows whose pick it
+# moves off 128x192, do_bench / chilled geomean 0.956 / 0.951 of the old time): to 128x256 at 7168x{2048, 16384,
+# 18432} x 2368-3072 rows 4-11% faster, 36864x7168 x 448-512 5-7%, 4608x4096x7168 9%, 1536x7168 x 11776-14336 4-7%,
+# 24576x1536 x 704-896 1.5-4.4%, 2112x7168 x 8192-30720 mixed (+3.8% to -4.3%); to 128x144 at 576x7168 x
+# 24064-29184 even to 3% faster; 9728x2112x7168 to 128x128 6% slower. 1.2 also moved 576 / 2112 x 7168 at
+# 2688-30208 rows onto 128x128, up to 25% slower. The grouped layouts keep 1.10 (session 12's masked figures).
+MMA_192_FACTOR_NORMAL = 1.15
 TILE_FIXED_NS = 200.0  # epilogue and pipeline refill per tile
 DRAM_BYTES_PER_NS = 2900.0
 # CTAs of one wave reading the same A rows (small M: all of them) share L2 lines: together they are
@@ -328,7 +335,8 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
     k_blocks = ceil_div(desc.k, BLOCK_K)
 
     def block_ns(active: int, bn: int) -> float:  # one 128-K block of every one of `active` CTAs
-        mma_ns = MMA_NS_PER_ELEM * block_m * bn * (MMA_192_FACTOR if bn == 192 else 1.0)
+        factor_192 = MMA_192_FACTOR_NORMAL if desc.layout == "normal" else MMA_192_FACTOR
+        mma_ns = MMA_NS_PER_ELEM * block_m * bn * (factor_192 if bn == 192 else 1.0)
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
             k_block_ns += (OVERLAP_STRADDLE_NS if bn <= OVERLAP_MAX_BLOCK_N and desc.layout == "normal"
