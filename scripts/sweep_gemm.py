@@ -8,7 +8,8 @@ For every (N, K) and row count: each block shape once (do_bench, L2 flushed; out
 float32 product first), then the heuristic's pick, the ``--top`` fastest others and torch's block-scaled
 ``_scaled_mm`` in ``--rounds`` alternated rounds. One JSON line per shape: ``heuristic``, ``first`` (µs of
 every block once) and ``median`` (µs over the rounds). Session 45's mid-M sweep (docs/kernels/gemm.md) ran
-the defaults.
+the defaults of then, without 128x96 and 64x72 / 80 / 88 (session 47's additions); raw outputs are kept in
+docs/benchmarks/calibration/.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from moe_fp8.benchmarks.shapes import GEMM_NK
 # DeepSeek-V3's linears beyond the bench's table: q_a_proj and kv_a_proj_with_mqa unfused, the dense MLP
 MID_M_NK = [(1536, 7168), (576, 7168), (36864, 7168), (7168, 18432)]
 ROWS = [256, 384, 512, 640, 768, 1024, 1280, 1536, 2048]
-BLOCKS = ([f"128x{bn}s{st}" for bn in (64, 128, 144, 160) for st in (4, "")] + ["128x192", "128x256"]
-          + [f"64x{bn}" for bn in (64, 96, 112, 128, 144, 160, 192, 256)])
+BLOCKS = ([f"128x{bn}s{st}" for bn in (64, 96, 128, 144, 160) for st in (4, "")] + ["128x192", "128x256"]
+          + [f"64x{bn}" for bn in (64, 72, 80, 88, 96, 112, 128, 144, 160, 192, 256)])
 SMS = 132  # the H100 SXM the tables were measured on; --compile-only needs no GPU to know it
 
 
