@@ -89,20 +89,21 @@ def test_every_config_is_valid(m, n, k, layout, groups, num_sms) -> None:
                 or (layout == "normal" and cfg.block_n in STRADDLE_128_BLOCK_NS))
 
 
+def _pick(m: int, n: int, k: int, **kw) -> tuple[int, int, int]:
+    cfg = get_config(GemmDesc(m, n, k, **kw))
+    return cfg.block_m, cfg.block_n, cfg.num_stages
+
+
 def test_straddling_128_row_tiles_where_they_fit_the_waves() -> None:
     """Normal GEMMs take 128x144 / 128x160 tiles where their count fits the waves better than 128x192's (session 45
     sweep, heuristics.STRADDLE_128_BLOCK_NS); grouped layouts and the bench's 4096-row shapes keep their tiles."""
-    def tile(m: int, n: int, k: int, **kw) -> tuple[int, int, int]:
-        cfg = get_config(GemmDesc(m, n, k, **kw))
-        return cfg.block_m, cfg.block_n, cfg.num_stages
-
-    assert tile(1280, 4096, 7168) == (128, 160, TWO_WG_STAGES)  # 260 tiles in two waves (128x192: 220)
-    assert tile(640, 4096, 7168) == (128, 160, max_stages(128, 160, 7168))  # 130 tiles: one wave, every stage
-    assert tile(1536, 1536, 7168)[:2] == (128, 144)  # 132 tiles (128x192: 96)
-    assert tile(1280, 4096, 7168, num_groups=2, layout="contiguous")[1] not in STRADDLE_128_BLOCK_NS
-    assert tile(4096, 4096, 7168, num_groups=2, layout="masked", expected_m=640)[1] not in STRADDLE_128_BLOCK_NS
+    assert _pick(1280, 4096, 7168) == (128, 160, TWO_WG_STAGES)  # 260 tiles in two waves (128x192: 220)
+    assert _pick(640, 4096, 7168) == (128, 160, max_stages(128, 160, 7168))  # 130 tiles: one wave, every stage
+    assert _pick(1536, 1536, 7168)[:2] == (128, 144)  # 132 tiles (128x192: 96)
+    assert _pick(1280, 4096, 7168, num_groups=2, layout="contiguous")[1] not in STRADDLE_128_BLOCK_NS
+    assert _pick(4096, 4096, 7168, num_groups=2, layout="masked", expected_m=640)[1] not in STRADDLE_128_BLOCK_NS
     for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)):
-        assert tile(4096, n, k)[1] not in STRADDLE_128_BLOCK_NS
+        assert _pick(4096, n, k)[1] not in STRADDLE_128_BLOCK_NS
 
 
 def test_narrow_tiles_where_they_fit_one_wave() -> None:
@@ -110,27 +111,23 @@ def test_narrow_tiles_where_they_fit_one_wave() -> None:
     OVERLAP_STRADDLE_NS and STRADDLE_128_BLOCK_NS[96]): 64-row tiles of at most 96 columns hide their scale
     select behind the overlapped wgmmas, and 128x96 walks a block faster than 128x128. Grouped layouts keep
     their picks (not measured)."""
-    def tile(m: int, n: int, k: int, **kw) -> tuple[int, int, int]:
-        cfg = get_config(GemmDesc(m, n, k, **kw))
-        return cfg.block_m, cfg.block_n, cfg.num_stages
-
-    assert tile(384, 1536, 7168)[:2] == (64, 72)  # 132 tiles (64x128: 72)
-    assert tile(512, 1536, 7168)[:2] == (64, 96)  # 128 tiles (64x72: 176, two waves)
-    assert tile(1280, 576, 7168)[:2] == (64, 96)  # 120 tiles (128x64: 90)
-    assert tile(768, 2112, 7168) == (128, 96, max_stages(128, 96, 7168))  # 132 tiles, every stage (128x128: 102)
-    assert tile(2048, 576, 7168)[:2] == (128, 96)  # 96 tiles (128x128: 80)
-    assert tile(1536, 1536, 7168)[:2] == (128, 144)  # two waves of 128x96: 128x144's one stays
-    assert tile(384, 1536, 7168, num_groups=3, layout="contiguous")[:2] == (64, 128)
-    assert tile(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
+    assert _pick(384, 1536, 7168)[:2] == (64, 72)  # 132 tiles (64x128: 72)
+    assert _pick(512, 1536, 7168)[:2] == (64, 96)  # 128 tiles (64x72: 176, two waves)
+    assert _pick(1280, 576, 7168)[:2] == (64, 96)  # 120 tiles (128x64: 90)
+    assert _pick(768, 2112, 7168) == (128, 96, max_stages(128, 96, 7168))  # 132 tiles, every stage (128x128: 102)
+    assert _pick(2048, 576, 7168)[:2] == (128, 96)  # 96 tiles (128x128: 80)
+    assert _pick(1536, 1536, 7168)[:2] == (128, 144)  # two waves of 128x96: 128x144's one stays
+    assert _pick(384, 1536, 7168, num_groups=3, layout="contiguous")[:2] == (64, 128)
+    assert _pick(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
 
 
 def test_normal_gemms_weigh_128x192_math_at_their_own_factor() -> None:
     """Normal GEMMs charge 128x192's math MMA_192_FACTOR_NORMAL (session 47 A/B), the grouped layouts
     MMA_192_FACTOR (session 12): the same rows move to 128x256 in a normal GEMM only."""
-    assert get_config(GemmDesc(2560, 7168, 16384)).block_n == 256  # 128x192 at 1.10: 8% slower
-    assert get_config(GemmDesc(4608, 4096, 7168)).block_n == 256  # 9%
-    assert get_config(GemmDesc(8192, 2112, 7168)).block_n == 256
-    assert get_config(GemmDesc(8192, 2112, 7168, num_groups=8, layout="contiguous")).block_n == 192
+    assert _pick(2560, 7168, 16384)[1] == 256  # 128x192, the pick at 1.10, ran 8% slower
+    assert _pick(4608, 4096, 7168)[1] == 256  # 9% slower
+    assert _pick(8192, 2112, 7168)[1] == 256
+    assert _pick(8192, 2112, 7168, num_groups=8, layout="contiguous")[1] == 192
 
 
 def test_one_wave_normal_gemms_take_every_stage() -> None:
