@@ -117,6 +117,8 @@ def test_narrow_tiles_where_they_fit_one_wave() -> None:
     assert _pick(768, 2112, 7168) == (128, 96, max_stages(128, 96, 7168))  # 132 tiles, every stage (128x128: 102)
     assert _pick(2048, 576, 7168)[:2] == (128, 96)  # 96 tiles (128x128: 80)
     assert _pick(1536, 1536, 7168)[:2] == (128, 144)  # two waves of 128x96: 128x144's one stays
+    assert _pick(768, 1536, 1024)[:2] == (128, 128)  # 128x96 from STRADDLE_128_MIN_K_BLOCKS only
+    assert _pick(768, 768, 5120)[:2] == (64, 72)  # the 64-row rule holds at any K
     assert _pick(384, 1536, 7168, num_groups=3, layout="contiguous")[:2] == (64, 128)
     assert _pick(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
 

@@ -83,8 +83,12 @@ OVERLAP_STRADDLE_NS = 25.0
 # and 128x112 measured no faster than 128x128. Grouped layouts were not measured with them.
 # The two session-47 rules, A/B on an H100 (26 shapes at K = 7168 whose pick they change, old and new tile
 # alternated, chilled µs): 25 ran 3.8-13.4% faster (384x1536 18.9 -> 16.3, 768x2112 26.3 -> 24.2, 2048x576
-# 26.1 -> 23.6), one 4% slower (2304x512: 128x96's six n-blocks against 128x128's four, 25.7 -> 26.7).
+# 26.1 -> 23.6), one 4% slower (2304x512: 128x96's six n-blocks against 128x128's four, 25.7 -> 26.7). At K = 1024-5120
+# (7 shapes of 256-8192 columns) 128x96 measured +7% to -5% sustained, +5% to -5% chilled: its ~5% per block pays
+# only over a long K, so it is offered from STRADDLE_128_MIN_K_BLOCKS blocks (the 64-row rule gained there too:
+# 12 shapes 6-16% faster chilled).
 STRADDLE_128_BLOCK_NS = {96: 25.0, 144: STRADDLE_NS, 160: STRADDLE_NS}
+STRADDLE_128_MIN_K_BLOCKS = {96: 56}
 # Masked layout: expected_m is typical, not exact. The estimate averages MASKED_DRAWS draws of every
 # group's m-blocks, each group's an independent multiple in [lo, hi] of expected_m's (a fixed
 # low-discrepancy set, so the choice is deterministic): with several groups the total tile count, which
@@ -391,7 +395,8 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
     - block_m 128 for fewer than 65 rows per group only adds zero rows;
     - block_m 128 with a block_n that straddles weight-scale blocks (neither divides the other's
       128): measured slow at large M (the select per column chunk competes with the promotion for
-      registers), but ``STRADDLE_128_BLOCK_NS`` for normal GEMMs (measured where they fit the waves);
+      registers), but ``STRADDLE_128_BLOCK_NS`` for normal GEMMs (measured where they fit the waves; 128x96
+      from ``STRADDLE_128_MIN_K_BLOCKS`` K blocks);
     - contiguous layout: block_m must divide the 128-row segment alignment (both do);
     - multicast is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
     - split-K is never chosen (measured no gain; ``make_config`` still builds it, tests cover it);
@@ -408,7 +413,8 @@ def candidates(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
             if bn > desc.n and bn != BLOCK_NS[0] and bn - 8 >= desc.n:
                 continue
             if (bm == 128 and 128 % bn and bn not in WAVE_BLOCK_NS
-                    and not (desc.layout == "normal" and bn in STRADDLE_128_BLOCK_NS)):
+                    and not (desc.layout == "normal" and bn in STRADDLE_128_BLOCK_NS
+                             and ceil_div(desc.k, BLOCK_K) >= STRADDLE_128_MIN_K_BLOCKS.get(bn, 0))):
                 continue
             out.append((bm, bn, 1, False))
     return out
