@@ -69,7 +69,9 @@ STRADDLE_NS = 100.0
 # accumulator sets, impls/fp8_gemm.cuh kOverlap), which hides most of the select. Session 47 sweep (H200, one
 # wave of 64-row tiles at 384-2048 rows, K = 7168, µs per 128-K block): 64x72 / 80 / 88 / 96 318-355 against
 # 64x128's 345-350, not the 30-35% more that STRADDLE_NS charges; 64x96 was already so in session 45 (H100).
-# Normal GEMMs only: the grouped layouts' choices were not measured with it.
+# H100 A/B (new / old pick, chilled): normal GEMMs at K = 7168 (13 shapes) 0.87-0.96, at K = 1024-5120 (12) 0.84-0.94;
+# contiguous ones of 1-8 groups of 128-384 rows (9) 0.76-0.98 (8 x 128 rows at 576x7168: 30.3 -> 23.0 us). It moves
+# no masked pick (their 64-row tiles are measured: MASKED_DECODE_TILES).
 OVERLAP_MAX_BLOCK_N = 96
 OVERLAP_STRADDLE_NS = 25.0
 # Straddling widths of 128-row tiles the model may pick, for normal GEMMs only, and their charge per block.
@@ -343,7 +345,7 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
         mma_ns = MMA_NS_PER_ELEM * block_m * bn * (factor_192 if bn == 192 else 1.0)
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
-            k_block_ns += (OVERLAP_STRADDLE_NS if bn <= OVERLAP_MAX_BLOCK_N and desc.layout == "normal"
+            k_block_ns += (OVERLAP_STRADDLE_NS if bn <= OVERLAP_MAX_BLOCK_N
                            else STRADDLE_NS * (1 if math.gcd(bn, 128) >= 16 else 2))
         elif block_m == 128 and bn in STRADDLE_128_BLOCK_NS:
             k_block_ns += STRADDLE_128_BLOCK_NS[bn]
