@@ -60,7 +60,7 @@ def test_gemm_several_seeds(m: int, n: int, k: int) -> None:
 # Every block shape the heuristic may choose, including the ones whose tiles straddle two
 # weight-scale blocks (BLOCK_N not dividing 128), on a ragged N and a ragged M.
 @pytest.mark.parametrize("block_m", [64, 128])
-@pytest.mark.parametrize("block_n", [16, 24, 56, 64, 96, 112, 128, 136, 144, 160, 192, 256])
+@pytest.mark.parametrize("block_n", [16, 24, 56, 64, 72, 80, 88, 96, 112, 128, 136, 144, 160, 192, 256])
 def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
     cfg = make_config(block_m, block_n, get_num_sms(), k=1152)
     out, inp = _run(300, 2112, 1152, seed=block_n, config=cfg)
@@ -71,7 +71,7 @@ def test_gemm_every_block_shape(block_m: int, block_n: int) -> None:
 # 1 and 5 blocks (one chunk, odd), 9 (a chunk of 8 and one block without overlap), 12 (two of 6), 58 (seven of
 # 8 and two more).
 @pytest.mark.parametrize("k", [128, 576, 1152, 1536, 7424])
-@pytest.mark.parametrize("block_n", [16, 48, 64, 96])
+@pytest.mark.parametrize("block_n", [16, 48, 64, 72, 88, 96])
 def test_gemm_overlap_chunks(k: int, block_n: int) -> None:
     out, inp = _run(100, 2112, k, seed=k + block_n, config=make_config(64, block_n, get_num_sms(), k=k))
     _check(out, inp, k)

@@ -49,7 +49,8 @@ def test_contiguous(num_groups: int, expected_m: int, num_empty: int, n: int, k:
     _check_contiguous(inp, out)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(64, 136), (128, 112), (64, 16), (128, 160), (128, 256), (64, 256), (128, 192), (64, 192)])
+@pytest.mark.parametrize("block_m,block_n", [(64, 136), (128, 112), (64, 16), (64, 72), (64, 88), (128, 160), (128, 256),
+                                             (64, 256), (128, 192), (64, 192)])
 def test_contiguous_block_shapes(block_m: int, block_n: int) -> None:
     inp = make_contiguous_inputs(6, 150, 2112, 1024, seed=block_n, device="cuda", num_empty=1)
     out = torch.full((inp.x_fp8.shape[0], 2112), float("nan"), dtype=torch.bfloat16, device="cuda")
