@@ -124,13 +124,14 @@ def test_narrow_tiles_where_they_fit_one_wave() -> None:
     assert _pick(12 * 768, 2112, 7168, num_groups=12, layout="masked", expected_m=640)[1] != 96
 
 
-def test_normal_gemms_weigh_128x192_math_at_their_own_factor() -> None:
-    """Normal GEMMs charge 128x192's math MMA_192_FACTOR_NORMAL (session 47 A/B), the grouped layouts
-    MMA_192_FACTOR (session 12): the same rows move to 128x256 in a normal GEMM only."""
+def test_masked_gemms_weigh_128x192_math_at_their_own_factor() -> None:
+    """Normal and contiguous GEMMs charge 128x192's math MMA_192_FACTOR (session 47 A/B), masked ones
+    MMA_192_FACTOR_MASKED (session 12): the same rows move to 128x256 only outside the masked layout."""
     assert _pick(2560, 7168, 16384)[1] == 256  # 128x192, the pick at 1.10, ran 8% slower
     assert _pick(4608, 4096, 7168)[1] == 256  # 9% slower
     assert _pick(8192, 2112, 7168)[1] == 256
-    assert _pick(8192, 2112, 7168, num_groups=8, layout="contiguous")[1] == 192
+    assert _pick(4 * 1152, 4096, 7168, num_groups=4, layout="contiguous")[1] == 256  # 10% slower
+    assert _pick(8 * 4096, 2112, 7168, num_groups=8, layout="masked", expected_m=1024)[1] == 192
 
 
 def test_one_wave_normal_gemms_take_every_stage() -> None:

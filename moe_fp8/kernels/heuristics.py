@@ -43,20 +43,20 @@ BARRIER_BYTES = 8
 K_BLOCK_BASE_NS = 250.0  # per 128-K block of one CTA: fixed part ...
 K_BLOCK_NS_PER_ROW = 1.0  # ... plus this per row of A and B in the tile
 MMA_NS_PER_ELEM = 870.0 / (128 * 256)  # ... but never below the tensor-core + promotion rate (128x256)
-# 128x192 tiles run their math ~10% slower per element than 128x256 ones (measured ~730 ns per block
-# on 4096x2112x7168; the model had 652). Session 12, H100, same process, 23 shapes whose choice a
-# factor of 1.12 moves off 192 (to 256 unless noted): normal 24576x1536, 32768x512, 7168x{16384, 2048,
-# 256} and 4096x7168 at 1280-13696 rows 8-41% faster; N = 2112: 3840 rows (to 128x128) 0.98, 8192 rows
-# 0.96, 14336 rows 1.05 (1.10 keeps 8192 rows on 192); contiguous 0.996 / 1.02; masked 1 x 1024 at
-# 4096x7168 +13-27% on 4 draws, 2 x 512 +17 / +5 / -3 / -3%.
-MMA_192_FACTOR = 1.10
-# Normal GEMMs: 1.15 (session 47, H100, same process, 2 alternated rounds; 25 shapes at 448-30720 rows whose pick it
-# moves off 128x192, do_bench / chilled geomean 0.956 / 0.951 of the old time): to 128x256 at 7168x{2048, 16384,
-# 18432} x 2368-3072 rows 4-11% faster, 36864x7168 x 448-512 5-7%, 4608x4096x7168 9%, 1536x7168 x 11776-14336 4-7%,
-# 24576x1536 x 704-896 1.5-4.4%, 2112x7168 x 8192-30720 mixed (+3.8% to -4.3%); to 128x144 at 576x7168 x
-# 24064-29184 even to 3% faster; 9728x2112x7168 to 128x128 6% slower. 1.2 also moved 576 / 2112 x 7168 at
-# 2688-30208 rows onto 128x128, up to 25% slower. The grouped layouts keep 1.10 (session 12's masked figures).
-MMA_192_FACTOR_NORMAL = 1.15
+# 128x192 tiles run their math slower per element than 128x256 ones: by 10% in session 12 (measured ~730 ns per
+# block on 4096x2112x7168; the model had 652), which a factor of 1.12 found (H100, same process, 23 shapes it moved
+# off 192): normal 24576x1536, 32768x512, 7168x{16384, 2048, 256} and 4096x7168 at 1280-13696 rows 8-41% faster;
+# N = 2112: 3840 rows (to 128x128) 0.98, 8192 rows 0.96, 14336 rows 1.05; contiguous 0.996 / 1.02; masked 1 x 1024
+# at 4096x7168 +13-27% on 4 draws, 2 x 512 +17 / +5 / -3 / -3%. So masked GEMMs keep 1.10.
+MMA_192_FACTOR_MASKED = 1.10
+# Session 47 (H100, same process, alternated rounds, new / old time as do_bench / chilled geomean): at 1.15, 25
+# normal GEMMs at 448-30720 rows that it moves off 128x192 0.956 / 0.951 (to 128x256 at 7168x{2048, 16384, 18432} x
+# 2368-3072 rows 4-11% faster, 36864x7168 x 448-512 5-7%, 4608x4096x7168 9%, 1536x7168 x 11776-14336 4-7%,
+# 24576x1536 x 704-896 1.5-4.4%, 2112x7168 x 8192-30720 +3.8% to -4.3%; to 128x144 at 576x7168 x 24064-29184 even to
+# 3% faster; 9728x2112x7168 to 128x128 6% slower); 4 more at K = 3072-5120 6-10% faster; 21 contiguous ones of 2-16
+# groups (the down projections 7168 x {256-2048} and gate-up ones 2048-4096 x 7168) 0.925 / 0.923, none slower. 1.2
+# also moved 576 / 2112 x 7168 at 2688-30208 rows onto 128x128, up to 25% slower.
+MMA_192_FACTOR = 1.15
 TILE_FIXED_NS = 200.0  # epilogue and pipeline refill per tile
 DRAM_BYTES_PER_NS = 2900.0
 # CTAs of one wave reading the same A rows (small M: all of them) share L2 lines: together they are
@@ -341,7 +341,7 @@ def _estimate_ns(desc: GemmDesc, block_m: int, block_n: int, tiles: int, m_block
     k_blocks = ceil_div(desc.k, BLOCK_K)
 
     def block_ns(active: int, bn: int) -> float:  # one 128-K block of every one of `active` CTAs
-        factor_192 = MMA_192_FACTOR_NORMAL if desc.layout == "normal" else MMA_192_FACTOR
+        factor_192 = MMA_192_FACTOR_MASKED if desc.layout == "masked" else MMA_192_FACTOR
         mma_ns = MMA_NS_PER_ELEM * block_m * bn * (factor_192 if bn == 192 else 1.0)
         k_block_ns = max(K_BLOCK_BASE_NS + K_BLOCK_NS_PER_ROW * (block_m + bn), mma_ns)
         if block_m == 64 and 128 % bn and bn % 128:
