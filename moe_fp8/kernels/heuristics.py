@@ -48,7 +48,7 @@ MMA_NS_PER_ELEM = 870.0 / (128 * 256)  # ... but never below the tensor-core + p
 # off 192): normal 24576x1536, 32768x512, 7168x{16384, 2048, 256} and 4096x7168 at 1280-13696 rows 8-41% faster;
 # N = 2112: 3840 rows (to 128x128) 0.98, 8192 rows 0.96, 14336 rows 1.05; contiguous 0.996 / 1.02; masked 1 x 1024
 # at 4096x7168 +13-27% on 4 draws, 2 x 512 +17 / +5 / -3 / -3%. So masked GEMMs keep 1.10: in session 47 the 22
-# masked GEMMs of 1-8 groups that 1.15 would move measured 10 slower by 2-14%, 9 faster by 2-20% (H100, chilled).
+# masked GEMMs of 1-8 groups that 1.15 would move measured 10 slower by 3-14%, 9 faster by 2-20% (H100, chilled).
 MMA_192_FACTOR_MASKED = 1.10
 # Session 47 (H100, same process, alternated rounds, new / old time as do_bench / chilled geomean): at 1.15, 25
 # normal GEMMs at 448-30720 rows that it moves off 128x192 0.956 / 0.951 (to 128x256 at 7168x{2048, 16384, 18432} x
