@@ -8,7 +8,8 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
   pipeline, not the tensor cores, sets this rate (the kernel with its wgmmas removed runs at the
   same speed), so small tiles are not much cheaper per block than large ones; only the 128x256
   tile is bound by its math (~870 ns per block: wgmma plus promotion of 2 x 128 x 256 x 128 FLOP),
-  and the 128x192 one too, at 10% more per element than 128x256 (its two 96-column waves);
+  and the 128x192 one too, at 15% more per element than 128x256 (its two 96-column waves; 10% in masked
+  GEMMs, where 15% measured mixed);
 - but a wave is never faster than DRAM can deliver the distinct A rows and B columns its tiles
   touch per 128-K block (the swizzled order keeps them to a band of ``SWIZZLE_GROUP_M`` m-blocks) at
   ~2.9 TB/s — this is what decides memory-bound small-M shapes;
