@@ -15,7 +15,8 @@ from .shapes import DEEPGEMM_GEMM_TFLOPS, GEMM_SHAPES
 BASELINES = ("torch_blockwise", "torch_fp8_pertensor", "torch_bf16")
 
 
-def _inputs(m: int, n: int, k: int) -> dict[str, torch.Tensor]:
+def make_inputs(m: int, n: int, k: int) -> dict[str, torch.Tensor]:
+    """Random bf16 ``x [M, K]`` and ``w [N, K]`` and their FP8 forms, as every GEMM bench row uses them."""
     from moe_fp8 import reference as ref
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -25,7 +26,8 @@ def _inputs(m: int, n: int, k: int) -> dict[str, torch.Tensor]:
     return {"x": x, "w": w, "x_fp8": x_fp8, "x_scale": x_scale, "w_fp8": w_fp8, "w_scale": w_scale}
 
 
-def _impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
+def impls(t: dict[str, torch.Tensor], out: torch.Tensor) -> dict[str, Any]:
+    """Our GEMM and the baselines on ``make_inputs``' tensors, as zero-argument callables by name."""
     import moe_fp8
 
     one = torch.ones((), device="cuda")
@@ -71,13 +73,13 @@ def run(shapes: list[tuple[int, int, int]], sweep: list[Block] | None = None,
 
     rows, notes = [], []
     for m, n, k in shapes:
-        t = _inputs(m, n, k)
+        t = make_inputs(m, n, k)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         shape = {"m": m, "n": n, "k": k}
         flops = 2 * m * n * k
         nbytes = m * k + n * k + 2 * m * n + 4 * (m * k // 128 + n * k // 16384)
         cfg = get_config(GemmDesc(m, n, k, num_sms=get_num_sms()))
-        for impl, fn in _impls(t, out).items():
+        for impl, fn in impls(t, out).items():
             try:
                 res = fn()
                 if impl == "moe_fp8":

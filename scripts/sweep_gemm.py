@@ -75,31 +75,29 @@ def compile_only(args: argparse.Namespace) -> None:
     print(compile_variants(list(variants.values()), jobs=args.jobs))
 
 
-def _time_shape(m: int, n: int, k: int, w, w_fp8, w_scale, configs: dict, args: argparse.Namespace) -> dict:
+def _time_shape(m: int, n: int, k: int, configs: dict, args: argparse.Namespace) -> dict:
     import torch
 
-    from moe_fp8 import reference as ref
+    from moe_fp8.benchmarks.gemm import impls, make_inputs
     from moe_fp8.benchmarks.harness import bench_us
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
     from moe_fp8.kernels.heuristics import GemmDesc, get_config
     from moe_fp8.utils import calc_diff, get_num_sms
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    x_fp8, x_scale = ref.per_token_group_quant(x)
-    want = x.float() @ w.float().t()
+    inp = make_inputs(m, n, k)
+    operands = (inp["x_fp8"], inp["x_scale"], inp["w_fp8"], inp["w_scale"])
+    want = inp["x"].float() @ inp["w"].float().t()
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    x_scale_cm = x_scale.t().contiguous().t()  # cuBLASLt's block scaling reads it with stride (1, M)
-    fns = {"torch_blockwise": lambda: torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale_cm, scale_b=w_scale.t(),
-                                                       out_dtype=torch.bfloat16)}
+    fns = {"torch_blockwise": impls(inp, out)["torch_blockwise"]}
     wrong = {}
     for tag, c in configs.items():
         out.fill_(float("nan"))  # unwritten rows show
-        fp8_gemm_hopper(x_fp8, x_scale, w_fp8, w_scale, out, config=c)
+        fp8_gemm_hopper(*operands, out, config=c)
         diff = calc_diff(out.float(), want)
         if not diff < 1e-3:
             wrong[tag] = diff
             continue
-        fns[tag] = lambda c=c: fp8_gemm_hopper(x_fp8, x_scale, w_fp8, w_scale, out, config=c)
+        fns[tag] = lambda c=c: fp8_gemm_hopper(*operands, out, config=c)
     first = {tag: bench_us(fn, 10, 40) for tag, fn in fns.items()}
     heuristic = _tag(get_config(GemmDesc(m, n, k, num_sms=get_num_sms())))
     fastest = sorted((us, tag) for tag, us in first.items() if tag != "torch_blockwise")
@@ -114,19 +112,14 @@ def _time_shape(m: int, n: int, k: int, w, w_fp8, w_scale, configs: dict, args: 
 
 
 def sweep(args: argparse.Namespace) -> None:
-    import torch
-
-    from moe_fp8 import reference as ref
     from moe_fp8.utils import get_num_sms
 
     if get_num_sms() != SMS:
         print(f"note: {get_num_sms()} SMs, the configs are built for {SMS}")
     for n, k in args.shapes:
         configs = _configs(n, k, args.blocks, args.rows)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        w_fp8, w_scale = ref.per_block_quant(w)
         for m in args.rows:
-            print(json.dumps(_time_shape(m, n, k, w, w_fp8, w_scale, configs, args)), flush=True)
+            print(json.dumps(_time_shape(m, n, k, configs, args)), flush=True)
 
 
 def main() -> None:
