@@ -28,6 +28,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -48,6 +49,7 @@ ENV_VARS = (
     "MOE_FP8_NUM_SMS",
     "MOE_FP8_GEMM_DEFINES",
     "MOE_FP8_PDL",
+    "MOE_FP8_TUNED_CONFIGS",
     "MOE_FP8_ROUTING_EXACT",
     "MOE_FP8_TRITON_FAST_LAUNCH",
     "MOE_FP8_COMMIT",
@@ -781,6 +783,164 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# tune
+# --------------------------------------------------------------------------------------------
+
+_TUNE_SHAPES = {"normal": ("M", "N", "K"), "contiguous": ("G", "M_TOTAL", "N", "K"),
+                "masked": ("G", "EXPECTED_M", "N", "K")}
+
+
+def _tune_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    layout, _, rest = text.partition(":")
+    fields = _TUNE_SHAPES.get(layout)
+    values = rest.split(":")
+    if fields is None or len(values) != len(fields) or not all(v.isdigit() and int(v) > 0 for v in values):
+        forms = ", ".join(f"{name}:{':'.join(f)}" for name, f in _TUNE_SHAPES.items())
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {forms} (positive integers)")
+    return layout, tuple(map(int, values))
+
+
+def _layouts(text: str) -> tuple[str, ...]:
+    names = tuple(t for t in text.split(",") if t)
+    if not names or any(n not in _TUNE_SHAPES for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(_TUNE_SHAPES)}")
+    return names
+
+
+def _add_tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, metavar="DIR", help="tune every GEMM of this model (its config.json)")
+    p.add_argument("--shape", type=_tune_shape, action="append", default=[], metavar="SPEC",
+                   help="tune one GEMM: normal:M:N:K, contiguous:G:M_TOTAL:N:K or masked:G:EXPECTED_M:N:K "
+                        "(repeat for more; with --model, added to its GEMMs)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks (default 1)")
+    p.add_argument("--ep", type=_positive_int, default=1, metavar="N", help="expert-parallel ranks (default 1)")
+    p.add_argument("--max-tokens", type=_positive_int, default=4096, metavar="T",
+                   help="largest batch in tokens the engine sends (default 4096)")
+    p.add_argument("--layouts", type=_layouts, default=tuple(_TUNE_SHAPES), metavar="L,..",
+                   help="with --model: which of normal, contiguous, masked to tune (default all)")
+    p.add_argument("--limit", type=_positive_int, default=6, metavar="N",
+                   help="the cost model's N cheapest tiles are timed besides the default (default 6)")
+    p.add_argument("--reps", type=_positive_int, default=20, metavar="R",
+                   help="timed calls per candidate (L2 flushed before each; default 20)")
+    p.add_argument("--min-gain", type=float, default=None, metavar="F",
+                   help="keep a tuned pick only if it beats the default by this fraction when re-timed "
+                        "(default 0.02)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE",
+                   help="table to update (default: this GPU's table in the JIT cache, which the kernels read "
+                        "unless $MOE_FP8_TUNED_CONFIGS names another)")
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="J",
+                   help="compile processes (default: CPU count)")
+    p.add_argument("--compiler", choices=("nvcc", "nvrtc"), default=None,
+                   help="JIT compiler (default: $MOE_FP8_JIT_COMPILER, else nvcc if found, else NVRTC)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be timed; no GPU needed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _tile(cfg: Any) -> str:
+    extra = "".join(f" {flag}" for flag, on in (("tail-split", cfg.tail_split), ("k-split", cfg.k_split),
+                                                 (f"a{cfg.a_box_rows}", cfg.a_box_rows)) if on)
+    return f"{cfg.block_m}x{cfg.block_n} s{cfg.num_stages}{extra}"
+
+
+def _describe_key(key: Any) -> str:
+    if key.layout == "normal":
+        return f"normal     M {key.m:>6}          {key.n}x{key.k}"
+    if key.layout == "contiguous":
+        hint = " 1-block" if key.expected_m else ""
+        return f"contiguous M_total {key.m:>6} {key.num_groups:>3}g {key.n}x{key.k}{hint}"
+    return f"masked     expected {key.expected_m:>5} {key.num_groups:>3}g {key.n}x{key.k}"
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import time
+
+    from moe_fp8 import warmup as W
+    from moe_fp8.kernels import tuning
+    from moe_fp8.kernels.heuristics import GemmDesc
+    from moe_fp8.progress import Progress, format_seconds
+    from moe_fp8.utils import get_num_sms
+
+    if args.model is None and not args.shape:
+        raise CliError("nothing to tune: give --model DIR and / or --shape SPEC")
+    if args.min_gain is not None and not 0 <= args.min_gain < 1:
+        raise CliError(f"--min-gain must be in [0, 1), got {args.min_gain}")
+    try:
+        num_sms = get_num_sms()
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    descs: list[GemmDesc] = []
+    if args.model is not None:
+        cfg = W.load_model_config(args.model)
+        gemms = W.model_gemms(cfg, args.tp, args.ep, fp8_lm_head=W.fp8_lm_head_in_checkpoint(args.model))
+        descs += tuning.model_descs(gemms, args.max_tokens, int(cfg.get("num_experts_per_tok") or 1), num_sms,
+                                    args.layouts)
+    for layout, v in args.shape:
+        if layout == "normal":
+            descs.append(GemmDesc(v[0], v[1], v[2], num_sms=num_sms))
+        else:
+            descs.append(GemmDesc(v[1], v[2], v[3], v[0], layout, num_sms, expected_m=v[1] if layout == "masked" else None))
+    plan = tuning.plan(descs, args.limit)
+    timed = sum(len(c) for c in plan.values())
+    print(f"tune      {len(plan)} GEMM keys, {timed} configurations to time ({num_sms} SMs)")
+    if args.dry_run:
+        for key, configs in plan.items():
+            print(f"  {_describe_key(key):<52} default {_tile(configs[0]):<22} {len(configs)} candidates")
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError("tuning times kernels on the GPU: no CUDA device is visible (--dry-run lists the work)")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        raise CliError(f"tuning times the Hopper (sm_90a) kernels; this GPU is sm_{major}{minor}")
+    device = torch.cuda.get_device_name()
+    path = args.out or tuning.default_path(device)
+    try:
+        table = tuning.TunedTable.load(path) if path.exists() else tuning.new_table()
+    except tuning.TunedTableError as e:
+        raise CliError(f"{e}\n  fix: remove it, or pass another --out") from None
+    if (table.device, table.num_sms) != (device, num_sms):
+        raise CliError(f"{path} holds {table.device} ({table.num_sms} SMs), this is {device} ({num_sms} SMs): "
+                       f"pass another --out")
+    print(f"device    {device}; table {path} ({len(table.results)} keys already)")
+    print("compiling the candidates, then timing them (a key's line when all of its are timed)", flush=True)
+    improved: list[float] = []
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    with Progress(len(plan), "tune", enabled=not args.no_progress) as progress:
+        def done(r: tuning.TuneResult) -> None:
+            table.update([r])
+            table.save(path)  # an interrupted run keeps what it measured
+            what = "kept"
+            if r.config != r.default:
+                improved.append(r.gain)
+                what = f"{_tile(r.config)} {r.us:.1f} us ({r.gain:+.1%})"
+            lines.append(f"  {_describe_key(r.key):<52} {_tile(r.default):<22} {r.default_us:8.1f} us  {what}")
+            progress.update(1, _describe_key(r.key))
+
+        tuning.tune(descs, limit=args.limit, reps=args.reps,
+                    min_gain=tuning.MIN_GAIN if args.min_gain is None else args.min_gain, jobs=args.jobs,
+                    compiler=args.compiler, on_result=done)
+    print(f"  {'GEMM':<52} {'default':<22} {'time':>11}  tuned")
+    print("\n".join(lines))
+    tuning.reset()
+    gain = (f"; geomean gain on those {_geomean([1 + g for g in improved]) - 1:+.1%}" if improved else "")
+    print(f"tuned     {len(plan)} keys in {format_seconds(time.perf_counter() - t0)}: {len(improved)} faster than "
+          f"the cost model's pick{gain}")
+    env = os.environ.get(tuning.ENV_TABLE)
+    if args.out is None and env is None:
+        print(f"table     {path}: read by every process on this GPU (${tuning.ENV_TABLE}=off to ignore it)")
+    else:
+        print(f"table     {path}: export {tuning.ENV_TABLE}={path} to use it")
+    return 0
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+# --------------------------------------------------------------------------------------------
 # quantize
 # --------------------------------------------------------------------------------------------
 
@@ -905,6 +1065,7 @@ def explain_error(exc: BaseException) -> str | None:
             JitCacheError,
             JitCompileError,
         )
+        from moe_fp8.kernels.tuning import TunedTableError, TuneError
         from moe_fp8.warmup import ModelConfigError
     except Exception:  # a half-written package: nothing more specific to say
         return None
@@ -923,7 +1084,7 @@ def explain_error(exc: BaseException) -> str | None:
         return f"{exc}: this needs an NVIDIA GPU and driver; `moe-fp8 info` shows what is visible"
     if isinstance(exc, BackendError):
         return f"{exc}\n  fix: unset MOE_FP8_BACKEND / MOE_FP8_STRICT, or see `moe-fp8 info` for why a backend is missing"
-    if isinstance(exc, (JitCacheError, CheckpointError, ModelConfigError, CudaError)):
+    if isinstance(exc, (JitCacheError, CheckpointError, ModelConfigError, CudaError, TunedTableError, TuneError)):
         return str(exc)
     from moe_fp8.demo import DemoError
 
@@ -948,6 +1109,8 @@ COMMANDS: dict[str, Command] = {
                      _add_bench_args, cmd_bench),
     "warmup": Command("precompile every kernel variant a model needs into the JIT cache (no GPU needed)",
                       _add_warmup_args, cmd_warmup),
+    "tune": Command("time the best kernel configurations of a model's GEMMs on this GPU; keep the fastest",
+                    _add_tune_args, cmd_tune),
     "quantize": Command("convert a bf16 Hugging Face checkpoint to DeepSeek-style block FP8",
                         _add_quantize_args, cmd_quantize),
 }

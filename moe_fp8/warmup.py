@@ -65,6 +65,7 @@ __all__ = [
     "load_model_config",
     "model_gemms",
     "routing_variants",
+    "shape_descs",
     "warmup",
 ]
 
@@ -261,7 +262,7 @@ def _row_classes(max_rows: int) -> list[tuple[int, int]]:
     return list(zip([1] + [r + 1 for r in reps[:-1]], reps, strict=True))
 
 
-def _descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list[tuple[Layout, int, int, GemmDesc]]:
+def shape_descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list[tuple[Layout, int, int, GemmDesc]]:
     """``(layout, first, last, desc)``: one descriptor per class of row counts of every layout of ``g``."""
     out: list[tuple[Layout, int, int, GemmDesc]] = []
     for layout in g.layouts:
@@ -293,7 +294,7 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
         raise ModelConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
     found: dict[str, Variant] = {}
     for g in gemms:
-        for layout, lo, hi, desc in _descs(g, max_tokens, top_k, num_sms):
+        for layout, lo, hi, desc in shape_descs(g, max_tokens, top_k, num_sms):
             cfg = get_config(desc)
             name, source = kernel_variant(desc, cfg)
             v = found.get(name)

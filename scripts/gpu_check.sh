@@ -3,8 +3,9 @@
 # GPU tests, JIT timings, benchmarks. Everything lands in $OUT (the device tool brings it back);
 # commit the results under docs/benchmarks/ with the commit and device they name.
 #
-#   bash scripts/gpu_check.sh [tests] [smoke] [demo] [gemm] [grouped] [moe-data] [moe] [sweep]
-#                                                       (default: all but sweep)
+#   bash scripts/gpu_check.sh [tests] [smoke] [demo] [gemm] [grouped] [moe-data] [moe] [sweep] [tune]
+#                                                       (default: all but sweep and tune)
+#   TUNE="--model DIR --tp 8 ..." bash scripts/gpu_check.sh tune    (moe-fp8 tune's arguments; default below)
 #   SWEEP="128x128b 128x112a" bash scripts/gpu_check.sh gemm sweep     (block shapes to sweep)
 #   SHAPES="4096,7168,16384 ..."                                       (gemm shapes, default table)
 # Results go to $OUT/gpu_check/ and, after every step, into one archive $OUT/gpu_check.tgz (the
@@ -57,6 +58,13 @@ if has grouped && python3 -c "import moe_fp8.benchmarks.grouped" 2>/dev/null; th
 fi
 if has moe-data; then
   moe-fp8 bench moe-data --out-dir "$OUT" --no-progress 2>&1 | tee "$OUT/bench_moe-data.txt" | tail -n 40
+  pack
+fi
+if has tune; then
+  # a fresh table in $OUT (the machine's own table is left alone), then its picks re-timed independently
+  moe-fp8 tune ${TUNE:---model scripts/models/deepseek-v3.json --tp 8 --max-tokens 2048 --layouts normal} \
+    --out "$OUT/tuned.json" --no-progress 2>&1 | tee "$OUT/tune.txt" | tail -n 60
+  python3 scripts/check_tuned.py "$OUT/tuned.json" 2>&1 | tee "$OUT/tune_check.txt" | tail -n 60
   pack
 fi
 if has moe; then

@@ -17,6 +17,9 @@ import torch
 # Only where no GPU is visible: on a GPU machine the same tests run the compiled kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests see the cost model's picks, never a table `moe-fp8 tune` left on this machine (tests/test_tuning.py
+# switches tables on where it tests them).
+os.environ["MOE_FP8_TUNED_CONFIGS"] = "off"
 
 
 def has_hopper() -> bool:

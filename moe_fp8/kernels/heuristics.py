@@ -519,12 +519,20 @@ def config_key(desc: GemmDesc) -> GemmDesc:
 
 @functools.lru_cache(maxsize=1 << 16)
 def get_config(desc: GemmDesc) -> GemmConfig:
-    """A measured tile (``SMALL_M_BLOCK_N``, ``CONTIGUOUS_ONE_BLOCK_TILES``, ``MASKED_DECODE_TILES`` /
-    ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
-    cfg = _with_partial_a(desc, _decode_config(desc) or _best_config(config_key(desc)))
+    """The tuned configuration of this call where the active table of ``moe-fp8 tune`` has one
+    (``tuning.lookup``), else ``default_config``'s."""
+    from .tuning import lookup  # (tuning imports this module)
+
+    cfg = lookup(desc) or default_config(desc)
     if os.environ.get("MOE_FP8_JIT_DEBUG", "0") not in ("", "0"):
         print(f"[moe_fp8] {desc} -> {cfg}")
     return cfg
+
+
+def default_config(desc: GemmDesc) -> GemmConfig:
+    """A measured tile (``SMALL_M_BLOCK_N``, ``CONTIGUOUS_ONE_BLOCK_TILES``, ``MASKED_DECODE_TILES`` /
+    ``_WIDE_TILES``, ``MASKED_MEASURED_TILES``) where one applies, else the cost model's pick."""
+    return _with_partial_a(desc, _decode_config(desc) or _best_config(config_key(desc)))
 
 
 def _with_partial_a(desc: GemmDesc, cfg: GemmConfig) -> GemmConfig:
@@ -577,20 +585,47 @@ def _best_config(desc: GemmDesc) -> GemmConfig:
     return modelled_config(desc) if measured is None else measured
 
 
-def modelled_config(desc: GemmDesc) -> GemmConfig:
-    """The cost model's cheapest candidate: all pipeline stages that fit, but TWO_WG_STAGES for 128-row tiles
-    unless a normal GEMM's tiles fit in one wave."""
-    best = None
-    for cand in candidates(desc):
+def ranked_tiles(desc: GemmDesc) -> list[tuple[int, int, int, bool]]:
+    """``candidates(desc)`` cheapest first by the cost model; ties to fewer tiles, then the wider BLOCK_N."""
+    def key(cand: tuple[int, int, int, bool]) -> tuple:
         ns, tiles = estimate_ns(desc, *cand)
-        key = (round(ns, 3), tiles, -cand[1], cand[2])
-        if best is None or key < best[0]:
-            best = (key, cand)
-    if best is None:
-        raise ValueError(f"no kernel configuration fits {desc}")
-    (_, tiles, _, _), (bm, bn, mc, on_a) = best
-    one_wave = desc.layout == "normal" and tiles <= desc.num_sms
-    stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 and not one_wave else None
+        return round(ns, 3), tiles, -cand[1], cand[2]
+
+    return sorted(candidates(desc), key=key)
+
+
+def _tile_config(desc: GemmDesc, tile: tuple[int, int, int, bool], num_stages: int | None = None) -> GemmConfig:
+    """``tile`` as the model launches it: all pipeline stages that fit, but TWO_WG_STAGES for 128-row tiles
+    unless a normal GEMM's tiles fit in one wave (``num_stages`` overrides)."""
+    bm, bn, mc, on_a = tile
+    if num_stages is None:
+        one_wave = desc.layout == "normal" and num_tiles(desc, bm, bn, mc, on_a) <= desc.num_sms
+        num_stages = min(TWO_WG_STAGES, max_stages(bm, bn, desc.k)) if bm == 128 and not one_wave else None
     swizzle = 1 if _one_block_contiguous(desc) else SWIZZLE_GROUP_M
-    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=stages, multicast=mc, multicast_on_a=on_a,
+    return make_config(bm, bn, desc.num_sms, k=desc.k, num_stages=num_stages, multicast=mc, multicast_on_a=on_a,
                        swizzle_group_m=swizzle, k_split=masked_k_split(desc, bm, bn, mc))
+
+
+def modelled_config(desc: GemmDesc) -> GemmConfig:
+    """The cost model's cheapest candidate (``ranked_tiles``), launched as ``_tile_config`` says."""
+    ranked = ranked_tiles(desc)
+    if not ranked:
+        raise ValueError(f"no kernel configuration fits {desc}")
+    return _tile_config(desc, ranked[0])
+
+
+def tuning_candidates(desc: GemmDesc, limit: int = 6) -> list[GemmConfig]:
+    """What ``moe-fp8 tune`` times for ``desc``: ``default_config`` first, then the model's ``limit`` cheapest
+    tiles, each as the model launches it and, with 128 rows, also at the other stage count (TWO_WG_STAGES or all
+    that fit: the model fixes one by rule, measured per family, not per shape). Distinct configs, in that order."""
+    key = config_key(desc)
+    out = [default_config(desc)]
+    for tile in ranked_tiles(key)[:limit]:
+        stage_counts = [None]
+        if tile[0] == 128:
+            stage_counts += [min(TWO_WG_STAGES, max_stages(128, tile[1], desc.k)), max_stages(128, tile[1], desc.k)]
+        for stages in stage_counts:
+            cfg = _with_partial_a(desc, _tile_config(key, tile, stages))
+            if cfg not in out:
+                out.append(cfg)
+    return out

@@ -1,0 +1,249 @@
+"""Tuned configurations (``moe_fp8.kernels.tuning``, ``moe-fp8 tune``): keys, the table file, how ``get_config``
+consults it, what is timed; on a Hopper GPU, a real tuning run whose table then drives correct launches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from test_cli_warmup import DEEPSEEK_V3
+
+from moe_fp8 import warmup as W
+from moe_fp8.cli import main
+from moe_fp8.kernels import tuning
+from moe_fp8.kernels.gemm import generate_source
+from moe_fp8.kernels.heuristics import (
+    TWO_WG_STAGES,
+    GemmDesc,
+    default_config,
+    get_config,
+    make_config,
+    tuning_candidates,
+)
+from moe_fp8.utils import align
+
+NORMAL = GemmDesc(768, 7168, 2048)
+MASKED = GemmDesc(256, 4096, 7168, 32, "masked", expected_m=8)
+CONTIGUOUS = GemmDesc(1024, 4096, 7168, 8, "contiguous")
+
+
+@pytest.fixture
+def table_env(tmp_path, monkeypatch):
+    """A table file named by $MOE_FP8_TUNED_CONFIGS (written by the test), and a clean slate before and after."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(tuning.ENV_TABLE, str(path))
+    tuning.reset()
+    yield path
+    monkeypatch.setenv(tuning.ENV_TABLE, "off")
+    tuning.reset()
+
+
+def _result(desc: GemmDesc, config=None, us: float = 9.0) -> tuning.TuneResult:
+    key = tuning.tuning_key(desc)
+    default = default_config(key)
+    return tuning.TuneResult(key, config or default, default, us, 10.0, 3)
+
+
+def _table(*results: tuning.TuneResult) -> tuning.TunedTable:
+    table = tuning.TunedTable("NVIDIA H100 80GB HBM3", 132, kernels="", version="test")
+    table.update(results)
+    return table
+
+
+def test_keys_round_rows_as_the_choice_does():
+    key = tuning.tuning_key
+    assert key(GemmDesc(705, 7168, 2048)) == key(GemmDesc(768, 7168, 2048)) == GemmDesc(768, 7168, 2048)
+    assert key(GemmDesc(769, 7168, 2048)).m == 832
+    # masked: the expected rows alone (max_m never changes the choice), in 16s at decode sizes, 64s above
+    assert key(dataclasses.replace(MASKED, m=4096)) == key(MASKED) == dataclasses.replace(MASKED, m=16, expected_m=16)
+    assert key(dataclasses.replace(MASKED, expected_m=17)).expected_m == 32
+    assert key(dataclasses.replace(MASKED, expected_m=200)).expected_m == 256
+    for desc in (NORMAL, MASKED, CONTIGUOUS, GemmDesc(100_000, 4096, 7168, 8, "contiguous"),
+                 GemmDesc(300, 4096, 7168, 8, "contiguous", expected_m=40)):
+        assert key(key(desc)) == key(desc)
+        # every row count under one key gets the key's configuration from the model: an entry is safe to share
+        assert default_config(key(desc)) == default_config(desc) or desc.layout == "masked"
+
+
+def test_candidates_start_with_the_default_and_all_compile_to_valid_sources():
+    for desc in (NORMAL, MASKED, CONTIGUOUS, GemmDesc(64, 2112, 7168),
+                 GemmDesc(2048, 4096, 7168, 32, "contiguous", act_quant=1)):
+        key = tuning.tuning_key(desc)
+        cands = tuning_candidates(key, limit=6)
+        assert cands[0] == default_config(key)
+        assert len(set(cands)) == len(cands) > 1
+        for cfg in cands:
+            generate_source(key.layout, key.n, key.k, cfg, key.act_quant)
+    # the model's known miss (docs/kernels/gemm.md, session 47): 128x128 at 4 stages is among what is timed
+    tiles = {(c.block_m, c.block_n, c.num_stages) for c in tuning_candidates(NORMAL)}
+    assert (128, 128, TWO_WG_STAGES) in tiles and (128, 192, TWO_WG_STAGES) in tiles
+
+
+def test_table_round_trip_and_lookup(tmp_path):
+    faster = make_config(128, 128, 132, k=2048, num_stages=4)
+    table = _table(_result(NORMAL, faster, 8.0), _result(MASKED), _result(CONTIGUOUS))
+    path = tmp_path / "sub" / "t.json"
+    table.save(path)
+    loaded = tuning.TunedTable.load(path)
+    assert loaded == table
+    assert loaded.get(GemmDesc(705, 7168, 2048)) == faster
+    assert loaded.get(MASKED) is None  # the default was kept: the model decides
+    assert loaded.get(GemmDesc(768, 7168, 4096)) is None  # no entry
+    assert math.isclose(loaded.results[tuning.tuning_key(NORMAL)].gain, 0.25)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(format=99), "not a moe_fp8 tuned table"),
+    (lambda d: d.pop("device"), "needs 'device'"),
+    (lambda d: d["results"][0]["key"].update(m=700), "is not a tuning key"),
+    (lambda d: d["results"][0]["key"].update(num_sms=114), "num_sms 114 in a table of 132"),
+    (lambda d: d["results"][0]["config"].update(block_n=100), "unsupported block shape 128x100"),
+    (lambda d: d["results"][0]["config"].update(k_split=True, tail_split=True), "tail halves need"),
+    (lambda d: d["results"][0]["config"].pop("num_stages"), "exactly the fields"),
+    (lambda d: d["results"][0].pop("us"), "needs the times"),
+])
+def test_a_bad_table_is_refused_naming_the_entry(tmp_path, edit, message):
+    data = _table(_result(NORMAL, make_config(128, 128, 132, k=2048, num_stages=4))).to_json()
+    edit(data)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(tuning.TunedTableError, match=message):
+        tuning.TunedTable.load(path)
+
+
+def test_get_config_follows_the_table_named_by_the_environment(table_env, monkeypatch):
+    faster = make_config(128, 112, 132, k=2048, num_stages=4)  # a tile no row count of this GEMM picks otherwise
+    _table().save(table_env)
+    assert get_config(NORMAL) == default_config(NORMAL) != faster
+    _table(_result(NORMAL, faster)).save(table_env)
+    tuning.reset()
+    assert get_config(NORMAL) == get_config(GemmDesc(705, 7168, 2048)) == faster
+    assert get_config(GemmDesc(640, 7168, 2048)) == default_config(GemmDesc(640, 7168, 2048))
+    # warmup precompiles what the launches will pick, so the tuned variant too
+    variants = W.enumerate_variants([W.GemmShape("o_proj", 7168, 2048)], 1024, 132)
+    assert any(v.config == faster and v.rows == (705, 768) for v in variants)
+    monkeypatch.setenv(tuning.ENV_TABLE, "off")
+    tuning.reset()
+    assert get_config(NORMAL) == default_config(NORMAL)
+
+
+def test_a_named_table_that_is_missing_or_broken_fails_the_first_gemm(table_env):
+    with pytest.raises(tuning.TunedTableError, match="no such file"):
+        get_config(NORMAL)
+    table_env.write_text("{")
+    tuning.reset()
+    with pytest.raises(tuning.TunedTableError, match="cannot read a JSON table"):
+        get_config(NORMAL)
+
+
+def test_a_table_of_another_device_is_ignored(table_env, monkeypatch):
+    _table(_result(NORMAL, make_config(128, 128, 132, k=2048, num_stages=4))).save(table_env)
+    monkeypatch.setattr(tuning, "_current_device_name", lambda: "NVIDIA H20")
+    tuning.reset()
+    with pytest.warns(UserWarning, match="measured on NVIDIA H100 80GB HBM3, this is NVIDIA H20: not used"):
+        assert get_config(NORMAL) == default_config(NORMAL)
+
+
+def test_the_default_table_is_this_gpus_file_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(tuning.ENV_TABLE)
+    monkeypatch.setattr(tuning, "_current_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    path = tuning.default_path("NVIDIA H100 80GB HBM3")
+    assert path == tmp_path / "tuned" / "nvidia-h100-80gb-hbm3.json"
+    try:
+        tuning.reset()
+        assert tuning.active_table() is None  # none written yet
+        faster = make_config(128, 128, 132, k=2048, num_stages=4)
+        _table(_result(NORMAL, faster)).save(path)
+        tuning.reset()
+        assert get_config(NORMAL) == faster
+    finally:
+        monkeypatch.setenv(tuning.ENV_TABLE, "off")
+        tuning.reset()
+
+
+def test_contiguous_runs_fill_their_rows_as_segments():
+    for key in (GemmDesc(1024, 4096, 7168, 8, "contiguous"), GemmDesc(384, 4096, 7168, 8, "contiguous"),
+                GemmDesc(640, 4096, 7168, 8, "contiguous", expected_m=64),
+                GemmDesc(8192 + 1024, 512, 7168, 32, "contiguous")):
+        sizes = tuning._contiguous_sizes(key)
+        assert len(sizes) == key.num_groups
+        assert sum(align(s, 128) for s in sizes) == align(key.m, 128)
+        if key.expected_m:
+            assert max(sizes) <= 64
+    with pytest.raises(ValueError, match="one block each"):
+        tuning._contiguous_sizes(GemmDesc(2048, 4096, 7168, 8, "contiguous", expected_m=64))
+
+
+def test_model_descs_add_decode_keys_and_drop_impossible_hints():
+    gemms = W.model_gemms(DEEPSEEK_V3, ep=8)
+    descs = tuning.model_descs(gemms, 512, 8, 132)
+    masked = sorted({d.expected_m for d in descs if d.layout == "masked"})
+    assert masked[:4] == [16, 32, 48, 64]
+    assert all(d.m <= 128 * d.num_groups for d in descs if d.layout == "contiguous" and d.expected_m)
+    assert {d.layout for d in tuning.model_descs(gemms, 512, 8, 132, ("normal",))} == {"normal"}
+    keys = tuning.plan(descs)
+    assert all(cands[0] == default_config(k) for k, cands in keys.items())
+
+
+def test_cli_dry_run_lists_keys_without_a_gpu(capsys):
+    assert main(["tune", "--shape", "normal:768:7168:2048", "--shape", "masked:32:8:4096:7168", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 GEMM keys" in out
+    assert "normal     M    768          7168x2048" in out and "default 128x192 s4" in out
+    assert "masked     expected    16  32g 4096x7168" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune"], "nothing to tune"),
+    (["tune", "--shape", "normal:1:2", "--dry-run"], "expected one of normal:M:N:K"),
+    (["tune", "--shape", "masked:1:2:0:8", "--dry-run"], "positive integers"),
+    (["tune", "--shape", "normal:64:256:256", "--min-gain", "1.5"], "--min-gain must be in"),
+])
+def test_cli_refuses_bad_arguments(capsys, argv, message):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code
+    assert code != 0
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+def test_cli_without_a_gpu_says_so(capsys):
+    assert main(["tune", "--shape", "normal:64:256:256", "--no-progress"]) == 1
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_tuning_on_the_gpu_writes_a_table_whose_picks_run_correctly(table_env):
+    """A short real run (two candidates each, a few reps, any gain accepted): the table it writes loads, and the
+    GEMMs launched under it pick its configurations and match the reference."""
+    import moe_fp8
+    from moe_fp8 import reference as ref
+    from moe_fp8.testing import make_gemm_inputs, make_masked_inputs
+    from moe_fp8.utils import calc_diff
+
+    descs = [GemmDesc(200, 2112, 1024), GemmDesc(64, 1024, 1024, 4, "masked", expected_m=24)]
+    results = tuning.tune(descs, limit=2, reps=3, min_gain=-1.0)
+    assert [r.key for r in results] == [tuning.tuning_key(d) for d in descs]
+    assert all(r.us > 0 and r.default_us > 0 for r in results)
+    table = tuning.new_table()
+    table.update(results)
+    table.save(table_env)
+    tuning.reset()
+    for r in results:
+        assert get_config(r.key) == r.config
+    inp = make_gemm_inputs(200, 2112, 1024, seed=1, device="cuda")
+    out = moe_fp8.fp8_gemm(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale)
+    assert calc_diff(out, ref.fp8_gemm(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale)) < 1e-5
+    m = make_masked_inputs(4, 64, 24, 1024, 1024, seed=2, device="cuda")
+    out = torch.full((4, 64, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe_fp8.fp8_grouped_gemm_masked(m.x_fp8, m.x_scale, m.w_fp8, m.w_scale, m.masked_m, 24, out=out)
+    expect = ref.fp8_grouped_gemm_masked(m.x_fp8, m.x_scale, m.w_fp8, m.w_scale, m.masked_m)
+    for g, rows in enumerate(m.masked_m.tolist()):
+        assert calc_diff(out[g, :rows], expect[g, :rows]) < 1e-5
