@@ -186,7 +186,11 @@ def test_model_descs_add_decode_keys_and_drop_impossible_hints():
     assert all(d.m <= 128 * d.num_groups for d in descs if d.layout == "contiguous" and d.expected_m)
     assert {d.layout for d in tuning.model_descs(gemms, 512, 8, 132, ("normal",))} == {"normal"}
     keys = tuning.plan(descs)
-    assert all(cands[0] == default_config(k) for k, cands in keys.items())
+    assert all(cands[0] == default_config(k) and len(cands) > 1 for k, cands in keys.items())
+    # the fused GEMM1 at decode sizes has one tile to offer: nothing to time
+    decode_w13 = [d for d in descs if d.layout == "masked" and d.act_quant and d.expected_m == 16]
+    assert decode_w13 and len(tuning_candidates(decode_w13[0])) == 1
+    assert tuning.tuning_key(decode_w13[0]) not in keys
 
 
 def test_cli_dry_run_lists_keys_without_a_gpu(capsys):

@@ -396,14 +396,19 @@ def tune_key(key: GemmDesc, configs: Sequence[GemmConfig], *, reps: int = 20,
 
 
 def plan(descs: Iterable[GemmDesc], limit: int = 6) -> dict[GemmDesc, list[GemmConfig]]:
-    """Distinct tuning keys of ``descs`` (first-use order) and the configurations each would time."""
+    """Distinct tuning keys of ``descs`` (first-use order) and the configurations each would time; keys with a
+    single candidate (e.g. the fused SiLU·mul + quant GEMM at decode sizes: one 256-wide tile) are left out."""
     out: dict[GemmDesc, list[GemmConfig]] = {}
+    seen: set[GemmDesc] = set()
     for desc in descs:
         key = tuning_key(desc)
-        if key not in out:
-            cands = tuning_candidates(key, limit)
-            if cands[0] != default_config(key):
-                raise AssertionError(f"tuning_candidates({key}) must start with the default")
+        if key in seen:
+            continue
+        seen.add(key)
+        cands = tuning_candidates(key, limit)
+        if cands[0] != default_config(key):
+            raise AssertionError(f"tuning_candidates({key}) must start with the default")
+        if len(cands) > 1:
             out[key] = cands
     return out
 
