@@ -1,14 +1,17 @@
 """Re-time a tuned table's picks against the cost model's, DeepGEMM's way and do_bench's (benchmarks.harness),
 in one process: the independent check of what `moe-fp8 tune` kept (it timed them with CUDA events after an L2
-flush). One line per key whose pick differs from the default.
+flush). One line per key whose pick differs from the default. ``--confirmed OUT`` writes the picks that both
+re-timings found at least as fast as the default: what moe_fp8 ships for this device (moe_fp8/kernels/tuned/).
 
-    python scripts/check_tuned.py TABLE.json [--all]
+    python scripts/check_tuned.py TABLE.json [--all] [--confirmed OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
@@ -20,12 +23,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("table")
     p.add_argument("--all", action="store_true", help="also the keys where the default was kept")
+    p.add_argument("--confirmed", type=Path, help="write the picks both re-timings confirm as a table here")
     args = p.parse_args()
     table = tuning.TunedTable.load(args.table)
     if table.device != torch.cuda.get_device_name():
         raise SystemExit(f"{args.table} is {table.device}'s, this is {torch.cuda.get_device_name()}")
     device = torch.device("cuda", torch.cuda.current_device())
     ratios: dict[str, list[float]] = {"chilled": [], "do_bench": []}
+    confirmed = dataclasses.replace(table, results={})
     print(f"{'key':<60} {'default':<14} {'tuned':<14} {'chilled us':>17} {'do_bench us':>17}  x chilled / do_bench")
     for r in table.results.values():
         if r.config == r.default and not args.all:
@@ -36,6 +41,8 @@ def main() -> None:
         x = chilled[0] / chilled[1], plain[0] / plain[1]
         ratios["chilled"].append(x[0])
         ratios["do_bench"].append(x[1])
+        if r.config != r.default and min(x) >= 1.0:
+            confirmed.results[r.key] = r
         k = r.key
         name = f"{k.layout} m{k.m} {k.num_groups}g {k.n}x{k.k}" + (f" e{k.expected_m}" if k.expected_m else "")
         tile = [f"{c.block_m}x{c.block_n}s{c.num_stages}" for c in (r.default, r.config)]
@@ -45,6 +52,9 @@ def main() -> None:
         if xs:
             geo = math.exp(sum(map(math.log, xs)) / len(xs))
             print(f"{what}: geomean {geo:.3f} over {len(xs)} keys, {sum(v < 1 for v in xs)} slower than the default")
+    if args.confirmed:
+        confirmed.save(args.confirmed)
+        print(f"confirmed: {len(confirmed.results)} picks written to {args.confirmed}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_check.sh [tests] [smoke] [demo] [gemm] [grouped] [moe-data] [moe] [sweep] [tune]
 #                                                       (default: all but sweep and tune)
-#   TUNE="--model DIR --tp 8 ..." bash scripts/gpu_check.sh tune    (moe-fp8 tune's arguments; default below)
+#   TUNE="--model DIR --tp 8 ...[;...]" bash scripts/gpu_check.sh tune     (moe-fp8 tune's arguments; see below)
 #   SWEEP="128x128b 128x112a" bash scripts/gpu_check.sh gemm sweep     (block shapes to sweep)
 #   SHAPES="4096,7168,16384 ..."                                       (gemm shapes, default table)
 # Results go to $OUT/gpu_check/ and, after every step, into one archive $OUT/gpu_check.tgz (the
@@ -61,10 +61,16 @@ if has moe-data; then
   pack
 fi
 if has tune; then
-  # a fresh table in $OUT (the machine's own table is left alone), then its picks re-timed independently
-  moe-fp8 tune ${TUNE:---model scripts/models/deepseek-v3.json --tp 8 --max-tokens 2048 --layouts normal} \
-    --out "$OUT/tuned.json" --no-progress 2>&1 | tee "$OUT/tune.txt" | tail -n 60
-  python3 scripts/check_tuned.py "$OUT/tuned.json" 2>&1 | tee "$OUT/tune_check.txt" | tail -n 60
+  # a fresh table in $OUT (the machine's own table is left alone), then its picks re-timed independently; TUNE holds
+  # moe-fp8 tune's arguments, several runs separated by ';' (default: DeepSeek-V3's linears at TP 8, up to 2048
+  # tokens, and its experts at EP 8, up to 1024 tokens: the table shipped in moe_fp8/kernels/tuned/)
+  IFS=';' read -ra runs <<< "${TUNE:---model scripts/models/deepseek-v3.json --tp 8 --max-tokens 2048 --layouts normal;--model scripts/models/deepseek-v3.json --ep 8 --max-tokens 1024 --layouts masked,contiguous}"
+  for run in "${runs[@]}"; do
+    # shellcheck disable=SC2086  # word splitting of the arguments is intended
+    moe-fp8 tune $run --out "$OUT/tuned.json" --no-progress 2>&1 | tee -a "$OUT/tune.txt" | tail -n 3
+  done
+  python3 scripts/check_tuned.py "$OUT/tuned.json" --confirmed "$OUT/tuned_confirmed.json" 2>&1 \
+    | tee "$OUT/tune_check.txt" | tail -n 4
   pack
 fi
 if has moe; then

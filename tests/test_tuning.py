@@ -251,3 +251,96 @@ def test_tuning_on_the_gpu_writes_a_table_whose_picks_run_correctly(table_env):
     expect = ref.fp8_grouped_gemm_masked(m.x_fp8, m.x_scale, m.w_fp8, m.w_scale, m.masked_m)
     for g, rows in enumerate(m.masked_m.tolist()):
         assert calc_diff(out[g, :rows], expect[g, :rows]) < 1e-5
+
+
+def test_shipped_tables_load_and_differ_from_the_model():
+    """Every table in the package loads (each entry rebuilt through make_config and checked against its layout),
+    belongs to the device its file names, and holds only picks that beat the model's."""
+    paths = sorted(tuning.PACKAGED_DIR.glob("*.json"))
+    assert paths, "the package ships at least the H100's table"
+    for path in paths:
+        table = tuning.TunedTable.load(path)
+        assert path.name == tuning.device_file_name(table.device)
+        assert table.results and all(r.config != r.default and r.us < r.default_us for r in table.results.values())
+
+
+def test_the_shipped_table_is_overridden_entry_by_entry_by_this_machines_own(tmp_path, monkeypatch):
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "pkg")
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tuning.ENV_TABLE)
+    monkeypatch.setattr(tuning, "_current_device_name", lambda: name)
+    shipped = {NORMAL: make_config(128, 128, 132, k=2048, num_stages=4),
+               GemmDesc(1024, 7168, 2048): make_config(128, 128, 132, k=2048, num_stages=5)}
+    own = {NORMAL: make_config(128, 112, 132, k=2048, num_stages=4)}
+    _table(*(_result(d, c) for d, c in shipped.items())).save(tuning.packaged_path(name))
+    _table(*(_result(d, c) for d, c in own.items())).save(tuning.default_path(name))
+    try:
+        tuning.reset()
+        assert get_config(NORMAL) == own[NORMAL]
+        assert get_config(GemmDesc(1024, 7168, 2048)) == shipped[GemmDesc(1024, 7168, 2048)]
+        monkeypatch.setenv(tuning.ENV_TABLE, str(tuning.default_path(name)))  # a named table: that one alone
+        tuning.reset()
+        assert get_config(GemmDesc(1024, 7168, 2048)) == default_config(GemmDesc(1024, 7168, 2048))
+    finally:
+        monkeypatch.setenv(tuning.ENV_TABLE, "off")
+        tuning.reset()
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_every_shipped_pick_of_this_gpu_computes_the_reference():
+    """Each distinct kernel the shipped table of this GPU can launch (layout, N, K, config) on a small ragged
+    problem of its layout, checked as tests/test_gemm_hopper.py and test_grouped_hopper.py check the model's."""
+    from test_gemm_hopper import _check
+    from test_grouped_hopper import _check_act, _check_contiguous, _check_masked, _poisoned_act
+
+    from moe_fp8.kernels import gemm
+    from moe_fp8.kernels.gemm import kernel_variant
+    from moe_fp8.testing import make_contiguous_inputs, make_gemm_inputs, make_masked_inputs
+
+    path = tuning.packaged_path(torch.cuda.get_device_name())
+    if not path.exists():
+        pytest.skip(f"no table is shipped for {torch.cuda.get_device_name()}")
+    variants = {(r.key.layout, r.key.n, r.key.k, r.key.act_quant, r.config): r.key
+                for r in tuning.TunedTable.load(path).results.values()}
+    W.compile_variants([W.Variant(*kernel_variant(key, cfg), key.layout, key.n, key.k, cfg)
+                        for (*_, cfg), key in variants.items()])
+    for layout, n, k, act_quant, cfg in variants:
+        ue8m0 = act_quant == 2
+        if layout == "normal":
+            inp = make_gemm_inputs(200, n, k, seed=n + k, device="cuda")
+            out = torch.full((200, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gemm.fp8_gemm_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, out, config=cfg)
+            torch.cuda.synchronize()
+            _check(out, inp, k)
+        elif layout == "contiguous":
+            inp = make_contiguous_inputs(3, 100, n, k, seed=n + k, device="cuda", num_empty=1)
+            rows = inp.x_fp8.shape[0]
+            if act_quant:
+                act, scale = _poisoned_act((rows, n // 2))
+                gemm.fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
+                                                            inp.m_indices, None, 0, ue8m0, act, scale, config=cfg)
+                torch.cuda.synchronize()
+                _check_act(inp, act, scale, inp.m_indices >= 0, ue8m0)
+            else:
+                out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemm.fp8_grouped_gemm_contiguous_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
+                                                        inp.m_indices, out, config=cfg)
+                torch.cuda.synchronize()
+                _check_contiguous(inp, out)
+        else:
+            inp = make_masked_inputs(3, 192, 100, n, k, seed=n + k, device="cuda", num_empty=1)
+            if act_quant:
+                act, scale = _poisoned_act((3, 192, n // 2), groups=3)
+                gemm.fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, None,
+                                                            inp.masked_m, 100, ue8m0, act, scale, config=cfg)
+                torch.cuda.synchronize()
+                valid = torch.arange(192, device="cuda")[None, :] < inp.masked_m[:, None]
+                _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)
+            else:
+                out = torch.full((3, 192, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemm.fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                                    100, out, config=cfg)
+                torch.cuda.synchronize()
+                _check_masked(inp, out)

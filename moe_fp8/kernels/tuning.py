@@ -6,8 +6,10 @@ The cost model (``heuristics``) is calibrated on one H100 SXM and still misses b
 second, confirming round shows it beating ``default_config`` by ``MIN_GAIN`` (one round's minimum over several
 noisy candidates is biased low). It writes one JSON table per device, which ``heuristics.get_config`` reads:
 
-- ``$MOE_FP8_TUNED_CONFIGS``: that file (``0`` / ``off``: no table);
-- else ``<cache>/tuned/<device>.json`` (``moe-fp8 tune``'s default output) where it exists for the current GPU.
+- ``$MOE_FP8_TUNED_CONFIGS``: that file alone (``0`` / ``off``: no table);
+- else the current GPU's table shipped in the package (``moe_fp8/kernels/tuned/<device>.json``: picks measured on
+  our H100 that two independent re-timings confirmed, see ``scripts/check_tuned.py``), overridden entry by entry by
+  its table in the JIT cache (``<cache>/tuned/<device>.json``, ``moe-fp8 tune``'s default output), where they exist.
 
 Entries are keyed by ``tuning_key``: the descriptor ``get_config`` decides on, so one entry covers the row counts
 that share a configuration. A call without an entry takes the model's pick. Every tuned configuration is a valid
@@ -90,6 +92,14 @@ def tuning_key(desc: GemmDesc) -> GemmDesc:
 def device_file_name(device_name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3.json' (the whole name: H100 SXM and PCIe differ)."""
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") + ".json"
+
+
+PACKAGED_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+def packaged_path(device_name: str) -> Path:
+    """The table of ``device_name`` shipped with moe_fp8 (may not exist)."""
+    return PACKAGED_DIR / device_file_name(device_name)
 
 
 def default_path(device_name: str) -> Path:
@@ -232,27 +242,33 @@ def _current_device_name() -> str | None:
 
 @functools.cache
 def active_table() -> TunedTable | None:
-    """The table ``get_config`` consults (read once per process; ``reset`` re-reads): ``$MOE_FP8_TUNED_CONFIGS``,
-    else this GPU's default file if it exists. A table measured on another device is ignored, with a warning;
-    one measured on other kernel sources is used (its configurations still run), with a warning."""
+    """The table ``get_config`` consults (read once per process; ``reset`` re-reads; see the module docstring).
+    A table named by ``$MOE_FP8_TUNED_CONFIGS`` but measured on another device is ignored, with a warning. One
+    measured on other kernel sources is used (its configurations still run), with a warning; the shipped table is
+    not checked (it is re-measured with the kernels it ships with)."""
     spec = os.environ.get(ENV_TABLE)
     device = _current_device_name()
     if spec is not None:
         if spec.strip().lower() in ("", "0", "off", "none"):
             return None
-        table = TunedTable.load(Path(spec).expanduser())
-    else:
-        if device is None:
+        table = own = TunedTable.load(Path(spec).expanduser())
+        if device is not None and table.device != device:
+            warnings.warn(f"moe_fp8: the tuned table {spec} was measured on {table.device}, this is {device}: "
+                          f"not used", stacklevel=2)
             return None
-        path = default_path(device)
-        if not path.exists():
-            return None
-        table = TunedTable.load(path)
-    if device is not None and table.device != device:
-        warnings.warn(f"moe_fp8: the tuned table ({spec or default_path(device)}) was measured on {table.device}, "
-                      f"this is {device}: not used", stacklevel=2)
+    elif device is None:
         return None
-    if table.kernels and table.kernels != _kernel_sources_hash():
+    else:
+        packaged, own = (TunedTable.load(p) if p.exists() else None
+                         for p in (packaged_path(device), default_path(device)))
+        if own is not None and own.device != device:
+            raise TunedTableError(f"{default_path(device)} holds {own.device}'s table, this is {device}")
+        table = packaged or own
+        if table is None:
+            return None
+        if packaged is not None and own is not None:
+            table.update(own.results.values())
+    if own is not None and own.kernels and own.kernels != _kernel_sources_hash():
         warnings.warn("moe_fp8: the tuned table was measured with other kernel sources (an older or newer moe_fp8): "
                       "its configurations still run, but re-run `moe-fp8 tune` for picks measured on these",
                       stacklevel=2)
