@@ -250,9 +250,11 @@ def _probe_cache() -> dict[str, Any]:
         probe = root
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
+        from moe_fp8.kernels.tuning import describe_active
+
         return {"dir": str(info["dir"]), "entries": int(info["entries"]), "bytes": int(info["bytes"]),
                 "failed": sum(1 for _ in failed.iterdir()) if failed.is_dir() else 0,
-                "writable": probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)}
+                "writable": probe.is_dir() and os.access(probe, os.W_OK | os.X_OK), "tuned": describe_active()}
     except Exception as exc:
         return {"error": _error(exc)}
 
@@ -405,6 +407,7 @@ def format_info(info: dict[str, Any]) -> str:
         add(f"  entries        {cache['entries']} ({_fmt_bytes(cache['bytes'])})")
         if cache.get("failed"):
             add(f"  failed         {cache['failed']} (sources and logs in {Path(cache['dir']) / 'failed'})")
+        add(f"  tuned configs  {cache.get('tuned')}")
 
     be = info["backends"]
     if section("Backends", be):

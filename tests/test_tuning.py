@@ -148,6 +148,7 @@ def test_a_table_of_another_device_is_ignored(table_env, monkeypatch):
 
 
 def test_the_default_table_is_this_gpus_file_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "none shipped")
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(tuning.ENV_TABLE)
     monkeypatch.setattr(tuning, "_current_device_name", lambda: "NVIDIA H100 80GB HBM3")

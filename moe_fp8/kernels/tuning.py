@@ -51,6 +51,7 @@ __all__ = [
     "TunedTableError",
     "active_table",
     "default_path",
+    "describe_active",
     "lookup",
     "reset",
     "tune",
@@ -201,7 +202,10 @@ class TunedTable:
         """Write atomically (a reader never sees half a table)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        data = self.to_json()
+        results = data.pop("results")
+        head = json.dumps(data, indent=1)[:-2]  # one result a line: short, and diffs show which keys moved
+        tmp.write_text(head + ',\n "results": [\n' + ",\n".join(f"  {json.dumps(r)}" for r in results) + "\n ]\n}\n")
         os.replace(tmp, path)
 
     @classmethod
@@ -273,6 +277,25 @@ def active_table() -> TunedTable | None:
                       "its configurations still run, but re-run `moe-fp8 tune` for picks measured on these",
                       stacklevel=2)
     return table
+
+
+def describe_active() -> str:
+    """Which tables ``get_config`` reads here, for ``moe-fp8 info`` (reads the files, never raises)."""
+    spec = os.environ.get(ENV_TABLE)
+    if spec is not None and spec.strip().lower() in ("", "0", "off", "none"):
+        return f"off (${ENV_TABLE}={spec})"
+    try:
+        device = _current_device_name()
+        paths = [Path(spec).expanduser()] if spec is not None else (
+            [] if device is None else [packaged_path(device), default_path(device)])
+        found = []
+        for path in paths:
+            if path.exists():
+                table = TunedTable.load(path)
+                found.append(f"{path} ({sum(r.config != r.default for r in table.results.values())} picks)")
+        return " + ".join(found) or ("no GPU visible" if device is None and spec is None else "none for this GPU")
+    except Exception as e:
+        return f"unreadable: {type(e).__name__}: {e}"
 
 
 def lookup(desc: GemmDesc) -> GemmConfig | None:
