@@ -18,6 +18,8 @@ Cost model, calibrated on one H100 SXM (docs/kernels/gemm.md has the measurement
 Normal GEMMs of at most 128 rows, few-group masked ones at K = 2048 and many-group decode ones, on 132 SMs
 whose tile was measured (``SMALL_M_BLOCK_N``, ``MASKED_MEASURED_TILES``, ``MASKED_DECODE_TILES``,
 ``MASKED_DECODE_WIDE_TILES``, ``CONTIGUOUS_ONE_BLOCK_TILES``), skip the model.
+Where a table of ``moe-fp8 tune`` (``tuning``) has a measured configuration for a call, ``get_config`` takes that
+instead; ``default_config`` is this module's own choice.
 Measured, and therefore fixed rather than modelled: 4 pipeline stages with two math warpgroups
 (5 was 4-5% slower: more loads in flight spread the CTAs over K and cost L2 hits) but where a normal
 GEMM's tiles fit in one wave (then all that fit: 4-10% faster, see ``TWO_WG_STAGES``), all that fit
