@@ -835,6 +835,8 @@ def _add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="compile processes (default: CPU count)")
     p.add_argument("--compiler", choices=("nvcc", "nvrtc"), default=None,
                    help="JIT compiler (default: $MOE_FP8_JIT_COMPILER, else nvcc if found, else NVRTC)")
+    p.add_argument("--retune", action="store_true",
+                   help="measure keys the table already holds again (default: skip them, so a run resumes)")
     p.add_argument("--dry-run", action="store_true", help="list what would be timed; no GPU needed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -906,7 +908,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if (table.device, table.num_sms) != (device, num_sms):
         raise CliError(f"{path} holds {table.device} ({table.num_sms} SMs), this is {device} ({num_sms} SMs): "
                        f"pass another --out")
-    print(f"device    {device}; table {path} ({len(table.results)} keys already)")
+    done_keys = set() if args.retune else set(plan) & set(table.results)
+    plan = {key: configs for key, configs in plan.items() if key not in done_keys}
+    descs = list(plan)  # (keys are descriptors of themselves)
+    print(f"device    {device}; table {path} ({len(table.results)} keys already"
+          + (f"; {len(done_keys)} of them skipped, --retune measures them again" if done_keys else "") + ")")
     print("compiling the candidates, then timing them (a key's line when all of its are timed)", flush=True)
     improved: list[float] = []
     lines: list[str] = []

@@ -345,3 +345,19 @@ def test_every_shipped_pick_of_this_gpu_computes_the_reference():
                                                     100, out, config=cfg)
                 torch.cuda.synchronize()
                 _check_masked(inp, out)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_cli_tunes_into_a_table_and_a_second_run_resumes(tmp_path, capsys, table_env):
+    out = tmp_path / "t.json"
+    argv = ["tune", "--shape", "normal:200:2112:1024", "--shape", "normal:64:2112:1024", "--limit", "2", "--reps", "3",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "tuned     2 keys" in first and f"export {tuning.ENV_TABLE}={out}" in first
+    assert len(tuning.TunedTable.load(out).results) == 2
+    assert main([*argv, "--shape", "normal:300:2112:1024"]) == 0
+    second = capsys.readouterr().out
+    assert "2 of them skipped" in second and "tuned     1 keys" in second
+    assert len(tuning.TunedTable.load(out).results) == 3

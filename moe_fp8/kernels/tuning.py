@@ -1,7 +1,7 @@
 """Tuned GEMM configurations: measured on this GPU, consulted before the cost model.
 
-The cost model (``heuristics``) is calibrated on one H100 SXM and still misses by 4-8% on some shape families
-(docs/kernels/gemm.md); other Hopper parts (H100 PCIe, H800, H20, H200) differ in SMs, clocks and bandwidth.
+The cost model (``heuristics``) is calibrated on one H100 SXM and still misses on a few shape families, by up to 44%
+(docs/benchmarks/h100-tuning.md); other Hopper parts (H100 PCIe, H800, H20, H200) differ in SMs, clocks and bandwidth.
 ``moe-fp8 tune`` times ``heuristics.tuning_candidates`` of each GEMM a model runs and keeps the fastest where a
 second, confirming round shows it beating ``default_config`` by ``MIN_GAIN`` (one round's minimum over several
 noisy candidates is biased low). It writes one JSON table per device, which ``heuristics.get_config`` reads:
@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import random
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -52,9 +53,17 @@ __all__ = [
     "active_table",
     "default_path",
     "describe_active",
+    "device_file_name",
     "lookup",
+    "make_runner",
+    "model_descs",
+    "new_table",
+    "packaged_path",
+    "plan",
     "reset",
+    "time_configs",
     "tune",
+    "tune_key",
     "tuning_key",
 ]
 
@@ -324,8 +333,6 @@ def _contiguous_sizes(key: GemmDesc) -> list[int]:
     """Rows per group whose 128-aligned segments fill ``key.m`` rows: blocks spread evenly over the groups
     (groups past the block count empty), a group holding a seeded 70-100% of its last block; under the one-block
     hint (``key.expected_m``) one block per group of up to 64 rows."""
-    import random
-
     blocks = align(key.m, 128) // 128
     if key.expected_m is not None and blocks > key.num_groups:
         raise ValueError(f"{key}: {blocks} blocks of rows cannot be groups of one block each")
