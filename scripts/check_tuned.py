@@ -3,7 +3,7 @@ in one process: the independent check of what `moe-fp8 tune` kept (it timed them
 flush). One line per key whose pick differs from the default. ``--confirmed OUT`` writes the picks that both
 re-timings found at least as fast as the default: what moe_fp8 ships for this device (moe_fp8/kernels/tuned/).
 
-    python scripts/check_tuned.py TABLE.json [--all] [--confirmed OUT.json]
+    python scripts/check_tuned.py TABLE.json [--all] [--confirmed OUT.json] [--except-in OLD.json]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main() -> None:
     p.add_argument("table")
     p.add_argument("--all", action="store_true", help="also the keys where the default was kept")
     p.add_argument("--confirmed", type=Path, help="write the picks both re-timings confirm as a table here")
+    p.add_argument("--except-in", type=Path, metavar="OLD", help="skip the keys this table holds (checked before)")
     args = p.parse_args()
     table = tuning.TunedTable.load(args.table)
     if table.device != torch.cuda.get_device_name():
@@ -32,8 +33,9 @@ def main() -> None:
     ratios: dict[str, list[float]] = {"chilled": [], "do_bench": []}
     confirmed = dataclasses.replace(table, results={})
     print(f"{'key':<60} {'default':<14} {'tuned':<14} {'chilled us':>17} {'do_bench us':>17}  x chilled / do_bench")
+    skip = set(tuning.TunedTable.load(args.except_in).results) if args.except_in else set()
     for r in table.results.values():
-        if r.config == r.default and not args.all:
+        if (r.config == r.default and not args.all) or r.key in skip:
             continue
         run = tuning.make_runner(r.key, device)
         chilled = [bench_chilled_us(lambda c=c, run=run: run(c)) for c in (r.default, r.config)]
