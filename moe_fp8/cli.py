@@ -741,10 +741,15 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         comp = get_compiler(args.compiler)  # workers get its name: the same compiler, hence the same cache keys
     except ValueError as e:
         raise CliError(str(e)) from None
-    variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
+    tables = W.warmup_tables(num_sms)
+    variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1),
+                                    tables=tables)
     routing = W.routing_variants(cfg)
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
+    if tables:
+        print(f"tuned     with the picks of the tables shipped for {', '.join(t.device for t in tables)} (no GPU "
+              f"visible to choose one; $MOE_FP8_TUNED_CONFIGS names one)")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
           f"{f', + {len(routing)} routing kernels' if routing else ''}")
     if args.dry_run:

@@ -50,6 +50,7 @@ from moe_fp8.kernels.heuristics import (
     get_config,
     representative_rows,
 )
+from moe_fp8.kernels.tuning import MASKED_FINE_ROWS, MASKED_KEY_ROWS, TunedTable, warmup_tables
 from moe_fp8.utils import ALIGN_M, GROUP_K, align
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "routing_variants",
     "shape_descs",
     "warmup",
+    "warmup_tables",
 ]
 
 # The GEMM kernels' own alignment rules (moe_fp8.validation): N rows of 16-byte bf16 output, K of
@@ -256,9 +258,10 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
 # weight shapes → distinct kernel variants
 # --------------------------------------------------------------------------------------------
 
-def _row_classes(max_rows: int) -> list[tuple[int, int]]:
-    """``(first, last)`` row counts of each interval that shares one config (see representative_rows)."""
-    reps = representative_rows(max_rows)
+def _row_classes(max_rows: int, bounds: range = range(0)) -> list[tuple[int, int]]:
+    """``(first, last)`` row counts of each interval that shares one config (see representative_rows), split at
+    ``bounds`` as well."""
+    reps = sorted({*representative_rows(max_rows), *(b for b in bounds if b < max_rows)})
     return list(zip([1] + [r + 1 for r in reps[:-1]], reps, strict=True))
 
 
@@ -269,10 +272,12 @@ def shape_descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list
         if layout == "normal":
             out += [(layout, lo, hi, GemmDesc(hi, g.n, g.k, num_sms=num_sms)) for lo, hi in _row_classes(max_tokens)]
         elif layout == "masked":
-            # the config depends on expected_m (the per-expert count hint), which is at most max_tokens
+            # the config depends on expected_m (the per-expert count hint), which is at most max_tokens; a tuned
+            # table's keys split its classes finer at decode sizes (tuning.tuning_key)
+            fine = range(MASKED_KEY_ROWS, MASKED_FINE_ROWS + 1, MASKED_KEY_ROWS)
             out += [(layout, lo, hi, GemmDesc(max_tokens, g.n, g.k, g.num_groups, "masked", num_sms, expected_m=hi,
                                               act_quant=g.act_quant))
-                    for lo, hi in _row_classes(max_tokens)]
+                    for lo, hi in _row_classes(max_tokens, fine)]
         else:
             # M_total = Σ_e align(count_e, 128): a multiple of 128, at most every routed row plus a
             # padding segment per local expert; each value is enumerated (a few hundred at most), under each
@@ -286,25 +291,30 @@ def shape_descs(g: GemmShape, max_tokens: int, top_k: int, num_sms: int) -> list
     return out
 
 
-def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, top_k: int = 8) -> list[Variant]:
-    """Distinct ``(name, source)`` pairs over all weights, layouts and token counts, in first-use order."""
+def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, top_k: int = 8,
+                       tables: list[TunedTable] | None = None) -> list[Variant]:
+    """Distinct ``(name, source)`` pairs over all weights, layouts and token counts, in first-use order: what
+    ``get_config`` picks, and what each of ``tables`` (default ``tuning.warmup_tables(num_sms)``) holds for the
+    same calls."""
     from moe_fp8.kernels.gemm import kernel_variant
 
     if max_tokens < 1:
         raise ModelConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
+    tables = warmup_tables(num_sms) if tables is None else tables
     found: dict[str, Variant] = {}
     for g in gemms:
         for layout, lo, hi, desc in shape_descs(g, max_tokens, top_k, num_sms):
-            cfg = get_config(desc)
-            name, source = kernel_variant(desc, cfg)
-            v = found.get(name)
-            if v is None:
-                v = found[name] = Variant(name, source, layout, g.n, g.k, cfg, rows=(lo, hi))
-            elif v.source != source:  # the name encodes every baked field; a clash is a bug there
-                raise AssertionError(f"two sources for kernel name {name}")
-            if g.name not in v.users:
-                v.users.append(g.name)
-            v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
+            configs = [get_config(desc), *(t.get(desc) for t in tables)]
+            for cfg in dict.fromkeys(c for c in configs if c is not None):
+                name, source = kernel_variant(desc, cfg)
+                v = found.get(name)
+                if v is None:
+                    v = found[name] = Variant(name, source, layout, g.n, g.k, cfg, rows=(lo, hi))
+                elif v.source != source:  # the name encodes every baked field; a clash is a bug there
+                    raise AssertionError(f"two sources for kernel name {name}")
+                if g.name not in v.users:
+                    v.users.append(g.name)
+                v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
     return list(found.values())
 
 

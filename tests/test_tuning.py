@@ -14,7 +14,7 @@ from test_cli_warmup import DEEPSEEK_V3
 from moe_fp8 import warmup as W
 from moe_fp8.cli import main
 from moe_fp8.kernels import tuning
-from moe_fp8.kernels.gemm import generate_source
+from moe_fp8.kernels.gemm import generate_source, kernel_variant
 from moe_fp8.kernels.heuristics import (
     TWO_WG_STAGES,
     GemmDesc,
@@ -361,3 +361,37 @@ def test_cli_tunes_into_a_table_and_a_second_run_resumes(tmp_path, capsys, table
     second = capsys.readouterr().out
     assert "2 of them skipped" in second and "tuned     1 keys" in second
     assert len(tuning.TunedTable.load(out).results) == 3
+
+
+def test_warmup_without_a_gpu_compiles_the_shipped_picks_too(monkeypatch):
+    """On a CPU node the serving GPU is unknown: warmup adds every shipped table's picks of its SM count (unless
+    $MOE_FP8_TUNED_CONFIGS names a table, which get_config then reads)."""
+    gemms = W.model_gemms(DEEPSEEK_V3, tp=8)
+    plain = {v.name for v in W.enumerate_variants(gemms, 2048, 132, tables=[])}
+    monkeypatch.delenv(tuning.ENV_TABLE)
+    monkeypatch.setattr(tuning, "_current_device_name", lambda: None)
+    shipped = tuning.TunedTable.load(tuning.packaged_path("NVIDIA H100 80GB HBM3"))
+    assert tuning.warmup_tables(132) == [shipped] and tuning.warmup_tables(114) == []
+    with_picks = W.enumerate_variants(gemms, 2048, 132)
+    names = {v.name for v in with_picks}
+    assert plain < names
+    for desc in tuning.model_descs(gemms, 2048, 8, 132):
+        cfg = shipped.get(desc)
+        if cfg is not None:
+            assert kernel_variant(desc, cfg)[0] in names, desc
+
+
+def test_warmup_enumerates_every_tuning_key_a_call_can_have():
+    """Each row count a call can bring (M, expected M per expert, M_total) maps to the tuning key of one of warmup's
+    descriptors, so warmup compiles whatever a table holds for it."""
+    for g in (W.GemmShape("o_proj", 7168, 2048), W.GemmShape("w2", 7168, 2048, ("contiguous", "masked"), 32)):
+        keys = {tuning.tuning_key(d) for _, _, _, d in W.shape_descs(g, 600, 8, 132)}
+        for rows in range(1, 601):
+            if "normal" in g.layouts:
+                assert tuning.tuning_key(GemmDesc(rows, g.n, g.k)) in keys, rows
+            if "masked" in g.layouts:
+                assert tuning.tuning_key(GemmDesc(4096, g.n, g.k, 32, "masked", expected_m=rows)) in keys, rows
+        for m_total in range(128, 600 * 8 + 128 * 32 + 1, 128) if "contiguous" in g.layouts else ():
+            for hint in (None, 40):
+                desc = GemmDesc(m_total, g.n, g.k, 32, "contiguous", expected_m=hint)
+                assert tuning.tuning_key(desc) in keys, desc

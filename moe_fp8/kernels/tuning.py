@@ -65,6 +65,7 @@ __all__ = [
     "tune",
     "tune_key",
     "tuning_key",
+    "warmup_tables",
 ]
 
 ENV_TABLE = "MOE_FP8_TUNED_CONFIGS"
@@ -307,6 +308,17 @@ def describe_active() -> str:
         return f"unreadable: {type(e).__name__}: {e}"
 
 
+def warmup_tables(num_sms: int) -> list[TunedTable]:
+    """Tables whose picks ``moe-fp8 warmup`` compiles besides ``get_config``'s: where no GPU is visible and
+    ``$MOE_FP8_TUNED_CONFIGS`` names no table, every shipped table of ``num_sms`` SMs (the GPU that will serve is
+    not known here, and its shipped picks would otherwise compile at their first call). Elsewhere none:
+    ``get_config`` already takes the tables that apply."""
+    if os.environ.get(ENV_TABLE) is not None or _current_device_name() is not None:
+        return []
+    tables = (TunedTable.load(path) for path in sorted(PACKAGED_DIR.glob("*.json")))
+    return [t for t in tables if t.num_sms == num_sms]
+
+
 def lookup(desc: GemmDesc) -> GemmConfig | None:
     """The active table's configuration of ``desc``, or None."""
     table = active_table()
@@ -462,22 +474,13 @@ def plan(descs: Iterable[GemmDesc], limit: int = 6) -> dict[GemmDesc, list[GemmC
 def model_descs(gemms: Iterable[Any], max_tokens: int, top_k: int, num_sms: int,
                 layouts: Sequence[str] = ("normal", "contiguous", "masked")) -> list[GemmDesc]:
     """The descriptors of a model's GEMMs (``warmup.GemmShape`` list) that ``moe-fp8 tune`` measures: warmup's row
-    classes of each layout in ``layouts``, plus masked decode sizes of 16 and 32 expected rows (keys of their own,
-    see ``MASKED_KEY_ROWS``); contiguous row counts under the one-block hint only where groups of one block fill
-    them."""
+    classes of each layout in ``layouts`` (one per tuning key), contiguous row counts under the one-block hint only
+    where groups of one block fill them."""
     from ..warmup import shape_descs
 
-    out = []
-    for g in gemms:
-        for layout, lo, hi, desc in shape_descs(g, max_tokens, top_k, num_sms):
-            if layout not in layouts:
-                continue
-            if layout == "contiguous" and desc.expected_m is not None and desc.m > 128 * desc.num_groups:
-                continue
-            if layout == "masked" and lo == 1:
-                out += [dataclasses.replace(desc, expected_m=rows) for rows in (16, 32) if rows < hi]
-            out.append(desc)
-    return out
+    return [desc for g in gemms for layout, _, _, desc in shape_descs(g, max_tokens, top_k, num_sms)
+            if layout in layouts
+            and not (layout == "contiguous" and desc.expected_m is not None and desc.m > 128 * desc.num_groups)]
 
 
 def tune(descs: Iterable[GemmDesc], *, limit: int = 6, reps: int = 20, min_gain: float = MIN_GAIN,
