@@ -1,0 +1,56 @@
+"""The MoE layer bench's DeepSeek-V3 rank (benchmarks/moe.py) with tuned tables off and on, in one process: one
+forward of each token count captured in a CUDA graph twice (tables off, then this GPU's tables as ``get_config``
+reads them), the replays timed alternately (``bench_us``, median of rounds). What the shipped table gives a layer.
+
+    python scripts/ab_tuned_layer.py [--tokens 64 256 512 1024 2048] [--path contiguous|masked] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from moe_fp8.benchmarks.harness import bench_us
+from moe_fp8.benchmarks.moe import HIDDEN, NUM_EXPERTS, build_layer
+from moe_fp8.kernels import tuning
+
+
+def capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str, table: str | None) -> torch.cuda.CUDAGraph:
+    if table is None:
+        os.environ.pop(tuning.ENV_TABLE, None)
+    else:
+        os.environ[tuning.ENV_TABLE] = table
+    tuning.reset()
+    for _ in range(2):
+        layer(hidden, logits, path=path)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(hidden, logits, path=path)
+    return graph
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512, 1024, 2048])
+    p.add_argument("--path", choices=("contiguous", "masked"), default="contiguous")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    layer, _ = build_layer()
+    print(f"tables: {tuning.describe_active()}")
+    print(f"{'tokens':>6} {'off us':>9} {'on us':>9}  x")
+    for t in args.tokens:
+        gen = torch.Generator(device="cuda").manual_seed(t)
+        hidden = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(t, NUM_EXPERTS, device="cuda", dtype=torch.float32, generator=gen)
+        graphs = {"off": capture(layer, hidden, logits, args.path, "off"),
+                  "on": capture(layer, hidden, logits, args.path, None)}
+        times = {k: sorted(bench_us(g.replay) for _ in range(args.rounds)) for k, g in graphs.items()}
+        off, on = (times[k][args.rounds // 2] for k in ("off", "on"))
+        print(f"{t:>6} {off:9.1f} {on:9.1f}  {off / on:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
