@@ -12,7 +12,9 @@ noisy candidates is biased low). It writes one JSON table per device, which ``he
   its table in the JIT cache (``<cache>/tuned/<device>.json``, ``moe-fp8 tune``'s default output), where they exist.
 
 Entries are keyed by ``tuning_key``: the descriptor ``get_config`` decides on, so one entry covers the row counts
-that share a configuration. A call without an entry takes the model's pick. Every tuned configuration is a valid
+that share a configuration. A call without an entry takes the model's pick. Contiguous keys are timed on whole
+layouts of their row count; the sync-free upper-bound layouts of ``Fp8FusedMoE`` under the one-block hint (more rows
+than one block per group) are not tuned (``model_descs``). Every tuned configuration is a valid
 launch for any row count (only speed depends on the key), and a table is checked when it is loaded.
 """
 
