@@ -370,15 +370,17 @@ def test_warmup_without_a_gpu_compiles_the_shipped_picks_too(monkeypatch):
     plain = {v.name for v in W.enumerate_variants(gemms, 2048, 132, tables=[])}
     monkeypatch.delenv(tuning.ENV_TABLE)
     monkeypatch.setattr(tuning, "_current_device_name", lambda: None)
-    shipped = tuning.TunedTable.load(tuning.packaged_path("NVIDIA H100 80GB HBM3"))
-    assert tuning.warmup_tables(132) == [shipped] and tuning.warmup_tables(114) == []
+    tables = tuning.warmup_tables(132)
+    assert tuning.TunedTable.load(tuning.packaged_path("NVIDIA H100 80GB HBM3")) in tables
+    assert len(tables) == len(list(tuning.PACKAGED_DIR.glob("*.json"))) and tuning.warmup_tables(114) == []
     with_picks = W.enumerate_variants(gemms, 2048, 132)
     names = {v.name for v in with_picks}
     assert plain < names
-    for desc in tuning.model_descs(gemms, 2048, 8, 132):
-        cfg = shipped.get(desc)
-        if cfg is not None:
-            assert kernel_variant(desc, cfg)[0] in names, desc
+    for shipped in tables:
+        for desc in tuning.model_descs(gemms, 2048, 8, 132):
+            cfg = shipped.get(desc)
+            if cfg is not None:
+                assert kernel_variant(desc, cfg)[0] in names, (shipped.device, desc)
 
 
 def test_warmup_enumerates_every_tuning_key_a_call_can_have():
