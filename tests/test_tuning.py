@@ -47,8 +47,12 @@ def _result(desc: GemmDesc, config=None, us: float = 9.0) -> tuning.TuneResult:
     return tuning.TuneResult(key, config or default, default, us, 10.0, 3)
 
 
+# tables the tests write belong to the visible GPU (one of another device is ignored): an H100's without one
+DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "NVIDIA H100 80GB HBM3"
+
+
 def _table(*results: tuning.TuneResult) -> tuning.TunedTable:
-    table = tuning.TunedTable("NVIDIA H100 80GB HBM3", 132, kernels="", version="test")
+    table = tuning.TunedTable(DEVICE, 132, kernels="", version="test")
     table.update(results)
     return table
 
@@ -143,7 +147,7 @@ def test_a_table_of_another_device_is_ignored(table_env, monkeypatch):
     _table(_result(NORMAL, make_config(128, 128, 132, k=2048, num_stages=4))).save(table_env)
     monkeypatch.setattr(tuning, "_current_device_name", lambda: "NVIDIA H20")
     tuning.reset()
-    with pytest.warns(UserWarning, match="measured on NVIDIA H100 80GB HBM3, this is NVIDIA H20: not used"):
+    with pytest.warns(UserWarning, match=f"measured on {DEVICE}, this is NVIDIA H20: not used"):
         assert get_config(NORMAL) == default_config(NORMAL)
 
 
@@ -151,9 +155,9 @@ def test_the_default_table_is_this_gpus_file_in_the_cache(tmp_path, monkeypatch)
     monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "none shipped")
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(tuning.ENV_TABLE)
-    monkeypatch.setattr(tuning, "_current_device_name", lambda: "NVIDIA H100 80GB HBM3")
-    path = tuning.default_path("NVIDIA H100 80GB HBM3")
-    assert path == tmp_path / "tuned" / "nvidia-h100-80gb-hbm3.json"
+    monkeypatch.setattr(tuning, "_current_device_name", lambda: DEVICE)
+    assert tuning.default_path("NVIDIA H100 80GB HBM3") == tmp_path / "tuned" / "nvidia-h100-80gb-hbm3.json"
+    path = tuning.default_path(DEVICE)
     try:
         tuning.reset()
         assert tuning.active_table() is None  # none written yet
@@ -266,7 +270,7 @@ def test_shipped_tables_load_and_differ_from_the_model():
 
 
 def test_the_shipped_table_is_overridden_entry_by_entry_by_this_machines_own(tmp_path, monkeypatch):
-    name = "NVIDIA H100 80GB HBM3"
+    name = DEVICE
     monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "pkg")
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(tuning.ENV_TABLE)
