@@ -915,7 +915,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
                        f"pass another --out")
     done_keys = set() if args.retune else set(plan) & set(table.results)
     plan = {key: configs for key, configs in plan.items() if key not in done_keys}
-    descs = list(plan)  # (keys are descriptors of themselves)
     print(f"device    {device}; table {path} ({len(table.results)} keys already"
           + (f"; {len(done_keys)} of them skipped, --retune measures them again" if done_keys else "") + ")")
     print("compiling the candidates, then timing them (a key's line when all of its are timed)", flush=True)
@@ -933,7 +932,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             lines.append(f"  {_describe_key(r.key):<52} {_tile(r.default):<22} {r.default_us:8.1f} us  {what}")
             progress.update(1, _describe_key(r.key))
 
-        tuning.tune(descs, limit=args.limit, reps=args.reps,
+        tuning.tune(plan, reps=args.reps,
                     min_gain=tuning.MIN_GAIN if args.min_gain is None else args.min_gain, jobs=args.jobs,
                     compiler=args.compiler, on_result=done)
     print(f"  {'GEMM':<52} {'default':<22} {'time':>11}  tuned")

@@ -485,17 +485,18 @@ def model_descs(gemms: Iterable[Any], max_tokens: int, top_k: int, num_sms: int,
             and not (layout == "contiguous" and desc.expected_m is not None and desc.m > 128 * desc.num_groups)]
 
 
-def tune(descs: Iterable[GemmDesc], *, limit: int = 6, reps: int = 20, min_gain: float = MIN_GAIN,
-         jobs: int | None = None, compiler: str | None = None,
+def tune(work: Iterable[GemmDesc] | dict[GemmDesc, list[GemmConfig]], *, limit: int = 6, reps: int = 20,
+         min_gain: float = MIN_GAIN, jobs: int | None = None, compiler: str | None = None,
          on_result: Callable[[TuneResult], None] | None = None) -> list[TuneResult]:
-    """Measure every tuning key of ``descs`` on the current GPU (its candidates compiled first, in parallel, into
-    the JIT cache). Returns one result per key; writes nothing (``TunedTable.update`` / ``save`` do)."""
+    """Measure every tuning key of ``work`` (descriptors, or a ``plan`` of keys and their candidates) on the current
+    GPU, the candidates compiled first, in parallel, into the JIT cache. Returns one result per key; writes
+    nothing (``TunedTable.update`` / ``save`` do)."""
     from ..warmup import Variant, compile_variants
     from .gemm import kernel_variant
 
     if not torch.cuda.is_available():
         raise TuneError("tuning measures kernels: it needs a CUDA GPU")
-    keys = plan(descs, limit)
+    keys = work if isinstance(work, dict) else plan(work, limit)
     variants: dict[str, Variant] = {}
     for key, configs in keys.items():
         for cfg in configs:
