@@ -11,6 +11,8 @@ argparse sub-parser, one function to run it, and one entry in the dict.
 - ``bench {gemm,grouped,moe-data,moe,all,plot}``: time our kernels against torch baselines (kinds
   registered in ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
 - ``warmup --model DIR``: precompile every kernel variant a model needs (``moe_fp8.warmup``).
+- ``tune --model DIR | --shape SPEC``: time the best kernel configurations of a model's GEMMs on this GPU and keep
+  the fastest in its table (``moe_fp8.kernels.tuning``).
 - ``quantize SRC DST``: bf16 checkpoint → DeepSeek-style block FP8 (``moe_fp8.convert``).
 
 Errors a user can cause or fix (no GPU, not Hopper, no compiler, a failed compile, an unsupported
