@@ -181,7 +181,7 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
     return (bench_us(gemm1), bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
-def _capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> torch.cuda.CUDAGraph:
+def capture_forward(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> torch.cuda.CUDAGraph:
     for _ in range(2):
         layer(hidden, logits, path=path)
     torch.cuda.synchronize()
@@ -195,7 +195,7 @@ def _graph_us(layer, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[float,
     """One decode forward (the masked path, what an engine replays every step) replayed from a captured CUDA
     graph: the GPU's time alone, without the host's launches (``bench_us``), and its profiled spans after a
     dirty and a clean flush (``flushed_spans_us``)."""
-    graph = _capture(layer, hidden, logits, "masked")
+    graph = capture_forward(layer, hidden, logits, "masked")
     return bench_us(graph.replay), flushed_spans_us(graph.replay)
 
 
@@ -267,7 +267,7 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
                 synced = bench_us(lambda: layer(hidden, logits, path="contiguous"))
             finally:
                 layer.contiguous_sync = False
-            graph = _capture(layer, hidden, logits, "contiguous")  # one capture (its pool) for both figures
+            graph = capture_forward(layer, hidden, logits, "contiguous")  # one capture (its pool) for both figures
             g_us, share = bench_us(graph.replay), _graph_gemm_share(graph)
             del graph
             rows.append(row("moe_layer_path", {**shape, "path": "contiguous_graph"}, "moe_fp8", g_us, flops, nbytes))

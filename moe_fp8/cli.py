@@ -30,7 +30,6 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -867,6 +866,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import time
 
     from moe_fp8 import warmup as W
+    from moe_fp8.benchmarks.report import geomean
     from moe_fp8.kernels import tuning
     from moe_fp8.kernels.heuristics import GemmDesc
     from moe_fp8.progress import Progress, format_seconds
@@ -940,7 +940,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"  {'GEMM':<52} {'default':<22} {'time':>11}  tuned")
     print("\n".join(lines))
     tuning.reset()
-    gain = (f"; geomean gain on those {_geomean([1 + g for g in improved]) - 1:+.1%}" if improved else "")
+    gain = f"; geomean gain on those {geomean([1 + g for g in improved]) - 1:+.1%}" if improved else ""
     print(f"tuned     {len(plan)} keys in {format_seconds(time.perf_counter() - t0)}: {len(improved)} faster than "
           f"the cost model's pick{gain}")
     env = os.environ.get(tuning.ENV_TABLE)
@@ -949,10 +949,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     else:
         print(f"table     {path}: export {tuning.ENV_TABLE}={path} to use it")
     return 0
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 # --------------------------------------------------------------------------------------------

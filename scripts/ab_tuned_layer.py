@@ -13,23 +13,18 @@ import os
 import torch
 
 from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import HIDDEN, NUM_EXPERTS, build_layer
+from moe_fp8.benchmarks.moe import HIDDEN, NUM_EXPERTS, build_layer, capture_forward
 from moe_fp8.kernels import tuning
 
 
 def capture(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str, table: str | None) -> torch.cuda.CUDAGraph:
+    """``capture_forward`` under ``table`` (``$MOE_FP8_TUNED_CONFIGS``; None: the GPU's own tables)."""
     if table is None:
         os.environ.pop(tuning.ENV_TABLE, None)
     else:
         os.environ[tuning.ENV_TABLE] = table
     tuning.reset()
-    for _ in range(2):
-        layer(hidden, logits, path=path)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(hidden, logits, path=path)
-    return graph
+    return capture_forward(layer, hidden, logits, path)
 
 
 def main() -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from pathlib import Path
 
 import torch
 
 from moe_fp8.benchmarks.harness import bench_chilled_us, bench_us
+from moe_fp8.benchmarks.report import geomean
 from moe_fp8.kernels import tuning
 
 
@@ -52,8 +52,7 @@ def main() -> None:
               f"{plain[1]:8.1f}  {x[0]:.3f} / {x[1]:.3f}")
     for what, xs in ratios.items():
         if xs:
-            geo = math.exp(sum(map(math.log, xs)) / len(xs))
-            print(f"{what}: geomean {geo:.3f} over {len(xs)} keys, {sum(v < 1 for v in xs)} slower than the default")
+            print(f"{what}: geomean {geomean(xs):.3f} over {len(xs)} keys, {sum(v < 1 for v in xs)} slower than the default")
     if args.confirmed:
         confirmed.save(args.confirmed)
         print(f"confirmed: {len(confirmed.results)} picks written to {args.confirmed}")

@@ -227,10 +227,31 @@ def test_cli_without_a_gpu_says_so(capsys):
     assert "no CUDA device is visible" in capsys.readouterr().err
 
 
+def test_bad_tuning_arguments_are_refused_before_any_launch():
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        tuning_candidates(NORMAL, limit=0)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        tuning.time_configs(lambda cfg: None, [default_config(NORMAL)], reps=0)
+    with pytest.raises(ValueError, match="needs configs"):
+        tuning.time_configs(lambda cfg: None, [], reps=3)
+    with pytest.raises(ValueError, match="0 <= min_gain < 1"):
+        tuning.tune([NORMAL], min_gain=-0.5)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        tuning.tune([NORMAL], reps=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what tuning says without a GPU")
+def test_tuning_without_a_gpu_says_so():
+    with pytest.raises(tuning.TuneError, match="needs a CUDA GPU"):
+        tuning.tune([NORMAL])
+    with pytest.raises(tuning.TuneError, match="none is visible"):
+        tuning.new_table()
+
+
 @pytest.mark.hopper
 @pytest.mark.gpu
 def test_tuning_on_the_gpu_writes_a_table_whose_picks_run_correctly(table_env):
-    """A short real run (two candidates each, a few reps, any gain accepted): the table it writes loads, and the
+    """A short real run (two candidates each, a few reps, any confirmed gain kept): the table it writes loads, and the
     GEMMs launched under it pick its configurations and match the reference."""
     import moe_fp8
     from moe_fp8 import reference as ref
@@ -238,7 +259,7 @@ def test_tuning_on_the_gpu_writes_a_table_whose_picks_run_correctly(table_env):
     from moe_fp8.utils import calc_diff
 
     descs = [GemmDesc(200, 2112, 1024), GemmDesc(64, 1024, 1024, 4, "masked", expected_m=24)]
-    results = tuning.tune(descs, limit=2, reps=3, min_gain=-1.0)
+    results = tuning.tune(descs, limit=2, reps=3, min_gain=0.0)
     assert [r.key for r in results] == [tuning.tuning_key(d) for d in descs]
     assert all(r.us > 0 and r.default_us > 0 for r in results)
     table = tuning.new_table()

@@ -620,6 +620,8 @@ def tuning_candidates(desc: GemmDesc, limit: int = 6) -> list[GemmConfig]:
     """What ``moe-fp8 tune`` times for ``desc``: ``default_config`` first, then the model's ``limit`` cheapest
     tiles, each as the model launches it and, with 128 rows, also at the other stage count (TWO_WG_STAGES or all
     that fit: the model fixes one by rule, measured per family, not per shape). Distinct configs, in that order."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1 (tiles besides the default), got {limit}")
     key = config_key(desc)
     out = [default_config(desc)]
     for tile in ranked_tiles(key)[:limit]:

@@ -423,6 +423,8 @@ def make_runner(key: GemmDesc, device: torch.device) -> Callable[[GemmConfig], N
 def time_configs(run: Callable[[GemmConfig], None], configs: Sequence[GemmConfig], reps: int) -> list[float]:
     """Median µs of one ``run(cfg)`` after an L2 flush, per config; the configs interleaved round by round, so
     clock and temperature drift falls on all of them alike."""
+    if reps < 1 or not configs:
+        raise ValueError(f"time_configs needs configs and reps >= 1, got {len(configs)} configs, reps={reps}")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for cfg in configs:  # first launches: module load, TMA descriptors
         run(cfg)
@@ -494,6 +496,8 @@ def tune(work: Iterable[GemmDesc] | dict[GemmDesc, list[GemmConfig]], *, limit: 
     from ..warmup import Variant, compile_variants
     from .gemm import kernel_variant
 
+    if reps < 1 or not 0 <= min_gain < 1:
+        raise ValueError(f"tune needs reps >= 1 and 0 <= min_gain < 1, got reps={reps}, min_gain={min_gain}")
     if not torch.cuda.is_available():
         raise TuneError("tuning measures kernels: it needs a CUDA GPU")
     keys = work if isinstance(work, dict) else plan(work, limit)
