@@ -1,4 +1,4 @@
-"""Hugging Face transformers: run ``DeepseekV3ForCausalLM`` on moe_fp8's block-FP8 layers.
+"""Hugging Face transformers: run ``DeepseekV3ForCausalLM`` and ``Qwen3MoeForCausalLM`` on moe_fp8's block-FP8 layers.
 
 Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` (``pip install
 'moe-fp8[transformers]'``), imported only when a function here is called.
@@ -7,29 +7,33 @@ Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` 
     model = load_model("/path/to/DeepSeek-V3", device="cuda")          # FP8 checkpoint, bf16 activations
     out = model.generate(input_ids, max_new_tokens=32)
 
-``load_model`` builds transformers' own ``DeepseekV3ForCausalLM`` on the meta device (no memory), then
-``patch_model`` swaps its modules for ours and fills everything from the checkpoint:
+``load_model`` builds transformers' own model for the checkpoint's ``model_type`` (``ARCHITECTURES``:
+``deepseek_v3``, ``qwen3_moe``) on the meta device (no memory), then ``patch_model`` swaps its modules for ours
+and fills everything from the checkpoint:
 
-- each MoE block (``DeepseekV3MoE``) → ``Fp8DeepseekV3MoE``: the router weight (logits in fp32, as
-  transformers computes them) + ``Fp8FusedMoE`` (routed experts stacked as ``w13`` / ``w2``, correction
-  bias, shared experts);
-- each dense MLP (``DeepseekV3MLP``) → ``Fp8MLP`` (gate and up fused);
-- each attention projection (``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``,
-  ``kv_b_proj``, ``o_proj``) → ``Fp8Linear``;
-- embeddings, norms, ``lm_head`` and the rotary tables stay in transformers' modules, in ``dtype``.
+- each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock``) → ``Fp8DeepseekV3MoE`` /
+  ``Fp8Qwen3MoeSparseMoeBlock`` (``Fp8MoEBlock``): the router weight (logits in fp32) + ``Fp8FusedMoE``
+  (routed experts stacked as ``w13`` / ``w2``; DeepSeek-V3: sigmoid grouped top-k, correction bias, shared
+  experts; Qwen3-MoE: softmax top-k, renormalized when ``norm_topk_prob``);
+- each dense MLP (``DeepseekV3MLP`` / ``Qwen3MoeMLP``) → ``Fp8MLP`` (gate and up fused);
+- each attention projection (DeepSeek-V3: ``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``,
+  ``kv_b_proj``, ``o_proj``; Qwen3-MoE: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) → ``Fp8Linear``;
+- embeddings, norms (Qwen3's per-head ``q_norm`` / ``k_norm`` too), ``lm_head`` and the rotary tables stay in
+  transformers' modules, in ``dtype``.
 
 FP8 weights are copied as stored (never through bf16); a bf16 checkpoint is quantized on load per
 128×128 block. A DeepSeek-V3.1-style checkpoint (``quantization_config.scale_fmt = "ue8m0"``) gets layers
 built with ``ue8m0=True`` (power-of-two activation scales; weight scales checked to be powers of two). A projection
 listed in ``quantization_config.ignored_layers`` / ``modules_to_not_convert`` (as ``moe-fp8 quantize --skip``
-writes it; listing MoE experts is refused), or one the FP8 GEMM cannot take (``K % 16`` or ``N % 8`` not 0),
-stays an ``nn.Linear`` in ``dtype`` (dequantized if stored as FP8); ``LoadReport.kept_unquantized`` names those
-(none for DeepSeek-V3 and for ``tiny_deepseek_v3_config``: the ragged ``kv_a_proj_with_mqa``, N = 576
-or 160, runs in FP8 with a partial last scale block). Single process: no tensor / expert parallelism here.
+writes it, and as Qwen's FP8 releases list their bf16 modules; listing MoE experts is refused), or one the FP8 GEMM
+cannot take (``K % 16`` or ``N % 8`` not 0), stays an ``nn.Linear`` in ``dtype`` (dequantized if stored as FP8);
+``LoadReport.kept_unquantized`` names those (none for DeepSeek-V3 and for ``tiny_deepseek_v3_config``: the ragged
+``kv_a_proj_with_mqa``, N = 576 or 160, runs in FP8 with a partial last scale block). Single process: no tensor /
+expert parallelism here.
 
-The config must be transformers' DeepseekV3 model (SiLU MLPs, sigmoid router). Router logits are recorded
-as transformers records them (``output_router_logits=True``), and ``model.to(dtype)`` / ``.half()`` change
-the activation dtype only: FP8 weights, their scales and the router weight keep theirs.
+The config must be one of transformers' models above with SiLU MLPs (DeepSeek-V3: a sigmoid router). Router
+logits are recorded as transformers records them (``output_router_logits=True``), and ``model.to(dtype)`` /
+``.half()`` change the activation dtype only: FP8 weights, their scales and the router weight keep theirs.
 
 ``load_reference_model`` builds the same model with plain transformers modules and weights dequantized
 to ``dtype`` (fp32 by default): the baseline the tests compare logits against. ``compare_logits`` does that
@@ -63,14 +67,42 @@ from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
-__all__ = ["Fp8DeepseekV3MoE", "LoadReport", "LogitComparison", "compare_logits", "load_model", "load_reference_model",
+__all__ = ["ARCHITECTURES", "Architecture", "Fp8DeepseekV3MoE", "Fp8MoEBlock", "Fp8Qwen3MoeSparseMoeBlock",
+           "LoadReport", "LogitComparison", "architecture", "compare_logits", "load_model", "load_reference_model",
            "patch_model", "reference_logits"]
 
 logger = logging.getLogger("moe_fp8")
 Tensor = torch.Tensor
 
-ATTENTION_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A transformers MoE model family ``patch_model`` runs on moe_fp8: its ``model_type``, the names of its
+    classes in ``transformers.models.<module>.modeling_<module>`` and its attention projections."""
+
+    model_type: str
+    causal_lm: str
+    moe_block: str
+    mlp: str
+    router: str
+    attention: tuple[str, ...]
+    num_experts_key: str
+
+    def cls(self, name: str) -> type[nn.Module]:
+        module = getattr(_transformers().models, self.model_type)
+        return getattr(getattr(module, f"modeling_{self.model_type}"), name)
+
+
+ARCHITECTURES = {
+    "deepseek_v3": Architecture("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3MoE", "DeepseekV3MLP",
+                                "DeepseekV3TopkRouter",
+                                ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+                                "n_routed_experts"),
+    "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP",
+                              "Qwen3MoeTopKRouter", ("q_proj", "k_proj", "v_proj", "o_proj"), "num_experts"),
+}
 
 
 def _transformers() -> Any:
@@ -86,12 +118,21 @@ def _transformers() -> Any:
     return transformers
 
 
+def architecture(config: Any) -> Architecture:
+    """The ``Architecture`` of a transformers config, or ``ValueError`` for a model family moe_fp8 does not patch."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"moe_fp8 patches {' and '.join(repr(t) for t in ARCHITECTURES)} models (model_type), got "
+                         f"{model_type!r}")
+    return ARCHITECTURES[model_type]
+
+
 @dataclasses.dataclass
 class LoadReport:
     """What ``patch_model`` did, by module / tensor name."""
 
     fp8_linears: list[str] = dataclasses.field(default_factory=list)  # Fp8Linear / Fp8MLP modules
-    moe_layers: list[str] = dataclasses.field(default_factory=list)  # Fp8DeepseekV3MoE modules
+    moe_layers: list[str] = dataclasses.field(default_factory=list)  # Fp8MoEBlock modules
     quantized_on_load: list[str] = dataclasses.field(default_factory=list)  # bf16 weights quantized by us
     kept_unquantized: list[str] = dataclasses.field(default_factory=list)  # projections the GEMM cannot take
     unused: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model did not take
@@ -99,9 +140,10 @@ class LoadReport:
 
 
 @functools.cache
-def _router_class() -> type[nn.Module]:
-    """The router module class, built on first use (it subclasses transformers' router, imported lazily)."""
-    base = _transformers().models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter
+def _router_class(arch: Architecture) -> type[nn.Module]:
+    """The router module class of ``arch``, built on first use (it subclasses transformers' router, imported
+    lazily)."""
+    base = arch.cls(arch.router)
 
     class Fp8Router(FixedDtypeModule, base):
         """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``, in fp32; ``forward(x [T, H])``
@@ -110,10 +152,12 @@ def _router_class() -> type[nn.Module]:
         A subclass of transformers' router only so that transformers records its logits
         (``output_router_logits=True``); none of that class's own state or top-k is used.
 
-        NOTE: transformers computes the logits as ``F.linear(x.float(), weight.float())``; keeping the
-        (bf16-stored) weight as its exact fp32 upcast gives the same logits without a cast and an allocation
+        NOTE: transformers' DeepseekV3 computes the logits as ``F.linear(x.float(), weight.float())``; keeping
+        the (bf16-stored) weight as its exact fp32 upcast gives the same logits without a cast and an allocation
         of ``[E, H]`` fp32 on every forward (7 MiB per DeepSeek-V3 layer, for 3.5 MiB more resident).
-        Module-wide casts leave it fp32 (``FixedDtypeModule``).
+        Module-wide casts leave it fp32 (``FixedDtypeModule``). Qwen3-MoE's router gets the same fp32 logits,
+        where transformers computes them in the activation dtype before its fp32 softmax: a bf16 transformers
+        model can pick another expert for a near-tie token.
         """
 
         fixed_dtype_tensors = ("weight",)
@@ -129,37 +173,33 @@ def _router_class() -> type[nn.Module]:
     return Fp8Router
 
 
-class Fp8DeepseekV3MoE(nn.Module):
-    """Drop-in for transformers' ``DeepseekV3MoE``: ``forward(hidden_states [..., H]) -> [..., H]``.
+class Fp8MoEBlock(nn.Module):
+    """Drop-in for a transformers MoE block: ``forward(hidden_states [..., H]) -> [..., H]``.
 
-    ``gate.weight [E, H]`` gives fp32 router logits (``hidden.float() @ weight.float()ᵀ``, as transformers'
-    router does); ``experts`` is an ``Fp8FusedMoE`` with DeepSeek-V3 routing (sigmoid, grouped top-k,
-    correction bias, ``routed_scaling_factor``) and the shared experts. ``path`` is passed to its forward;
-    ``ue8m0`` to ``Fp8FusedMoE`` (DeepSeek-V3.1 checkpoints). ``dtype`` is accepted for symmetry and unused
-    (the router weight is kept in fp32, the experts in FP8).
+    ``gate.weight [E, H]`` gives fp32 router logits (``hidden.float() @ weight.float()ᵀ``); ``experts`` is an
+    ``Fp8FusedMoE`` with the family's routing (``routing``) and shared experts. ``path`` is passed to its
+    forward; ``ue8m0`` to ``Fp8FusedMoE`` (DeepSeek-V3.1 checkpoints). ``dtype`` is accepted for symmetry and
+    unused (the router weight is kept in fp32, the experts in FP8).
     """
+
+    architecture: Architecture
 
     def __init__(self, config: Any, *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.bfloat16, masked_max_tokens: int | None = None,
                  path: str = "auto", ue8m0: bool = False) -> None:
         super().__init__()
-        num_experts = int(config.n_routed_experts)
+        num_experts = int(getattr(config, self.architecture.num_experts_key))
         hidden = int(config.hidden_size)
-        self.gate = _router_class()(num_experts, hidden, device)
-        n_group = getattr(config, "n_group", None)
-        topk_group = getattr(config, "topk_group", None)
-        if not n_group or n_group <= 1:
-            n_group = topk_group = None  # one group: plain top-k
-        shared = int(getattr(config, "n_shared_experts", 0) or 0)
-        self.experts = Fp8FusedMoE(
-            num_experts, hidden, int(config.moe_intermediate_size), int(config.num_experts_per_tok),
-            scoring_func="sigmoid",  # transformers' DeepseekV3 router (_check_config refuses others)
-            renormalize=bool(getattr(config, "norm_topk_prob", True)),
-            n_group=n_group, topk_group=topk_group,
-            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
-            use_correction_bias=getattr(config, "topk_method", "noaux_tc") == "noaux_tc",
-            num_shared_experts=shared, masked_max_tokens=masked_max_tokens, ue8m0=ue8m0, device=device)
+        self.gate = _router_class(self.architecture)(num_experts, hidden, device)
+        self.experts = Fp8FusedMoE(num_experts, hidden, int(config.moe_intermediate_size),
+                                   int(config.num_experts_per_tok), masked_max_tokens=masked_max_tokens,
+                                   ue8m0=ue8m0, device=device, **self.routing(config))
         self.path = path
+
+    @staticmethod
+    def routing(config: Any) -> dict[str, Any]:
+        """``Fp8FusedMoE`` keyword arguments for the family's routing and shared experts."""
+        raise NotImplementedError
 
     def router_logits(self, x: Tensor) -> Tensor:
         """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on; the gate weight is kept fp32)."""
@@ -171,34 +211,73 @@ class Fp8DeepseekV3MoE(nn.Module):
         return self.experts(x, self.router_logits(x), path=self.path).view(shape)
 
 
+class Fp8DeepseekV3MoE(Fp8MoEBlock):
+    """Drop-in for transformers' ``DeepseekV3MoE``: DeepSeek-V3 routing (sigmoid, grouped top-k, correction
+    bias, ``routed_scaling_factor``) and the shared experts."""
+
+    architecture = ARCHITECTURES["deepseek_v3"]
+
+    @staticmethod
+    def routing(config: Any) -> dict[str, Any]:
+        n_group = getattr(config, "n_group", None)
+        topk_group = getattr(config, "topk_group", None)
+        if not n_group or n_group <= 1:
+            n_group = topk_group = None  # one group: plain top-k
+        return dict(scoring_func="sigmoid",  # transformers' DeepseekV3 router (_check_config refuses others)
+                    renormalize=bool(getattr(config, "norm_topk_prob", True)),
+                    n_group=n_group, topk_group=topk_group,
+                    routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
+                    use_correction_bias=getattr(config, "topk_method", "noaux_tc") == "noaux_tc",
+                    num_shared_experts=int(getattr(config, "n_shared_experts", 0) or 0))
+
+
+class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
+    """Drop-in for transformers' ``Qwen3MoeSparseMoeBlock``: softmax top-k, renormalized when
+    ``norm_topk_prob``, no shared experts."""
+
+    architecture = ARCHITECTURES["qwen3_moe"]
+
+    @staticmethod
+    def routing(config: Any) -> dict[str, Any]:
+        return dict(scoring_func="softmax", renormalize=bool(getattr(config, "norm_topk_prob", False)))
+
+
+_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock)}
+
+
 # ==============================================================================================
 # patching
 # ==============================================================================================
 
-def _check_config(config: Any) -> None:
-    if getattr(config, "model_type", None) not in ("deepseek_v3",):
-        raise ValueError(f"moe_fp8 patches DeepSeek-V3 models (model_type 'deepseek_v3'), got "
-                         f"{getattr(config, 'model_type', None)!r}")
-    if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
-        raise ValueError("moe_layer_freq != 1 is not supported (transformers' DeepseekV3 puts a MoE block in "
-                         "every layer from first_k_dense_replace on)")
-    # transformers' DeepseekV3 ignores these two (its MLPs take hidden_act, its router always scores with a
-    # sigmoid); moe_fp8's MLPs are SiLU-gated: anything else would run a different model without a word
+def _check_config(config: Any) -> Architecture:
+    arch = architecture(config)
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"moe_fp8's MLPs and experts are SiLU-gated; hidden_act {config.hidden_act!r} is not "
                          "supported")
+    if arch.model_type == "deepseek_v3":
+        _check_deepseek_v3(config)
+    return arch
+
+
+def _check_deepseek_v3(config: Any) -> None:
+    if int(getattr(config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError("moe_layer_freq != 1 is not supported (transformers' DeepseekV3 puts a MoE block in "
+                         "every layer from first_k_dense_replace on)")
+    # transformers' DeepseekV3 ignores scoring_func (its router always scores with a sigmoid) and takes
+    # hidden_act in its MLPs; either off moe_fp8's would run a different model without a word
     if getattr(config, "scoring_func", None) not in (None, "sigmoid"):
         raise ValueError(f"scoring_func {config.scoring_func!r}: transformers' DeepseekV3 router scores experts "
                          "with a sigmoid, as moe_fp8's does; another scoring function is not supported")
 
 
-def _check_moe_not_listed(prefix: str, config: Any, ignored: tuple[str, ...]) -> None:
+def _check_moe_not_listed(prefix: str, config: Any, arch: Architecture, ignored: tuple[str, ...]) -> None:
     """Refuse ``ignored_layers`` entries naming a MoE block's experts: its routed and shared experts run only as
     ``Fp8FusedMoE`` (the router, never quantized, may be listed)."""
     if not ignored:
         return
     shared = [f"{prefix}.shared_experts.{p}" for p in _MLP_PROJECTIONS] if getattr(config, "n_shared_experts", 0) else []
-    names = [f"{prefix}.experts.{e}.{p}" for e in range(int(config.n_routed_experts)) for p in _MLP_PROJECTIONS]
+    names = [f"{prefix}.experts.{e}.{p}" for e in range(int(getattr(config, arch.num_experts_key)))
+             for p in _MLP_PROJECTIONS]
     listed = [n for n in names + shared if _listed(n, ignored)]
     if listed:
         raise ValueError(f"quantization_config.ignored_layers keeps {listed[0]} (and {len(listed) - 1} more) of the "
@@ -302,11 +381,11 @@ def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
 def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLike, *,
                 device: torch.device | str | None = None, masked_max_tokens: int | None = None,
                 moe_path: str = "auto") -> LoadReport:
-    """Swap a transformers ``DeepseekV3ForCausalLM``'s MoE blocks, MLPs and attention projections for moe_fp8
-    layers and load every weight from a DeepSeek-V3-format checkpoint (FP8 or bf16).
+    """Swap a transformers ``DeepseekV3ForCausalLM``'s or ``Qwen3MoeForCausalLM``'s MoE blocks, MLPs and attention
+    projections for moe_fp8 layers and load every weight from a checkpoint in the DeepSeek-V3 format (FP8 or bf16).
 
     Args:
-        model: ``transformers.DeepseekV3ForCausalLM`` (on the meta device, or real: its weights are replaced).
+        model: a model of ``ARCHITECTURES`` (on the meta device, or real: its weights are replaced).
             Modules that stay transformers' keep their parameter dtypes; the checkpoint's values are cast to them.
         checkpoint: directory (or ``CheckpointReader``).
         device: where the weights go (default: the model's device; required for a meta model).
@@ -318,21 +397,21 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
     _transformers()
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     config = model.config
-    _check_config(config)
+    arch = _check_config(config)
     dev = _target_device(model, device)
     dtype = model.get_input_embeddings().weight.dtype
     report = LoadReport(ue8m0=reader.ue8m0)
     base = model.get_submodule("model")
     for i, layer in enumerate(base.layers):
         prefix = f"model.layers.{i}"
-        for proj in ATTENTION_PROJECTIONS:
+        for proj in arch.attention:
             if isinstance(getattr(layer.self_attn, proj, None), nn.Linear):
                 _swap_linear(layer.self_attn, proj, f"{prefix}.self_attn.{proj}", reader, dev, dtype, report)
         kind = type(layer.mlp).__name__
-        if kind == "DeepseekV3MoE":
-            _check_moe_not_listed(f"{prefix}.mlp", config, reader.ignored_layers)
-            moe = Fp8DeepseekV3MoE(config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
-                                   path=moe_path, ue8m0=report.ue8m0)
+        if kind == arch.moe_block:
+            _check_moe_not_listed(f"{prefix}.mlp", config, arch, reader.ignored_layers)
+            moe = _BLOCKS[arch.model_type](config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
+                                           path=moe_path, ue8m0=report.ue8m0)
             _copy_param(moe.gate.weight, reader.get(f"{prefix}.mlp.gate.weight"), f"{prefix}.mlp.gate.weight")
             for e in moe.experts.local_expert_ids():
                 for proj in _MLP_PROJECTIONS:
@@ -341,15 +420,15 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
             _load_fused_moe(moe.experts, reader, f"{prefix}.mlp")
             layer.mlp = moe
             report.moe_layers.append(f"{prefix}.mlp")
-        elif kind == "DeepseekV3MLP":
+        elif kind == arch.mlp:
             _swap_dense_mlp(layer, f"{prefix}.mlp", reader, dev, dtype, report)
         else:
-            raise ValueError(f"{prefix}.mlp is a {kind}, not transformers' DeepseekV3MoE / DeepseekV3MLP "
+            raise ValueError(f"{prefix}.mlp is a {kind}, not transformers' {arch.moe_block} / {arch.mlp} "
                              "(already patched?)")
 
-    # Everything else keeps transformers' modules: load by name (transformers' DeepseekV3 names are the
+    # Everything else keeps transformers' modules: load by name (transformers' module names are the
     # checkpoint's), replacing meta parameters by real ones (assign) in their current dtype.
-    ours = (Fp8Linear, Fp8MLP, Fp8DeepseekV3MoE)
+    ours = (Fp8Linear, Fp8MLP, Fp8MoEBlock)
     skip = {f"{n}." for n, m in model.named_modules() if isinstance(m, ours)}
     state: dict[str, Tensor] = {}
     missing = []
@@ -391,21 +470,22 @@ def _copy_param(dst: Tensor, src: Tensor, name: str) -> None:
 def _build_meta_model(path: str | os.PathLike, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
     transformers = _transformers()
     config = transformers.AutoConfig.from_pretrained(path)
-    _check_config(config)
+    arch = _check_config(config)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     with torch.device("meta"):
-        model = transformers.DeepseekV3ForCausalLM(config)
+        model = getattr(transformers, arch.causal_lm)(config)
     return model.to(dtype)
 
 
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                masked_max_tokens: int | None = None, moe_path: str = "auto",
                attn_implementation: str | None = None) -> nn.Module:
-    """Build transformers' ``DeepseekV3ForCausalLM`` from ``path/config.json`` and run it on moe_fp8 layers.
+    """Build transformers' model of ``path/config.json`` (``DeepseekV3ForCausalLM`` or ``Qwen3MoeForCausalLM``, by
+    ``model_type``) and run it on moe_fp8 layers.
 
     Args:
-        path: DeepSeek-V3-format checkpoint directory (FP8 with ``weight_scale_inv``, or bf16).
+        path: checkpoint directory in the DeepSeek-V3 format (FP8 with ``weight_scale_inv``, or bf16).
         device: where the model lives (``"cuda"`` for the Hopper kernels).
         dtype: activation dtype and dtype of the modules that stay transformers' (embeddings, norms, lm_head).
         masked_max_tokens, moe_path: see ``Fp8FusedMoE``.
@@ -424,7 +504,8 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", d
 @torch.no_grad()
 def load_reference_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                          dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
-    """transformers' plain ``DeepseekV3ForCausalLM`` with every weight dequantized to ``dtype`` (validation only:
+    """transformers' plain model (``DeepseekV3ForCausalLM`` / ``Qwen3MoeForCausalLM``) with every weight dequantized
+    to ``dtype`` (validation only:
     it materialises the whole model in ``dtype``). Routed experts are stacked as transformers stores them:
     ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``."""
     model = _build_meta_model(path, dtype, attn_implementation)
@@ -463,7 +544,8 @@ def load_reference_model(path: str | os.PathLike, *, device: torch.device | str 
 # ==============================================================================================
 
 def _reference_moe_blocks(reference: nn.Module) -> list[nn.Module]:
-    moe_cls = _transformers().models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
+    arch = architecture(reference.config)
+    moe_cls = arch.cls(arch.moe_block)
     return [layer.mlp for layer in reference.get_submodule("model").layers if isinstance(layer.mlp, moe_cls)]
 
 
@@ -475,16 +557,22 @@ def reference_logits(reference: nn.Module, input_ids: Tensor, routed_ids: list[T
     the combine weights stay transformers' formula on its own router scores) and with ``zero_moe`` every MoE
     block's output zeroed (to show what the MoE layers contribute)."""
     config = reference.config
+    deepseek = architecture(config).model_type == "deepseek_v3"
     queue = list(routed_ids) if routed_ids is not None else None
     handles = []
 
     def force(mod: nn.Module, args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         logits, _, _ = out
         ids = queue.pop(0).long().to(logits.device)
-        weights = logits.sigmoid().gather(1, ids)
-        if getattr(config, "norm_topk_prob", True):
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return logits, weights * config.routed_scaling_factor, ids
+        if deepseek:
+            weights = logits.sigmoid().gather(1, ids)
+            if getattr(config, "norm_topk_prob", True):
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return logits, weights * config.routed_scaling_factor, ids
+        weights = logits.softmax(-1, dtype=torch.float).gather(1, ids)  # Qwen3MoeTopKRouter's formula
+        if config.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
 
     try:
         for block in _reference_moe_blocks(reference):
@@ -530,7 +618,7 @@ def compare_logits(model: nn.Module, reference: nn.Module, input_ids: Tensor) ->
     checkpoint) on one forward of ``input_ids [B, S]``; see ``LogitComparison``."""
     from moe_fp8.utils import calc_diff
 
-    blocks = [m for m in model.modules() if isinstance(m, Fp8DeepseekV3MoE)]
+    blocks = [m for m in model.modules() if isinstance(m, Fp8MoEBlock)]
     ref_blocks = _reference_moe_blocks(reference)
     inputs: list[Tensor] = []
     handles = [b.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
@@ -543,7 +631,8 @@ def compare_logits(model: nn.Module, reference: nn.Module, input_ids: Tensor) ->
     routed, disagrees = [], 0
     for block, ref_block, x in zip(blocks, ref_blocks, inputs, strict=True):
         ids = block.experts.route(block.router_logits(x.contiguous()))[1].long().cpu()
-        disagrees += _not_chosen(ids, ref_block.gate(x.to(ref_block.gate.weight.device))[2])
+        weight = ref_block.gate.weight
+        disagrees += _not_chosen(ids, ref_block.gate(x.to(weight.device, weight.dtype))[2])
         routed.append(ids)
     ref_ids: list[Tensor] = []  # the reference's own choices on its own forward
     handles = [b.gate.register_forward_hook(lambda mod, args, out: ref_ids.append(out[2])) for b in ref_blocks]

@@ -1,9 +1,11 @@
-"""``moe-fp8 demo``: a small DeepSeek-V3 end to end on moe_fp8's layers, checked against bf16.
+"""``moe-fp8 demo``: a small DeepSeek-V3 (or Qwen3-MoE) end to end on moe_fp8's layers, checked against bf16.
 
 1. write a random DeepSeek-V3 checkpoint in block FP8 (``layers.write_deepseek_v3_checkpoint`` of
    ``tiny_deepseek_v3_config``: MLA attention, 16 routed experts top-4 in grouped routing, a shared
-   expert, the first layer dense) — the format of the published DeepSeek-V3 / R1 weights;
-2. load it into transformers' ``DeepseekV3ForCausalLM`` with its MoE blocks, MLPs and attention
+   expert, the first layer dense) — the format of the published DeepSeek-V3 / R1 weights; with
+   ``arch="qwen3_moe"`` a Qwen3-MoE one (``tiny_qwen3_moe_config``: grouped-query attention, 16 experts top-4
+   with softmax routing, no shared expert), the format of Qwen's FP8 releases;
+2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``) with its MoE blocks, MLPs and attention
    projections replaced by ours (``integrations.transformers.load_model``), and into the same model
    with plain transformers modules and the weights dequantized to bf16 (``load_reference_model``);
 3. compare their logits on a prompt (``compare_logits``: DESIGN §6 ``calc_diff``, end to end and with the
@@ -26,7 +28,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
+__all__ = ["ARCHS", "DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
+
+ARCHS = ("deepseek_v3", "qwen3_moe")  # the model families of ``integrations.transformers``
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
 # The ops a forward of the model calls (GEMMs of every projection and expert, the MoE data path).
@@ -66,10 +70,11 @@ def _sync(device: torch.device) -> None:
 
 def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: int = 16,
              device: str | torch.device | None = None, seed: int = 0, save: Path | None = None,
-             on_phase: Callable[[str], None] | None = None) -> dict[str, Any]:
+             on_phase: Callable[[str], None] | None = None, arch: str = "deepseek_v3") -> dict[str, Any]:
     """Run the demo (see the module docstring) and return its report.
 
     Args:
+        arch: ``"deepseek_v3"`` or ``"qwen3_moe"`` (``ARCHS``).
         layers: decoder layers (the first is dense when there are two or more; the others MoE).
         tokens: new tokens to generate per sequence; batch: sequences; prompt_len: prompt tokens each.
         device: ``"cpu"`` / ``"cuda[:N]"`` (default: the current GPU if one is visible, else CPU).
@@ -82,8 +87,10 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     """
     from moe_fp8.backends import _normalize_device
     from moe_fp8.integrations.transformers import compare_logits, load_model, load_reference_model
-    from moe_fp8.layers import tiny_deepseek_v3_config, write_deepseek_v3_checkpoint
+    from moe_fp8.layers import tiny_deepseek_v3_config, tiny_qwen3_moe_config, write_checkpoint
 
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     for name, value in (("layers", layers), ("tokens", tokens), ("batch", batch), ("prompt_len", prompt_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -91,8 +98,13 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
         check_save_dir(save)
     dev = _normalize_device(device)
     phase = on_phase or (lambda name: None)
-    config = tiny_deepseek_v3_config(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
-                                     max_position_embeddings=max(256, prompt_len + tokens))
+    positions = max(256, prompt_len + tokens)
+    if arch == "deepseek_v3":
+        config = tiny_deepseek_v3_config(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
+                                         max_position_embeddings=positions)
+    else:
+        config = tiny_qwen3_moe_config(num_hidden_layers=layers, mlp_only_layers=[0] if layers > 1 else [],
+                                       max_position_embeddings=positions)
     report: dict[str, Any] = {"device": str(dev), "device_name": torch.cuda.get_device_name(dev)
                               if dev.type == "cuda" else "cpu", "seconds": {}}
     seconds = report["seconds"]
@@ -104,7 +116,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
             path = Path(save)
         phase("write checkpoint")
         start = time.perf_counter()
-        write_deepseek_v3_checkpoint(path, config, seed=seed)
+        write_checkpoint(path, config, seed=seed)
         seconds["write_checkpoint"] = time.perf_counter() - start
 
         phase("load model")
@@ -115,10 +127,11 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
 
     moe_blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     report["model"] = {
-        "architecture": "DeepseekV3ForCausalLM (transformers), random block-FP8 weights",
+        "architecture": f"{type(model).__name__} (transformers), random block-FP8 weights", "arch": arch,
         "layers": layers, "moe_layers": len(moe_blocks), "hidden": config["hidden_size"],
-        "routed_experts": config["n_routed_experts"], "top_k": config["num_experts_per_tok"],
-        "shared_experts": config["n_shared_experts"], "vocab": config["vocab_size"],
+        "routed_experts": config.get("n_routed_experts", config.get("num_experts")),
+        "top_k": config["num_experts_per_tok"], "shared_experts": config.get("n_shared_experts", 0),
+        "vocab": config["vocab_size"],
         "checkpoint": None if save is None else str(path),
         "fp8_linears": len(model.moe_fp8_report.fp8_linears), "moe_blocks": len(model.moe_fp8_report.moe_layers),
     }
@@ -179,11 +192,13 @@ def format_report(r: dict[str, Any]) -> str:
     """The text ``moe-fp8 demo`` prints."""
     m, g, lg, s = r["model"], r["generate"], r["logits"], r["seconds"]
     dense = m["layers"] - m["moe_layers"]
+    family = {"deepseek_v3": "DeepSeek-V3", "qwen3_moe": "Qwen3-MoE"}[m.get("arch", "deepseek_v3")]
+    shared = f" + {m['shared_experts']} shared" if m["shared_experts"] else ""
     lines = [
-        f"model     DeepSeek-V3 architecture, random block-FP8 weights: {m['layers']} layers ({dense} dense, "
-        f"{m['moe_layers']} MoE: {m['routed_experts']} experts top-{m['top_k']} + {m['shared_experts']} shared), "
+        f"model     {family} architecture, random block-FP8 weights: {m['layers']} layers ({dense} dense, "
+        f"{m['moe_layers']} MoE: {m['routed_experts']} experts top-{m['top_k']}{shared}), "
         f"hidden {m['hidden']}, vocab {m['vocab']}",
-        f"          transformers DeepseekV3ForCausalLM with {m['fp8_linears']} Fp8Linear/Fp8MLP and "
+        f"          transformers {m['architecture'].split()[0]} with {m['fp8_linears']} Fp8Linear/Fp8MLP and "
         f"{m['moe_blocks']} Fp8FusedMoE blocks from moe_fp8" + (f"; checkpoint kept in {m['checkpoint']}"
                                                                   if m["checkpoint"] else ""),
         f"device    {r['device']}" + (f" ({r['device_name']})" if r["device_name"] != r["device"] else "")

@@ -210,7 +210,9 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
     n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
     first_dense = cfg.get("first_k_dense_replace", 0 if n_experts else 1 << 30)
     n_layers = cfg.get("num_hidden_layers", 1 << 30)
-    if not n_experts or first_dense > 0:
+    # dense layers among the MoE ones: DeepSeek's moe_layer_freq, Qwen-MoE's mlp_only_layers / decoder_sparse_step
+    sparse_step = max(int(cfg.get("moe_layer_freq") or 1), int(cfg.get("decoder_sparse_step") or 1))
+    if not n_experts or first_dense > 0 or cfg.get("mlp_only_layers") or sparse_step > 1:
         inter = _split("intermediate_size", _get(cfg, "intermediate_size"), tp, "--tp")
         out.append(GemmShape("mlp.gate_up_proj", 2 * inter, h))
         out.append(GemmShape("mlp.down_proj", h, inter))

@@ -76,7 +76,25 @@ def test_one_layer_is_a_moe_layer(tmp_path, capsys):
     assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND
 
 
+def test_qwen3_moe_demo(capsys):
+    """--arch qwen3_moe: a Qwen3-MoE checkpoint (softmax routing, no shared expert) through the same checks."""
+    assert cli.main(["demo", "--arch", "qwen3_moe", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
+                     "--device", "cpu", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model"]
+    assert m["arch"] == "qwen3_moe" and m["architecture"].startswith("Qwen3MoeForCausalLM")
+    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == (1, 16, 4, 0, 9)
+    assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
+    text = demo.format_report(report).splitlines()
+    assert text[0].startswith("model     Qwen3-MoE architecture, random block-FP8 weights: 2 layers (1 dense, 1 MoE: "
+                              "16 experts top-4), ")
+    assert text[1].startswith("          transformers Qwen3MoeForCausalLM with 9 Fp8Linear/Fp8MLP")
+    with pytest.raises(ValueError, match="arch must be one of"):
+        demo.run_demo(arch="llama")
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["demo", "--arch", "llama"], "argument --arch: invalid choice: 'llama'"),
     (["demo", "--layers", "0"], "argument --layers: must be >= 1, got 0"),
     (["demo", "--device", "tpu"], "argument --device: 'tpu' is not a torch device (cpu, cuda, cuda:N)"),
     (["demo", "--device", "meta"], "argument --device: must be cpu, cuda or cuda:N, not meta"),
@@ -98,8 +116,8 @@ def test_errors_are_one_message(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     assert cli.main(["demo", "--no-progress"]) == 1
-    assert ("error: the demo runs transformers' DeepseekV3ForCausalLM: pip install 'moe-fp8[transformers]'"
-            in capsys.readouterr().err)
+    assert ("error: the demo runs a transformers model (DeepseekV3ForCausalLM / Qwen3MoeForCausalLM): "
+            "pip install 'moe-fp8[transformers]'" in capsys.readouterr().err)
     monkeypatch.setattr(cli.importlib.util, "find_spec", real)
 
     def wrong(**kwargs):

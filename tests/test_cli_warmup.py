@@ -74,6 +74,26 @@ def test_deepseek_v3_shapes_per_rank():
     assert with_head["lm_head"][:2] == (129280, 7168)
 
 
+def test_qwen3_moe_shapes_per_rank():
+    """Qwen3-MoE (Qwen3-30B-A3B's sizes): fused q/k/v of grouped-query attention, no shared experts, and a dense MLP
+    only where mlp_only_layers / decoder_sparse_step leave one."""
+    from moe_fp8.layers import tiny_qwen3_moe_config
+
+    qwen3 = tiny_qwen3_moe_config(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                  intermediate_size=6144, num_hidden_layers=48, mlp_only_layers=[])
+    tp1 = _shapes(W.model_gemms(qwen3))
+    assert tp1 == {"qkv_proj": (5120, 2048, ("normal",), 1), "o_proj": (2048, 4096, ("normal",), 1),
+                   "experts.w13": (1536, 2048, ("contiguous", "masked"), 128),
+                   "experts.w2": (2048, 768, ("contiguous", "masked"), 128)}
+    tp2 = _shapes(W.model_gemms(qwen3, tp=2))
+    assert tp2["qkv_proj"][:2] == (2560, 2048) and tp2["experts.w2"][:2] == (2048, 384)
+    with pytest.raises(W.ModelConfigError, match=r"768/4 = 192 is not a multiple of 128"):
+        W.model_gemms(qwen3, tp=4)  # as in vLLM's and SGLang's own block-FP8 methods
+    for dense in ({"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}):
+        assert _shapes(W.model_gemms({**qwen3, **dense}))["mlp.gate_up_proj"][:2] == (12288, 2048)
+
+
 @pytest.mark.parametrize("cfg,tp,ep,match", [
     (DEEPSEEK_V3, 3, 1, r"num_attention_heads = 128 does not split over --tp 3"),
     (DEEPSEEK_V3, 32, 1, r"moe_intermediate_size/tp = 2048/32 = 64 is not a multiple of 128"),

@@ -1,5 +1,6 @@
 """DeepSeek-V3-format checkpoints: the writer's exact format, the loaders fill the exact bytes (FP8),
-quantize bf16 on load, read only a rank's slice (TP / EP), and refuse mismatches clearly."""
+quantize bf16 on load, read only a rank's slice (TP / EP), and refuse mismatches clearly; Qwen3-MoE's
+checkpoints in the same format."""
 
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ from moe_fp8.layers import (
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
+    qwen3_moe_tensor_specs,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_qwen3_moe_config,
+    write_checkpoint,
     write_deepseek_v3_checkpoint,
+    write_qwen3_moe_checkpoint,
 )
+from moe_fp8.layers.checkpoint import is_moe_layer
 
 CFG = tiny_deepseek_v3_config(num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                               moe_intermediate_size=256, intermediate_size=384)
@@ -91,6 +97,35 @@ def test_writer_format(fp8_ckpt):
     again = write_deepseek_v3_checkpoint(fp8_ckpt.parent / "again", CFG, seed=3, num_shards=3)
     for file in set(index["weight_map"].values()):
         assert (again / file).read_bytes() == (fp8_ckpt / file).read_bytes()
+
+
+def test_qwen3_moe_writer_and_moe_loader(tmp_path):
+    """Qwen3-MoE: its module names (per-head q / k norms, no shared experts, no correction bias), its MoE layer
+    placement (``mlp_only_layers``, ``decoder_sparse_step``), and a MoE layer loaded byte for byte."""
+    config = tiny_qwen3_moe_config(num_hidden_layers=4, mlp_only_layers=[1], decoder_sparse_step=2)
+    assert [is_moe_layer(config, i) for i in range(4)] == [False, False, False, True]
+    assert [is_moe_layer(tiny_qwen3_moe_config(), i) for i in range(3)] == [False, True, True]
+    specs = qwen3_moe_tensor_specs(tiny_qwen3_moe_config())
+    attn = "model.layers.1.self_attn"
+    assert specs[f"{attn}.k_proj.weight"].shape == (128, 256) and specs[f"{attn}.o_proj.weight"].shape == (256, 256)
+    assert specs[f"{attn}.q_norm.weight"].shape == (64,) and not specs[f"{attn}.q_norm.weight"].fp8
+    assert specs["model.layers.1.mlp.gate.weight"].shape == (16, 256)
+    assert specs["model.layers.1.mlp.experts.15.down_proj.weight"].shape == (256, 128)
+    assert specs["model.layers.0.mlp.gate_proj.weight"].shape == (512, 256)
+    assert not any("shared_expert" in n or "correction_bias" in n or "kv_" in n for n in specs)
+    path = write_qwen3_moe_checkpoint(tmp_path / "q3", seed=1, num_shards=1)
+    assert (path / "model-00001-of-00001.safetensors").read_bytes() == (
+        write_checkpoint(tmp_path / "again", tiny_qwen3_moe_config(), seed=1, num_shards=1)
+        / "model-00001-of-00001.safetensors").read_bytes()
+    moe = Fp8FusedMoE(16, 256, 128, 4, scoring_func="softmax")
+    with CheckpointReader(path) as reader:
+        load_fused_moe(moe, reader, "model.layers.2.mlp")
+        gate = reader.get("model.layers.2.mlp.experts.9.gate_proj.weight")
+        up_scale = reader.get("model.layers.2.mlp.experts.9.up_proj.weight_scale_inv")
+    assert torch.equal(_bytes(moe.w13_weight[9, :128]), _bytes(gate))
+    assert torch.equal(moe.w13_weight_scale_inv[9, 1:], up_scale)
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        write_checkpoint(tmp_path / "x", {"model_type": "llama"})
 
 
 def test_reader(fp8_ckpt):

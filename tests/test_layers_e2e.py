@@ -1,6 +1,8 @@
 """End to end: a tiny random DeepSeek-V3 saved as a real block-FP8 checkpoint, loaded into transformers'
 ``DeepseekV3ForCausalLM`` running on moe_fp8 layers, against transformers' own model with the weights
-dequantized to fp32 (DESIGN §6: ``calc_diff < 2e-3``), plus ``generate``.
+dequantized to fp32 (DESIGN §6: ``calc_diff < 2e-3``), plus ``generate``; then the same for Qwen3-MoE
+(``Qwen3MoeForCausalLM``: grouped-query attention, softmax routing, no shared experts), the other family of
+block-FP8 MoE checkpoints in this format.
 
 Routing and numerics are checked separately, because a quantized model legitimately routes a few
 near-tie tokens differently from the fp32 model (its hidden states differ by the FP8 activation
@@ -30,7 +32,9 @@ from moe_fp8.layers import (
     Fp8Linear,
     Fp8MLP,
     tiny_deepseek_v3_config,
+    tiny_qwen3_moe_config,
     write_deepseek_v3_checkpoint,
+    write_qwen3_moe_checkpoint,
 )
 from moe_fp8.layers import moe as moe_module
 
@@ -75,7 +79,7 @@ class RoutingRecorder:
                 return _real(module, *args)
 
             monkeypatch.setattr(Fp8FusedMoE, name, spy)
-        self.moe_layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, hf.Fp8DeepseekV3MoE)]
+        self.moe_layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, hf.Fp8MoEBlock)]
         for i in self.moe_layers:
             model.model.layers[i].mlp.register_forward_pre_hook(
                 lambda mod, args: self.inputs.append(args[0].detach().reshape(-1, args[0].shape[-1])))
@@ -312,7 +316,7 @@ def test_errors(ckpt, tmp_path, monkeypatch):
                                      num_attention_heads=2, vocab_size=64)
     with torch.device("meta"):
         other = transformers.LlamaForCausalLM(llama)
-    with pytest.raises(ValueError, match="deepseek_v3"):
+    with pytest.raises(ValueError, match="'deepseek_v3' and 'qwen3_moe' models"):
         hf.patch_model(other, ckpt, device="cpu")
     # config fields transformers' DeepseekV3 ignores but our layers would not honour
     for field, value, match in (("hidden_act", "gelu", "SiLU-gated"), ("scoring_func", "softmax", "sigmoid")):
@@ -344,5 +348,127 @@ def test_logits_match_on_hopper(ckpt, reference, monkeypatch):
     input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     check_against_reference(ours_gpu, reference, input_ids, recorder)
     assert recorder.paths == ["contiguous", "contiguous"]
+    out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 11)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3-MoE
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen3_ckpt(tmp_path_factory):
+    # hidden 256, 3 layers (mlp_only_layers [0]), 16 experts top-4 renormalized, 4 query / 2 KV heads of 64
+    return write_qwen3_moe_checkpoint(tmp_path_factory.mktemp("qwen3"), tiny_qwen3_moe_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_ours(qwen3_ckpt):
+    return hf.load_model(qwen3_ckpt, dtype=torch.bfloat16, masked_max_tokens=CROSSOVER)
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(qwen3_ckpt):
+    return hf.load_reference_model(qwen3_ckpt, dtype=torch.float32)
+
+
+def test_qwen3_model_is_patched_with_fp8_layers(qwen3_ours):
+    layers = qwen3_ours.model.layers
+    assert isinstance(qwen3_ours, transformers.Qwen3MoeForCausalLM)
+    assert isinstance(layers[0].mlp, Fp8MLP)  # mlp_only_layers = [0]
+    for i in (1, 2):
+        block = layers[i].mlp
+        assert isinstance(block, hf.Fp8Qwen3MoeSparseMoeBlock)
+        assert block.experts.w13_weight.shape == (16, 256, 256) and block.experts.shared_experts is None
+        assert block.experts.scoring_func == "softmax" and block.experts.renormalize
+        assert block.gate.weight.dtype == torch.float32
+    for layer in layers:
+        assert all(isinstance(getattr(layer.self_attn, p), Fp8Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        assert layer.self_attn.k_proj.weight.shape == (128, 256)  # 2 KV heads of 64
+        assert not layer.self_attn.q_norm.weight.is_meta  # per-head norms stay transformers'
+    report = qwen3_ours.moe_fp8_report
+    assert report.moe_layers == ["model.layers.1.mlp", "model.layers.2.mlp"] and len(report.fp8_linears) == 13
+    assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
+
+
+def test_qwen3_logits_match_fp32_transformers_model(qwen3_ours, qwen3_reference, monkeypatch):
+    recorder = RoutingRecorder(qwen3_ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = check_against_reference(qwen3_ours, qwen3_reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous", "contiguous"]
+    report = hf.compare_logits(qwen3_ours, qwen3_reference, input_ids)
+    assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
+    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
+    check_against_reference(qwen3_ours, qwen3_reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked", "masked"]
+
+
+@torch.no_grad()
+def test_qwen3_generate_and_router_logits(qwen3_ours, monkeypatch):
+    recorder = RoutingRecorder(qwen3_ours, monkeypatch)
+    prompt = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(2))
+    out = qwen3_ours.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                              output_logits=True, pad_token_id=0)
+    assert out.sequences.shape == (2, 14) and recorder.paths[:2] == ["contiguous", "contiguous"]
+    assert set(recorder.paths[2:]) == {"masked"} and len(recorder.paths) == 8
+    full = qwen3_ours(out.sequences).logits.float()
+    for step, step_logits in enumerate(out.logits):  # KV-cached masked decode = full contiguous forward
+        assert calc_diff(step_logits.float(), full[:, 9 + step]) < 1e-3
+    routed = qwen3_ours(prompt, output_router_logits=True).router_logits  # recorded as transformers records them
+    assert len(routed) == 2 and all(r.dtype == torch.float32 and r.shape == (20, 16) for r in routed)
+
+
+def test_qwen3_config_variants_from_bf16(tmp_path, monkeypatch):
+    """A bf16 Qwen3-MoE checkpoint quantized on load, with attention biases, every layer MoE, tied embeddings and
+    unnormalized top-k weights (``norm_topk_prob`` false, as Qwen1.5-MoE-style configs have it)."""
+    config = tiny_qwen3_moe_config(num_hidden_layers=2, mlp_only_layers=[], attention_bias=True,
+                                   tie_word_embeddings=True, norm_topk_prob=False)
+    path = write_qwen3_moe_checkpoint(tmp_path / "bf16", config, seed=5, fp8=False, num_shards=1)
+    ours = hf.load_model(path, masked_max_tokens=CROSSOVER)
+    report = ours.moe_fp8_report
+    assert report.moe_layers == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert "model.layers.0.self_attn.k_proj.weight" in report.quantized_on_load
+    q = ours.model.layers[0].self_attn.q_proj
+    assert isinstance(q, Fp8Linear) and q.bias is not None and not ours.model.layers[0].mlp.experts.renormalize
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    recorder = RoutingRecorder(ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    check_against_reference(ours, hf.load_reference_model(path), input_ids, recorder)
+
+
+def test_qwen3_transformers_own_loader_reads_our_checkpoint(tmp_path):
+    """transformers' ``from_pretrained`` (its FP8 quantizer dequantizing on CPU, its expert fusion) reads the
+    synthetic Qwen3-MoE checkpoint into exactly the weights of ``load_reference_model``."""
+    path = write_qwen3_moe_checkpoint(tmp_path / "ckpt", tiny_qwen3_moe_config(num_hidden_layers=2), seed=6)
+    theirs = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    a, b = theirs.state_dict(), hf.load_reference_model(path).state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_qwen3_errors(qwen3_ckpt, tmp_path):
+    changed = transformers.AutoConfig.from_pretrained(qwen3_ckpt, hidden_act="gelu")
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(changed)
+    with pytest.raises(ValueError, match="SiLU-gated"):
+        hf.patch_model(model, qwen3_ckpt, device="cpu")
+    path = tmp_path / "listed"
+    shutil.copytree(qwen3_ckpt, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = ["model.layers.2.mlp.experts.15.up_proj"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"keeps model\.layers\.2\.mlp\.experts\.15\.up_proj"):
+        hf.load_model(path)
+
+
+@pytest.mark.hopper
+def test_qwen3_logits_match_on_hopper(qwen3_ckpt, qwen3_reference, monkeypatch):
+    """The Qwen3-MoE check with the model on an sm_90 GPU: softmax routing (the Triton kernel) and both layouts."""
+    ours_gpu = hf.load_model(qwen3_ckpt, device="cuda", masked_max_tokens=CROSSOVER)
+    recorder = RoutingRecorder(ours_gpu, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    check_against_reference(ours_gpu, qwen3_reference, input_ids, recorder)
+    check_against_reference(ours_gpu, qwen3_reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked", "masked"]
     out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 11)

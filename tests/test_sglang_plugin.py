@@ -35,7 +35,9 @@ from moe_fp8.layers import (  # noqa: E402
     shard_fp8_linear,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_qwen3_moe_config,
     write_deepseek_v3_checkpoint,
+    write_qwen3_moe_checkpoint,
 )
 from moe_fp8.quant import dequant_per_block, per_block  # noqa: E402
 
@@ -121,13 +123,15 @@ def test_enable_registers_the_quantization_method(sgl):
         quantization.QUANTIZATION_METHODS["moe_fp8"] = sgl
 
 
-def test_flag_selects_moe_fp8_for_a_deepseek_v3_checkpoint(sgl, tmp_path):
+@pytest.mark.parametrize("write", [write_deepseek_v3_checkpoint, write_qwen3_moe_checkpoint],
+                         ids=["deepseek_v3", "qwen3_moe"])
+def test_flag_selects_moe_fp8_for_a_block_fp8_checkpoint(sgl, tmp_path, write):
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_loader.weight_utils import get_quant_config
     from sglang.srt.server_args import prepare_server_args
 
-    path = write_deepseek_v3_checkpoint(tmp_path / "ckpt", num_shards=1)
+    path = write(tmp_path / "ckpt", num_shards=1)
     args = prepare_server_args(["--model-path", str(path), "--quantization", "moe_fp8", "--device", "cpu"])
     model_config = ModelConfig.from_server_args(args)
     assert model_config.quantization == "moe_fp8"  # the checkpoint says "fp8"; the flag wins
@@ -598,6 +602,48 @@ def test_deepseek_moe_block_through_sglang_matches_ours(config, checkpoint, fuse
         assert out.shape == x.shape and torch.isfinite(out).all()
         # (SGLang rounds the routed and the shared outputs to bf16 before their sum: hence 1e-4, not 1e-5)
         assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-4
+
+
+def test_qwen3_moe_block_through_sglang_matches_ours(config, tmp_path):
+    """SGLang's own Qwen3-MoE block (``Qwen3MoeSparseMoeBlock``: bf16 gate, softmax top-k renormalized, no shared
+    experts) on a block-FP8 Qwen3-MoE checkpoint, its experts on our method, loaded as SGLang's Qwen3 loader does:
+    the block's output is ``Fp8FusedMoE``'s with softmax routing (no routed scaling factor anywhere)."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers import Qwen3MoeConfig
+
+    cfg = tiny_qwen3_moe_config()
+    path = write_qwen3_moe_checkpoint(tmp_path / "qwen3", cfg, seed=2, num_shards=1)
+    hf_config = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    with set_default_torch_dtype(torch.bfloat16):  # as SGLang's model loader builds it
+        block = Qwen3MoeSparseMoeBlock(1, hf_config, quant_config=config, prefix=MOE_PREFIX)
+    assert type(block.experts.quant_method).__module__.startswith("moe_fp8.")
+    mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
+                                                  ckpt_up_proj_name="up_proj", num_experts=cfg["num_experts"])
+    params = dict(block.named_parameters(prefix=MOE_PREFIX))
+    with CheckpointReader(path) as reader:
+        for name in [n for n in reader if n.startswith(f"{MOE_PREFIX}.")]:
+            tensor = reader.get(name)
+            for param_name, weight_name, expert_id, shard_id in mapping:
+                if weight_name in name:
+                    target = name.replace(weight_name, param_name)
+                    params[target].weight_loader(params[target], tensor, target, shard_id=shard_id,
+                                                 expert_id=expert_id)
+                    break
+            else:  # the router gate, kept bf16
+                params[name].weight_loader(params[name], tensor)
+    block.experts.quant_method.process_weights_after_loading(block.experts)
+    ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="softmax", renormalize=True)
+    load_fused_moe(ours, path, MOE_PREFIX)
+    g = torch.Generator().manual_seed(12)
+    for t in (1, 9, 70):
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            logits, _ = block.gate(x)
+            out = block(x)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-5
 
 
 def test_moe_refuses_unsupported_layers(config, checkpoint):

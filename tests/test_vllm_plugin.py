@@ -55,8 +55,11 @@ from moe_fp8.layers import (  # noqa: E402
     Fp8Linear,
     shard_fp8_linear,
     shard_moe_weights,
+    tiny_qwen3_moe_config,
     write_deepseek_v3_checkpoint,
+    write_qwen3_moe_checkpoint,
 )
+from moe_fp8.layers.checkpoint import CheckpointReader, load_fused_moe  # noqa: E402
 from moe_fp8.testing import randn  # noqa: E402
 from moe_fp8.utils import rel_error  # noqa: E402
 
@@ -323,6 +326,32 @@ def _make_moe(quant_config: MoeFp8Config, *, num_experts: int = E, inter: int = 
                            **{**ROUTING, **kwargs})
 
 
+def load_experts_through_vllm(runner: torch.nn.Module, tensors: dict[str, torch.Tensor], layer: int,
+                              num_experts: int) -> set[str]:
+    """Load experts through vLLM's own path, as ``DeepseekV2ForCausalLM.load_weights`` and
+    ``Qwen3MoeModel.load_weights`` do: the model's expert params mapping, then each parameter's ``weight_loader``
+    with ``shard_id`` / ``expert_id``. Returns the checkpoint names loaded."""
+    model = torch.nn.Module()
+    model.experts = runner
+    mapping = fused_moe_make_expert_params_mapping(model, ckpt_gate_proj_name="gate_proj",
+                                                   ckpt_down_proj_name="down_proj",
+                                                   ckpt_up_proj_name="up_proj", num_experts=num_experts)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for ckpt_name, tensor in tensors.items():
+        name = ckpt_name.removeprefix(f"model.layers.{layer}.mlp.")  # the model's own prefix
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in name:
+                continue
+            mapped = name.replace(weight_name, param_name)
+            param = params[mapped]
+            if param.weight_loader(param, tensor, mapped, shard_id=shard_id, expert_id=expert_id,
+                                   return_success=True):
+                loaded.add(ckpt_name)
+                break
+    return loaded
+
+
 class Checkpoint:
     """A synthetic DeepSeek-V3 MoE layer: ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.{weight,
     weight_scale_inv}`` (fp8 e4m3 + fp32), plus its stacked form for moe_fp8's own layers."""
@@ -346,26 +375,7 @@ class Checkpoint:
         self.bias = 0.1 * randn((num_experts,), seed=seed + 999, dtype=torch.float32)
 
     def load_into(self, runner: torch.nn.Module) -> set[str]:
-        """Load through vLLM's own path, as ``DeepseekV2ForCausalLM.load_weights`` does: the model's expert
-        params mapping, then each parameter's ``weight_loader`` with ``shard_id`` / ``expert_id``."""
-        model = torch.nn.Module()
-        model.experts = runner
-        mapping = fused_moe_make_expert_params_mapping(model, ckpt_gate_proj_name="gate_proj",
-                                                       ckpt_down_proj_name="down_proj",
-                                                       ckpt_up_proj_name="up_proj", num_experts=self.num_experts)
-        params = dict(model.named_parameters())
-        loaded = set()
-        for ckpt_name, tensor in self.tensors.items():
-            name = ckpt_name.removeprefix(f"model.layers.{self.layer}.mlp.")  # the model's own prefix
-            for param_name, weight_name, expert_id, shard_id in mapping:
-                if weight_name not in name:
-                    continue
-                mapped = name.replace(weight_name, param_name)
-                param = params[mapped]
-                if param.weight_loader(param, tensor, mapped, shard_id=shard_id, expert_id=expert_id,
-                                       return_success=True):
-                    loaded.add(ckpt_name)
-                    break
+        loaded = load_experts_through_vllm(runner, self.tensors, self.layer, self.num_experts)
         runner.routed_experts.e_score_correction_bias.copy_(self.bias)
         return loaded
 
@@ -437,6 +447,67 @@ def test_moe_checkpoint_loads_through_vllm_and_matches_reference(vllm_config: Vl
         assert calc_diff(out, expected) < SAME_INPUT_DIFF and rel_error(out, expected) < SAME_INPUT_REL
         topk_weights, topk_ids = runner.router.select_experts(hidden_states=x, router_logits=logits)
         assert calc_diff(out, ckpt.loop_reference(x, topk_weights, topk_ids)) < LAYER_DIFF
+
+
+def _torch_topk_softmax(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_expert_indices: torch.Tensor,
+                        gating_output: torch.Tensor, renormalize: bool = False) -> tuple[torch.Tensor, ...]:
+    """vLLM's ``topk_softmax`` (a CUDA op of ``vllm._moe_C``) in torch, for CPU: softmax in fp32, top-k, optionally
+    renormalized, written into the caller's buffers."""
+    weights, ids = torch.topk(gating_output.float().softmax(-1), topk_weights.shape[1])
+    topk_weights.copy_(weights / weights.sum(-1, keepdim=True) if renormalize else weights)
+    topk_ids.copy_(ids)
+    return topk_weights, topk_ids
+
+
+def test_qwen3_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own Qwen3-MoE block (``Qwen3MoeSparseMoeBlock``: its gate, softmax top-k renormalized, no shared
+    experts) on a block-FP8 Qwen3-MoE checkpoint under ``--quantization moe_fp8``: the config is accepted, the
+    experts run moe_fp8's method, and the block's output matches ``Fp8FusedMoE`` and a plain FP32 loop.
+    vLLM's softmax top-k is a CUDA op: on CPU the test runs its torch equivalent in its place."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.layers.fused_moe.router import fused_topk_router
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    monkeypatch.setattr(fused_topk_router, "vllm_topk_softmax", _torch_topk_softmax)
+
+    path = write_qwen3_moe_checkpoint(tmp_path / "qwen3", tiny_qwen3_moe_config(), seed=3, num_shards=1)
+    model_config = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
+                               quantization="moe_fp8", dtype="bfloat16")
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config)
+    assert isinstance(cfg.quant_config, MoeFp8Config)
+    prefix = _prefix("mlp")
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):  # as vLLM's model loader builds
+        block = Qwen3MoeSparseMoeBlock(cfg, prefix=prefix)
+    experts = block.experts.routed_experts
+    assert isinstance(experts.quant_method, MoeFp8MoEMethod)
+    assert isinstance(block.gate.quant_method, vllm_linear.UnquantizedLinearMethod)  # listed in modules_to_not_convert
+    reader = CheckpointReader(path)
+    tensors = {n: reader.get(n) for n in reader if n.startswith("model.layers.1.mlp.experts.")}
+    assert load_experts_through_vllm(block.experts, tensors, 1, 16) == set(tensors)
+    block.gate.weight.data.copy_(reader.get("model.layers.1.mlp.gate.weight"))
+    experts.quant_method.process_weights_after_loading(experts)
+
+    ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="softmax", renormalize=True)
+    load_fused_moe(ours, reader, "model.layers.1.mlp")
+    for t in (3, 40):  # vLLM's decode-sized and prefill-sized calls
+        x = randn((t, 256), seed=t)
+        with set_forward_context(None, cfg):
+            out = block(x)
+        logits = block.gate(x)[0]
+        expected = ours(x, logits)
+        assert out.shape == (t, 256) and calc_diff(out, expected) < SAME_INPUT_DIFF
+        weights, ids = torch.topk(logits.float().softmax(-1), 4)
+        weights = weights / weights.sum(-1, keepdim=True)
+        w13 = _dq(ours.w13_weight, ours.w13_weight_scale_inv)
+        w2 = _dq(ours.w2_weight, ours.w2_weight_scale_inv)
+        loop = torch.zeros(t, 256)
+        for i in range(t):
+            for j in range(4):
+                h = x[i].float() @ w13[ids[i, j]].t()
+                loop[i] += weights[i, j] * ((torch.nn.functional.silu(h[:128]) * h[128:]) @ w2[ids[i, j]].t())
+        assert calc_diff(out, loop) < LAYER_DIFF
 
 
 def test_moe_unloaded_scales_are_refused(vllm_config: VllmConfig, quant_config: MoeFp8Config) -> None:

@@ -8,7 +8,8 @@
 - ``shard_fp8_linear``, ``shard_moe_weights``, ``expert_map_for_rank``, ``tp_shard_range``: TP / EP splits;
 - ``CheckpointReader``, ``load_fp8_linear``, ``load_fp8_mlp``, ``load_fused_moe``: fill the layers from a
   DeepSeek-V3-format safetensors checkpoint; ``write_deepseek_v3_checkpoint`` /
-  ``tiny_deepseek_v3_config`` build a random one (tests, demos).
+  ``tiny_deepseek_v3_config`` build a random one (tests, demos), ``write_qwen3_moe_checkpoint`` /
+  ``tiny_qwen3_moe_config`` a Qwen3-MoE one in the same block-FP8 format.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from moe_fp8.layers.checkpoint import (
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
+    qwen3_moe_tensor_specs,
     tiny_deepseek_v3_config,
+    tiny_qwen3_moe_config,
+    write_checkpoint,
     write_deepseek_v3_checkpoint,
+    write_qwen3_moe_checkpoint,
 )
 from moe_fp8.layers.dispatch import (
     combine,
@@ -70,10 +75,14 @@ __all__ = [
     "load_fused_moe",
     "quant_dispatch_contiguous",
     "quant_dispatch_masked",
+    "qwen3_moe_tensor_specs",
     "select_experts",
     "shard_fp8_linear",
     "shard_moe_weights",
     "tiny_deepseek_v3_config",
+    "tiny_qwen3_moe_config",
     "tp_shard_range",
+    "write_checkpoint",
     "write_deepseek_v3_checkpoint",
+    "write_qwen3_moe_checkpoint",
 ]

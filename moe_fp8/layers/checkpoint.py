@@ -25,6 +25,9 @@ the parameter's device.
 
 Writing (``write_deepseek_v3_checkpoint``) builds a random checkpoint of any DeepSeek-V3 config in this
 exact format, for tests, demos and kernel warm-up; ``tiny_deepseek_v3_config`` gives a small valid config.
+Qwen3-MoE's block-FP8 releases (``model_type = "qwen3_moe"``) use the same format (``quantization_config``,
+``weight`` + ``weight_scale_inv``, per-expert tensors) with their own module names: ``write_qwen3_moe_checkpoint``
+/ ``tiny_qwen3_moe_config``; ``write_checkpoint`` takes either family's config.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from moe_fp8.utils import GROUP_K, ceil_div
 __all__ = [
     "FP8_QUANTIZATION_CONFIG",
     "SCALE_FMTS",
+    "TENSOR_SPECS",
     "CheckpointReader",
     "TensorSpec",
     "deepseek_v3_tensor_specs",
@@ -55,9 +59,13 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "qwen3_moe_tensor_specs",
     "read_block_fp8",
     "tiny_deepseek_v3_config",
+    "tiny_qwen3_moe_config",
+    "write_checkpoint",
     "write_deepseek_v3_checkpoint",
+    "write_qwen3_moe_checkpoint",
 ]
 
 Tensor = torch.Tensor
@@ -454,10 +462,55 @@ def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
 
 
 def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
-    """Whether decoder layer ``layer`` has a routed-expert MLP (DeepSeek-V3: ``layer >= first_k_dense_replace``
-    and ``layer % moe_layer_freq == 0``)."""
+    """Whether decoder layer ``layer`` has a routed-expert MLP. DeepSeek-V3: ``layer >= first_k_dense_replace``
+    and ``layer % moe_layer_freq == 0``; Qwen3-MoE (``model_type = "qwen3_moe"``): ``layer`` not in
+    ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``, as transformers builds them."""
+    if config.get("model_type") == "qwen3_moe":
+        return (bool(config.get("num_experts")) and layer not in (config.get("mlp_only_layers") or ())
+                and (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0)
     return (bool(config.get("n_routed_experts")) and layer >= int(config.get("first_k_dense_replace", 0))
             and layer % int(config.get("moe_layer_freq", 1)) == 0)
+
+
+class _Specs:
+    """Builds an ordered ``{name: TensorSpec}`` with the draws shared by every model family (see
+    ``deepseek_v3_tensor_specs``)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = config
+        self.h = int(config["hidden_size"])
+        self.specs: dict[str, TensorSpec] = {}
+
+    def linear(self, name: str, n: int, k: int, scale: float = 1.0) -> None:
+        self.specs[f"{name}.weight"] = TensorSpec((n, k), torch.bfloat16, True, 0.0, scale / math.sqrt(k))
+
+    def norm(self, name: str, size: int) -> None:
+        self.specs[f"{name}.weight"] = TensorSpec((size,), torch.bfloat16, False, 1.0, 0.1)
+
+    def mlp(self, name: str, inter: int) -> None:
+        self.linear(f"{name}.gate_proj", inter, self.h)
+        self.linear(f"{name}.up_proj", inter, self.h)
+        self.linear(f"{name}.down_proj", self.h, inter, 0.5)
+
+    def router(self, prefix: str, num_experts: int) -> None:
+        """The router weight ``{prefix}.gate.weight`` (bf16, never quantized)."""
+        self.specs[f"{prefix}.gate.weight"] = TensorSpec((num_experts, self.h), torch.bfloat16, False, 0.0,
+                                                         2.0 / math.sqrt(self.h))
+
+    def experts(self, prefix: str, num_experts: int, inter: int) -> None:
+        for e in range(num_experts):
+            self.mlp(f"{prefix}.experts.{e}", inter)
+
+    def embeddings(self) -> None:
+        self.specs["model.embed_tokens.weight"] = TensorSpec((int(self.config["vocab_size"]), self.h),
+                                                             torch.bfloat16, False, 0.0, 1.0)
+
+    def head(self) -> dict[str, TensorSpec]:
+        self.norm("model.norm", self.h)
+        if not self.config.get("tie_word_embeddings", False):
+            self.specs["lm_head.weight"] = TensorSpec((int(self.config["vocab_size"]), self.h), torch.bfloat16,
+                                                      False, 0.0, 1.0 / math.sqrt(self.h))
+        return self.specs
 
 
 def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
@@ -469,83 +522,150 @@ def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]
     embeddings, as in trained models), norms ``N(1, 0.1²)``, embeddings ``N(0, 1)``, router weight
     ``N(0, 4/H)`` (well separated expert scores), correction bias ``N(0, 0.05²)``.
     """
-    h = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
+    b = _Specs(config)
+    h, heads = b.h, int(config["num_attention_heads"])
     q_lora = config.get("q_lora_rank")
     kv_lora = int(config["kv_lora_rank"])
     rope, nope, v_dim = int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
-    bf16 = torch.bfloat16
-    specs: dict[str, TensorSpec] = {}
-
-    def linear(name: str, n: int, k: int, scale: float = 1.0) -> None:
-        specs[f"{name}.weight"] = TensorSpec((n, k), bf16, True, 0.0, scale / math.sqrt(k))
-
-    def norm(name: str, size: int) -> None:
-        specs[f"{name}.weight"] = TensorSpec((size,), bf16, False, 1.0, 0.1)
-
-    def mlp(name: str, inter: int) -> None:
-        linear(f"{name}.gate_proj", inter, h)
-        linear(f"{name}.up_proj", inter, h)
-        linear(f"{name}.down_proj", h, inter, 0.5)
-
-    specs["model.embed_tokens.weight"] = TensorSpec((int(config["vocab_size"]), h), bf16, False, 0.0, 1.0)
+    b.embeddings()
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}"
-        norm(f"{p}.input_layernorm", h)
-        norm(f"{p}.post_attention_layernorm", h)
+        b.norm(f"{p}.input_layernorm", h)
+        b.norm(f"{p}.post_attention_layernorm", h)
         attn = f"{p}.self_attn"
         if q_lora:
-            linear(f"{attn}.q_a_proj", int(q_lora), h)
-            norm(f"{attn}.q_a_layernorm", int(q_lora))
-            linear(f"{attn}.q_b_proj", heads * (nope + rope), int(q_lora))
+            b.linear(f"{attn}.q_a_proj", int(q_lora), h)
+            b.norm(f"{attn}.q_a_layernorm", int(q_lora))
+            b.linear(f"{attn}.q_b_proj", heads * (nope + rope), int(q_lora))
         else:
-            linear(f"{attn}.q_proj", heads * (nope + rope), h)
-        linear(f"{attn}.kv_a_proj_with_mqa", kv_lora + rope, h)
-        norm(f"{attn}.kv_a_layernorm", kv_lora)
-        linear(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
-        linear(f"{attn}.o_proj", h, heads * v_dim, 0.5)
+            b.linear(f"{attn}.q_proj", heads * (nope + rope), h)
+        b.linear(f"{attn}.kv_a_proj_with_mqa", kv_lora + rope, h)
+        b.norm(f"{attn}.kv_a_layernorm", kv_lora)
+        b.linear(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
+        b.linear(f"{attn}.o_proj", h, heads * v_dim, 0.5)
         if is_moe_layer(config, i):
             num_experts = int(config["n_routed_experts"])
             moe_i = int(config["moe_intermediate_size"])
-            specs[f"{p}.mlp.gate.weight"] = TensorSpec((num_experts, h), bf16, False, 0.0, 2.0 / math.sqrt(h))
+            b.router(f"{p}.mlp", num_experts)
             if config.get("topk_method", "noaux_tc") == "noaux_tc":
-                specs[f"{p}.mlp.gate.e_score_correction_bias"] = TensorSpec((num_experts,), torch.float32, False,
-                                                                            0.0, 0.05)
-            for e in range(num_experts):
-                mlp(f"{p}.mlp.experts.{e}", moe_i)
+                b.specs[f"{p}.mlp.gate.e_score_correction_bias"] = TensorSpec((num_experts,), torch.float32, False,
+                                                                              0.0, 0.05)
+            b.experts(f"{p}.mlp", num_experts, moe_i)
             if int(config.get("n_shared_experts") or 0) > 0:
-                mlp(f"{p}.mlp.shared_experts", moe_i * int(config["n_shared_experts"]))
+                b.mlp(f"{p}.mlp.shared_experts", moe_i * int(config["n_shared_experts"]))
         else:
-            mlp(f"{p}.mlp", int(config["intermediate_size"]))
-    norm("model.norm", h)
-    if not config.get("tie_word_embeddings", False):
-        specs["lm_head.weight"] = TensorSpec((int(config["vocab_size"]), h), bf16, False, 0.0, 1.0 / math.sqrt(h))
-    return specs
+            b.mlp(f"{p}.mlp", int(config["intermediate_size"]))
+    return b.head()
 
 
-def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
-                                 seed: int = 0, fp8: bool = True, num_shards: int = 2,
-                                 scale_fmt: str | None = None) -> Path:
-    """Write a random DeepSeek-V3 checkpoint for ``config`` (default ``tiny_deepseek_v3_config()``) to ``path``.
+def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
+    """A small but complete Qwen3-MoE ``config.json`` dict (``model_type = "qwen3_moe"``, the format of
+    Qwen's block-FP8 releases such as Qwen3-30B-A3B-FP8: DeepSeek-V3's ``quantization_config`` plus
+    ``modules_to_not_convert`` naming every bf16 module (the writer fills it in, as those releases do: embeddings,
+    norms, routers, ``lm_head``), per-expert tensors as DeepSeek-V3's, grouped-query attention with per-head q / k
+    norms, softmax top-k routing, no shared experts).
 
-    ``fp8=True``: the linear weights of the decoder layers are block FP8 (``weight`` + ``weight_scale_inv``,
-    quantized from the random draw with ``moe_fp8.quant.per_block``) and ``config.json`` carries
-    ``quantization_config``; ``fp8=False``: everything bf16 (fp32 correction bias), no ``quantization_config``.
-    ``scale_fmt="ue8m0"`` (with ``fp8``) writes a DeepSeek-V3.1-style checkpoint: power-of-two fp32 scales
-    (``per_block(..., ue8m0=True)``) and ``quantization_config.scale_fmt = "ue8m0"``. Tensors are spread over ``num_shards`` files ``model-0000i-of-0000n.safetensors`` in spec order, with
-    ``model.safetensors.index.json``. Draws come from one CPU generator seeded with ``seed`` (same seed,
-    same bytes). Returns the directory.
+    3 layers, the first dense (``mlp_only_layers = [0]``); 16 experts top-4, renormalized; 4 query and 2
+    key-value heads of 64. Keyword arguments override entries.
     """
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "hidden_act": "silu",
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+        "quantization_config": dict(FP8_QUANTIZATION_CONFIG),
+    }
+    config.update(overrides)
+    return config
+
+
+def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Every tensor of a Qwen3-MoE checkpoint for ``config`` (``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``
+    with ``q_norm`` / ``k_norm``; ``mlp.gate`` + ``mlp.experts.{e}.*`` or a dense ``mlp.*``), in a stable order,
+    with the draws of ``deepseek_v3_tensor_specs`` (attention biases, where configured, ``N(0, 0.02²)``)."""
+    b = _Specs(config)
+    h, heads = b.h, int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    bias = bool(config.get("attention_bias", False))
+    b.embeddings()
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        b.norm(f"{p}.input_layernorm", h)
+        b.norm(f"{p}.post_attention_layernorm", h)
+        attn = f"{p}.self_attn"
+        for proj, n, k, scale in (("q_proj", heads * head_dim, h, 1.0), ("k_proj", kv_heads * head_dim, h, 1.0),
+                                  ("v_proj", kv_heads * head_dim, h, 1.0), ("o_proj", h, heads * head_dim, 0.5)):
+            b.linear(f"{attn}.{proj}", n, k, scale)
+            if bias:
+                b.specs[f"{attn}.{proj}.bias"] = TensorSpec((n,), torch.bfloat16, False, 0.0, 0.02)
+        b.norm(f"{attn}.q_norm", head_dim)
+        b.norm(f"{attn}.k_norm", head_dim)
+        if is_moe_layer(config, i):
+            b.router(f"{p}.mlp", int(config["num_experts"]))
+            b.experts(f"{p}.mlp", int(config["num_experts"]), int(config["moe_intermediate_size"]))
+        else:
+            b.mlp(f"{p}.mlp", int(config["intermediate_size"]))
+    return b.head()
+
+
+TENSOR_SPECS = {"deepseek_v3": deepseek_v3_tensor_specs, "qwen3_moe": qwen3_moe_tensor_specs}
+
+
+def write_checkpoint(path: str | os.PathLike, config: Mapping[str, Any], *, seed: int = 0, fp8: bool = True,
+                     num_shards: int = 2, scale_fmt: str | None = None) -> Path:
+    """Write a random checkpoint for ``config`` (``model_type`` ``"deepseek_v3"`` or ``"qwen3_moe"``, see
+    ``TENSOR_SPECS``) to ``path``; ``write_deepseek_v3_checkpoint`` documents the arguments and the format."""
+    specs_of = TENSOR_SPECS.get(config.get("model_type"))
+    if specs_of is None:
+        raise ValueError(f"model_type {config.get('model_type')!r}: random checkpoints are written for "
+                         f"{sorted(TENSOR_SPECS)}")
+    return _write(path, config, specs_of, seed, fp8, num_shards, scale_fmt)
+
+
+def _write(path: str | os.PathLike, config: Mapping[str, Any], specs_of: Any, seed: int, fp8: bool,
+           num_shards: int, scale_fmt: str | None) -> Path:
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     if scale_fmt not in SCALE_FMTS or (scale_fmt is not None and not fp8):
         raise ValueError(f"scale_fmt must be one of {SCALE_FMTS} (and needs fp8=True), got {scale_fmt!r}")
     ue8m0 = scale_fmt == "ue8m0"
-    config = dict(tiny_deepseek_v3_config() if config is None else config)
+    config = dict(config)
+    specs = specs_of(config)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
         if ue8m0:
             config["quantization_config"]["scale_fmt"] = scale_fmt
+        if config.get("model_type") == "qwen3_moe":  # Qwen's FP8 releases list every module left bf16
+            config["quantization_config"]["modules_to_not_convert"] = [
+                name.removesuffix(".weight") for name, spec in specs.items()
+                if name.endswith(".weight") and not spec.fp8]
     else:
         config.pop("quantization_config", None)
     out = Path(path)
@@ -553,7 +673,7 @@ def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, A
 
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, Tensor] = {}
-    for name, spec in deepseek_v3_tensor_specs(config).items():
+    for name, spec in specs.items():
         draw = torch.randn(spec.shape, generator=gen, dtype=torch.float32) * spec.std + spec.mean
         if fp8 and spec.fp8:
             w_fp8, w_scale = per_block(draw, ue8m0=ue8m0)
@@ -579,3 +699,28 @@ def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, A
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def write_deepseek_v3_checkpoint(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                                 seed: int = 0, fp8: bool = True, num_shards: int = 2,
+                                 scale_fmt: str | None = None) -> Path:
+    """Write a random DeepSeek-V3 checkpoint for ``config`` (default ``tiny_deepseek_v3_config()``) to ``path``.
+
+    ``fp8=True``: the linear weights of the decoder layers are block FP8 (``weight`` + ``weight_scale_inv``,
+    quantized from the random draw with ``moe_fp8.quant.per_block``) and ``config.json`` carries
+    ``quantization_config``; ``fp8=False``: everything bf16 (fp32 correction bias), no ``quantization_config``.
+    ``scale_fmt="ue8m0"`` (with ``fp8``) writes a DeepSeek-V3.1-style checkpoint: power-of-two fp32 scales
+    (``per_block(..., ue8m0=True)``) and ``quantization_config.scale_fmt = "ue8m0"``. Tensors are spread over ``num_shards`` files ``model-0000i-of-0000n.safetensors`` in spec order, with
+    ``model.safetensors.index.json``. Draws come from one CPU generator seeded with ``seed`` (same seed,
+    same bytes). Returns the directory.
+    """
+    return _write(path, tiny_deepseek_v3_config() if config is None else config, deepseek_v3_tensor_specs, seed, fp8,
+                  num_shards, scale_fmt)
+
+
+def write_qwen3_moe_checkpoint(path: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                               seed: int = 0, fp8: bool = True, num_shards: int = 2) -> Path:
+    """Write a random Qwen3-MoE checkpoint for ``config`` (default ``tiny_qwen3_moe_config()``) to ``path``, in
+    the block-FP8 format of ``write_deepseek_v3_checkpoint``."""
+    return _write(path, tiny_qwen3_moe_config() if config is None else config, qwen3_moe_tensor_specs, seed, fp8,
+                  num_shards, None)
