@@ -2,9 +2,11 @@
 it, on random block-FP8 experts: ``Fp8FusedMoE``'s forward replayed from a CUDA graph (the path the layer picks
 for the token count) against the usual PyTorch MoE (route, then a bf16 loop over the local experts on the
 dequantized weights), both timed with ``bench_us`` (L2 flushed). Also the rate at which our replay reads the
-weights of the experts it touches. ``moe-fp8 bench moe`` is the DeepSeek-V3 bench; this script is for the others.
+weights of the experts it touches. ``--split`` adds each stage's median time inside an eager forward (the ``moe``
+bench's split: ``StageTimer`` events, L2 flushed). ``moe-fp8 bench moe`` is the DeepSeek-V3 bench; this script is for
+the others.
 
-    python scripts/bench_model_layer.py --model scripts/models/qwen3-30b-a3b.json --ep 8 [--tokens 1 8 64 ...]
+    python scripts/bench_model_layer.py --model scripts/models/qwen3-30b-a3b.json --ep 8 [--tokens 1 8 64 ...] [--split]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import capture_forward
+from moe_fp8.benchmarks.moe import _stage_split, capture_forward
 from moe_fp8.integrations.transformers import ARCHITECTURES, Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock
 from moe_fp8.kernels import tuning
 from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
@@ -77,6 +79,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="config.json (or a folder holding one)")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 512, 2048, 8192])
+    p.add_argument("--split", action="store_true", help="also each stage's time inside a forward")
     args = p.parse_args()
     path = args.model if args.model.endswith(".json") else f"{args.model}/config.json"
     with open(path) as f:
@@ -101,6 +104,9 @@ def main() -> None:
         touched = int((_local_of(layer)[layer.route(logits)[1].long()].unique() >= 0).sum())
         print(f"{t:>6} {path:>10} {ours:9.1f} {theirs:9.1f} {theirs / ours:6.2f} {touched:>7} "
               f"{touched * per_expert / ours / 1e6:5.2f}", flush=True)
+        if args.split:
+            stages, total = _stage_split(layer, hidden, logits, path)
+            print("       split: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()) + f"; forward {total:.1f} us")
 
 
 if __name__ == "__main__":
