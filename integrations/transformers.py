@@ -67,8 +67,8 @@ from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
-__all__ = ["ARCHITECTURES", "Architecture", "Fp8DeepseekV3MoE", "Fp8MoEBlock", "Fp8Qwen3MoeSparseMoeBlock",
-           "LoadReport", "LogitComparison", "architecture", "compare_logits", "load_model", "load_reference_model",
+__all__ = ["ARCHITECTURES", "MOE_BLOCKS", "Architecture", "Fp8DeepseekV3MoE", "Fp8MoEBlock",
+           "Fp8Qwen3MoeSparseMoeBlock", "LoadReport", "LogitComparison", "architecture", "compare_logits", "load_model", "load_reference_model",
            "patch_model", "reference_logits"]
 
 logger = logging.getLogger("moe_fp8")
@@ -242,7 +242,8 @@ class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
         return dict(scoring_func="softmax", renormalize=bool(getattr(config, "norm_topk_prob", False)))
 
 
-_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock)}
+# model_type -> the block patch_model puts in place of the family's MoE block
+MOE_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock)}
 
 
 # ==============================================================================================
@@ -410,7 +411,7 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
         kind = type(layer.mlp).__name__
         if kind == arch.moe_block:
             _check_moe_not_listed(f"{prefix}.mlp", config, arch, reader.ignored_layers)
-            moe = _BLOCKS[arch.model_type](config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
+            moe = MOE_BLOCKS[arch.model_type](config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
                                            path=moe_path, ue8m0=report.ue8m0)
             _copy_param(moe.gate.weight, reader.get(f"{prefix}.mlp.gate.weight"), f"{prefix}.mlp.gate.weight")
             for e in moe.experts.local_expert_ids():
@@ -505,8 +506,7 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", d
 def load_reference_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                          dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
     """transformers' plain model (``DeepseekV3ForCausalLM`` / ``Qwen3MoeForCausalLM``) with every weight dequantized
-    to ``dtype`` (validation only:
-    it materialises the whole model in ``dtype``). Routed experts are stacked as transformers stores them:
+    to ``dtype`` (validation only: it materialises the whole model in ``dtype``). Routed experts are stacked as transformers stores them:
     ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``."""
     model = _build_meta_model(path, dtype, attn_implementation)
     dev = torch.device(device)

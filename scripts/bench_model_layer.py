@@ -20,13 +20,11 @@ import torch
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import bench_us
 from moe_fp8.benchmarks.moe import _stage_split, capture_forward
-from moe_fp8.integrations.transformers import ARCHITECTURES, Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock
+from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
 from moe_fp8.kernels import tuning
 from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
 from moe_fp8.reference import dequant_per_block
 from moe_fp8.testing import _per_block_quant_grouped
-
-BLOCKS = {"deepseek_v3": Fp8DeepseekV3MoE, "qwen3_moe": Fp8Qwen3MoeSparseMoeBlock}
 
 
 def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, torch.Tensor]]:
@@ -34,7 +32,7 @@ def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, tor
     of its experts."""
     arch = ARCHITECTURES[cfg["model_type"]]
     experts, hidden, inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
-    routing = {k: v for k, v in BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
+    routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
                if k != "num_shared_experts"}
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
                         expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None, **routing)

@@ -91,6 +91,12 @@ def test_qwen3_moe_demo(capsys):
     assert text[1].startswith("          transformers Qwen3MoeForCausalLM with 9 Fp8Linear/Fp8MLP")
     with pytest.raises(ValueError, match="arch must be one of"):
         demo.run_demo(arch="llama")
+    from moe_fp8.integrations.transformers import ARCHITECTURES
+
+    assert tuple(ARCHITECTURES) == demo.ARCHS  # the integration's families, and the command's --arch choices
+    parser = cli.build_parser()
+    demo_parser = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" demo"))
+    assert tuple(next(a for a in demo_parser._actions if a.dest == "arch").choices) == demo.ARCHS
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -392,16 +392,20 @@ class Checkpoint:
         return moe
 
     def loop_reference(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Plain FP32 MoE on dequantized weights and unquantized activations (DESIGN §6 'bf16 layer')."""
-        w13, w2 = _dq(self.w13, self.s13), _dq(self.w2, self.s2)
-        inter = w2.shape[-1]
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        for t in range(x.shape[0]):
-            for j in range(topk_ids.shape[1]):
-                e = int(topk_ids[t, j])
-                h = x[t].float() @ w13[e].t()
-                out[t] += topk_weights[t, j] * ((torch.nn.functional.silu(h[:inter]) * h[inter:]) @ w2[e].t())
-        return out
+        return loop_reference(x, topk_weights, topk_ids, _dq(self.w13, self.s13), _dq(self.w2, self.s2))
+
+
+def loop_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """Plain FP32 MoE on dequantized weights and unquantized activations (DESIGN §6 'bf16 layer')."""
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = x[t].float() @ w13[e].t()
+            out[t] += topk_weights[t, j] * ((torch.nn.functional.silu(h[:inter]) * h[inter:]) @ w2[e].t())
+    return out
 
 
 def _forward(vllm_config: VllmConfig, runner: torch.nn.Module, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -499,14 +503,8 @@ def test_qwen3_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_
         expected = ours(x, logits)
         assert out.shape == (t, 256) and calc_diff(out, expected) < SAME_INPUT_DIFF
         weights, ids = torch.topk(logits.float().softmax(-1), 4)
-        weights = weights / weights.sum(-1, keepdim=True)
-        w13 = _dq(ours.w13_weight, ours.w13_weight_scale_inv)
-        w2 = _dq(ours.w2_weight, ours.w2_weight_scale_inv)
-        loop = torch.zeros(t, 256)
-        for i in range(t):
-            for j in range(4):
-                h = x[i].float() @ w13[ids[i, j]].t()
-                loop[i] += weights[i, j] * ((torch.nn.functional.silu(h[:128]) * h[128:]) @ w2[ids[i, j]].t())
+        loop = loop_reference(x, weights / weights.sum(-1, keepdim=True), ids,
+                              _dq(ours.w13_weight, ours.w13_weight_scale_inv), _dq(ours.w2_weight, ours.w2_weight_scale_inv))
         assert calc_diff(out, loop) < LAYER_DIFF
 
 
