@@ -540,7 +540,6 @@ def _deepseek_moe_block(config, cfg: dict, path, fused_shared: int):
     experts as our linear layers or, with ``fused_shared``, as one more expert of the FusedMoE), loaded as
     SGLang's DeepSeek loader does (with fusion it renames ``mlp.shared_experts`` to ``mlp.experts.{E}``)."""
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
     from sglang.srt.runtime_context import get_model
     from transformers import DeepseekV3Config
@@ -549,7 +548,15 @@ def _deepseek_moe_block(config, cfg: dict, path, fused_shared: int):
     with get_model().override(shared_experts=SharedExpertsConfig(num_fused_shared_experts=fused_shared)):
         block = DeepseekV2MoE(hf_config, layer_id=1, quant_config=config, prefix=MOE_PREFIX)
     assert block.num_fused_shared_experts == fused_shared
-    num_experts = cfg["n_routed_experts"]
+    return _load_moe_block(block, path, cfg["n_routed_experts"], fused_shared)
+
+
+def _load_moe_block(block, path, num_experts: int, fused_shared: int = 0):
+    """Fill a SGLang MoE block from the checkpoint's layer ``MOE_PREFIX`` as SGLang's loaders do: experts through
+    ``FusedMoE.make_expert_params_mapping``, the shared MLP's gate / up into its merged ``gate_up_proj``, anything
+    else (the router) by its own loader; then each method's ``process_weights_after_loading``."""
+    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+
     expert_mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj",
                                                          ckpt_down_proj_name="down_proj", ckpt_up_proj_name="up_proj",
                                                          num_experts=num_experts + fused_shared)
@@ -608,7 +615,6 @@ def test_qwen3_moe_block_through_sglang_matches_ours(config, tmp_path):
     """SGLang's own Qwen3-MoE block (``Qwen3MoeSparseMoeBlock``: bf16 gate, softmax top-k renormalized, no shared
     experts) on a block-FP8 Qwen3-MoE checkpoint, its experts on our method, loaded as SGLang's Qwen3 loader does:
     the block's output is ``Fp8FusedMoE``'s with softmax routing (no routed scaling factor anywhere)."""
-    from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.models.qwen3_moe import Qwen3MoeSparseMoeBlock
     from transformers import Qwen3MoeConfig
@@ -619,21 +625,7 @@ def test_qwen3_moe_block_through_sglang_matches_ours(config, tmp_path):
     with set_default_torch_dtype(torch.bfloat16):  # as SGLang's model loader builds it
         block = Qwen3MoeSparseMoeBlock(1, hf_config, quant_config=config, prefix=MOE_PREFIX)
     assert type(block.experts.quant_method).__module__.startswith("moe_fp8.")
-    mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
-                                                  ckpt_up_proj_name="up_proj", num_experts=cfg["num_experts"])
-    params = dict(block.named_parameters(prefix=MOE_PREFIX))
-    with CheckpointReader(path) as reader:
-        for name in [n for n in reader if n.startswith(f"{MOE_PREFIX}.")]:
-            tensor = reader.get(name)
-            for param_name, weight_name, expert_id, shard_id in mapping:
-                if weight_name in name:
-                    target = name.replace(weight_name, param_name)
-                    params[target].weight_loader(params[target], tensor, target, shard_id=shard_id,
-                                                 expert_id=expert_id)
-                    break
-            else:  # the router gate, kept bf16
-                params[name].weight_loader(params[name], tensor)
-    block.experts.quant_method.process_weights_after_loading(block.experts)
+    _load_moe_block(block, path, cfg["num_experts"])  # (the router gate, bf16, by its own loader)
     ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="softmax", renormalize=True)
     load_fused_moe(ours, path, MOE_PREFIX)
     g = torch.Generator().manual_seed(12)
