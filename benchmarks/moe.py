@@ -48,36 +48,48 @@ SPLIT_HEAD_START_CYCLES = 3_000_000  # GPU sleep before each split forward (~1.7
 def build_layer(seed: int = 0):
     """Rank 0's layer with random block-FP8 experts (and the bf16 copies the baseline needs)."""
     from moe_fp8.layers import Fp8FusedMoE
-    from moe_fp8.reference import dequant_per_block
-    from moe_fp8.testing import _per_block_quant_grouped
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     expert_map = [i if i < LOCAL_EXPERTS else -1 for i in range(NUM_EXPERTS)]
     layer = Fp8FusedMoE(NUM_EXPERTS, HIDDEN, INTER, TOP_K, scoring_func="sigmoid", renormalize=True,
                         n_group=N_GROUP, topk_group=TOPK_GROUP, routed_scaling_factor=SCALING,
                         use_correction_bias=True, expert_map=expert_map, device="cuda")
-    bf16 = {}
-    for name, shape in (("w13", (LOCAL_EXPERTS, 2 * INTER, HIDDEN)), ("w2", (LOCAL_EXPERTS, HIDDEN, INTER))):
-        w = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        w_fp8, w_scale = _per_block_quant_grouped(w)
-        getattr(layer, f"{name}_weight").copy_(w_fp8)
-        getattr(layer, f"{name}_weight_scale_inv").copy_(w_scale)
-        bf16[name] = torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16)
-                                  for e in range(LOCAL_EXPERTS)])
-        del w
+    bf16 = fill_random_experts(layer, gen)
     layer.e_score_correction_bias.copy_(torch.randn(NUM_EXPERTS, device="cuda", generator=gen) * 0.01)
     return layer, bf16
 
 
-def _bf16_loop(layer, bf16: dict[str, torch.Tensor], hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """The usual PyTorch MoE: route, then for each local expert gather its tokens and run its MLP."""
-    from moe_fp8.layers import select_experts
+def fill_random_experts(layer, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Fill ``layer``'s local experts with random block-FP8 weights (``N(0, 0.02²)`` quantized per 128×128 block);
+    returns their dequantized bf16 copies ``{"w13": [E_local, 2I, H], "w2": [E_local, H, I]}`` for the baselines."""
+    from moe_fp8.reference import dequant_per_block
+    from moe_fp8.testing import _per_block_quant_grouped
 
-    weights, ids = select_experts(logits, TOP_K, scoring_func="sigmoid", renormalize=True, n_group=N_GROUP,
-                                  topk_group=TOPK_GROUP, e_score_correction_bias=layer.e_score_correction_bias,
-                                  routed_scaling_factor=SCALING)
+    bf16 = {}
+    for name in ("w13", "w2"):
+        w = torch.randn(getattr(layer, f"{name}_weight").shape, device="cuda", dtype=torch.bfloat16,
+                        generator=gen) * 0.02
+        w_fp8, w_scale = _per_block_quant_grouped(w)
+        getattr(layer, f"{name}_weight").copy_(w_fp8)
+        getattr(layer, f"{name}_weight_scale_inv").copy_(w_scale)
+        bf16[name] = torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16)
+                                  for e in range(w_fp8.shape[0])])
+        del w
+    return bf16
+
+
+def local_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``topk_ids``' local expert ids on ``layer``'s rank (-1: another rank's expert)."""
+    return topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
+
+
+def bf16_loop(layer, bf16: dict[str, torch.Tensor], hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The usual PyTorch MoE: route (``layer``'s routing), then for each local expert gather its tokens and run its
+    MLP on the bf16 copies of ``fill_random_experts``."""
+    weights, ids = layer.route(logits)
+    ids = local_ids(layer, ids)
     out = torch.zeros_like(hidden)
-    for e in range(LOCAL_EXPERTS):  # local id e == global id e on rank 0
+    for e in range(bf16["w13"].shape[0]):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel() == 0:
             continue
@@ -234,7 +246,7 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
     nbytes = touched * expert_bytes + 2 * t * HIDDEN * 2
     shape = {"tokens": t, "experts": NUM_EXPERTS, "local_experts": LOCAL_EXPERTS, "top_k": TOP_K,
              "hidden": HIDDEN, "intermediate": INTER}
-    d = calc_diff(layer(hidden, logits).float(), _bf16_loop(layer, bf16, hidden, logits).float())
+    d = calc_diff(layer(hidden, logits).float(), bf16_loop(layer, bf16, hidden, logits).float())
     if d > 2e-3:
         notes.append(f"tokens {t}: moe_fp8 vs bf16 loop diff {d:.2e} > 2e-3")
     rows.append(row("moe_layer", shape, "moe_fp8", bench_us(lambda: layer(hidden, logits)), flops, nbytes))
@@ -249,7 +261,7 @@ def _bench_tokens(layer, bf16: dict[str, torch.Tensor], t: int, is_decode: bool,
                      f"holding clean lines (as after a model's previous layer)")
     rows.append(row("moe_layer", shape, "torch_blockwise_loop",
                     bench_us(lambda: _blockwise_layer(layer, hidden, logits)), flops, nbytes))
-    rows.append(row("moe_layer", shape, "torch_bf16", bench_us(lambda: _bf16_loop(layer, bf16, hidden, logits)),
+    rows.append(row("moe_layer", shape, "torch_bf16", bench_us(lambda: bf16_loop(layer, bf16, hidden, logits)),
                     flops, nbytes))
     for path in ("contiguous", "masked"):
         if path == "masked" and t > 2048:

@@ -44,6 +44,7 @@ and one flipped expert moves a token's logits far more than the FP8 error does.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import logging
@@ -173,7 +174,7 @@ def _router_class(arch: Architecture) -> type[nn.Module]:
     return Fp8Router
 
 
-class Fp8MoEBlock(nn.Module):
+class Fp8MoEBlock(nn.Module, abc.ABC):
     """Drop-in for a transformers MoE block: ``forward(hidden_states [..., H]) -> [..., H]``.
 
     ``gate.weight [E, H]`` gives fp32 router logits (``hidden.float() @ weight.float()ᵀ``); ``experts`` is an
@@ -197,9 +198,9 @@ class Fp8MoEBlock(nn.Module):
         self.path = path
 
     @staticmethod
+    @abc.abstractmethod
     def routing(config: Any) -> dict[str, Any]:
         """``Fp8FusedMoE`` keyword arguments for the family's routing and shared experts."""
-        raise NotImplementedError
 
     def router_logits(self, x: Tensor) -> Tensor:
         """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on; the gate weight is kept fp32)."""

@@ -19,12 +19,10 @@ import torch
 
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import _stage_split, capture_forward
+from moe_fp8.benchmarks.moe import _stage_split, bf16_loop, capture_forward, fill_random_experts, local_ids
 from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
 from moe_fp8.kernels import tuning
 from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
-from moe_fp8.reference import dequant_per_block
-from moe_fp8.testing import _per_block_quant_grouped
 
 
 def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, torch.Tensor]]:
@@ -37,39 +35,10 @@ def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, tor
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
                         expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None, **routing)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    local = layer.w13_weight.shape[0]
-    bf16 = {}
-    for name, shape in (("w13", (local, 2 * inter, hidden)), ("w2", (local, hidden, inter))):
-        w_fp8, w_scale = _per_block_quant_grouped(torch.randn(shape, device="cuda", dtype=torch.bfloat16,
-                                                              generator=gen) * 0.02)
-        getattr(layer, f"{name}_weight").copy_(w_fp8)
-        getattr(layer, f"{name}_weight_scale_inv").copy_(w_scale)
-        bf16[name] = torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16) for e in range(local)])
+    bf16 = fill_random_experts(layer, gen)
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias.copy_(torch.randn(experts, device="cuda", generator=gen) * 0.01)
     return layer, bf16
-
-
-def _local_of(layer: Fp8FusedMoE) -> torch.Tensor:
-    """Global → local expert id (-1: another rank's)."""
-    if layer.expert_map is not None:
-        return layer.expert_map
-    return torch.arange(layer.num_experts, device=layer.w13_weight.device, dtype=torch.int32)
-
-
-def torch_loop(layer: Fp8FusedMoE, bf16: dict[str, torch.Tensor], hidden: torch.Tensor,
-               logits: torch.Tensor) -> torch.Tensor:
-    weights, ids = layer.route(logits)
-    local_of = _local_of(layer)
-    out = torch.zeros_like(hidden)
-    for e in range(bf16["w13"].shape[0]):
-        tok, slot = torch.nonzero(local_of[ids.long()] == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        gate, up = (hidden[tok] @ bf16["w13"][e].t()).chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ bf16["w2"][e].t()
-        out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
-    return out
 
 
 def main() -> None:
@@ -96,10 +65,10 @@ def main() -> None:
         path = layer.choose_path(t)
         graph = capture_forward(layer, hidden, logits, path)
         ours = bench_us(graph.replay)
-        theirs = bench_us(lambda h=hidden, lg=logits: torch_loop(layer, bf16, h, lg))
-        want = torch_loop(layer, bf16, hidden, logits)
+        theirs = bench_us(lambda h=hidden, lg=logits: bf16_loop(layer, bf16, h, lg))
+        want = bf16_loop(layer, bf16, hidden, logits)
         assert calc_diff(layer(hidden, logits), want) < 2e-3, "the layer differs from the bf16 loop"  # DESIGN §6
-        touched = int((_local_of(layer)[layer.route(logits)[1].long()].unique() >= 0).sum())
+        touched = int((local_ids(layer, layer.route(logits)[1]).unique() >= 0).sum())
         print(f"{t:>6} {path:>10} {ours:9.1f} {theirs:9.1f} {theirs / ours:6.2f} {touched:>7} "
               f"{touched * per_expert / ours / 1e6:5.2f}", flush=True)
         if args.split:

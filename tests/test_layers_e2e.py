@@ -452,6 +452,8 @@ def test_qwen3_transformers_own_loader_reads_our_checkpoint(tmp_path, monkeypatc
 
 
 def test_qwen3_errors(qwen3_ckpt, tmp_path):
+    with pytest.raises(TypeError, match="abstract"):  # the base block has no routing of its own
+        hf.Fp8MoEBlock(transformers.AutoConfig.from_pretrained(qwen3_ckpt))
     changed = transformers.AutoConfig.from_pretrained(qwen3_ckpt, hidden_act="gelu")
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(changed)

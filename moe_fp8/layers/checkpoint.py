@@ -407,6 +407,32 @@ class TensorSpec(NamedTuple):
     std: float
 
 
+def _tiny_common() -> dict[str, Any]:
+    """The entries the tiny configs of both families share: hidden 256, 3 layers, 4 heads, 16-expert sizes, FP8."""
+    return {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "hidden_act": "silu",
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+        "quantization_config": dict(FP8_QUANTIZATION_CONFIG),
+    }
+
+
 def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
     """A small but complete DeepSeek-V3 ``config.json`` dict (FP8 ``quantization_config`` included).
 
@@ -415,15 +441,10 @@ def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
     ragged N. 3 layers, the first dense; 16 routed experts in 4 groups, top-4 of the best 2 groups,
     one shared expert. Keyword arguments override entries.
     """
-    config: dict[str, Any] = {
+    return {
+        **_tiny_common(),
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "vocab_size": 512,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "n_shared_experts": 1,
         "n_routed_experts": 16,
@@ -441,24 +462,9 @@ def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
         "qk_rope_head_dim": 32,
         "qk_nope_head_dim": 64,
         "v_head_dim": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
         "num_nextn_predict_layers": 0,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-        "quantization_config": dict(FP8_QUANTIZATION_CONFIG),
+        **overrides,
     }
-    config.update(overrides)
-    return config
 
 
 def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
@@ -568,15 +574,10 @@ def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
     3 layers, the first dense (``mlp_only_layers = [0]``); 16 experts top-4, renormalized; 4 query and 2
     key-value heads of 64. Keyword arguments override entries.
     """
-    config: dict[str, Any] = {
+    return {
+        **_tiny_common(),
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": 512,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,
         "num_experts": 16,
@@ -584,25 +585,10 @@ def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [0],
-        "hidden_act": "silu",
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "bfloat16",
-        "quantization_config": dict(FP8_QUANTIZATION_CONFIG),
+        **overrides,
     }
-    config.update(overrides)
-    return config
 
 
 def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
