@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_fp8.layers.checkpoint import (
+    MODEL_FAMILIES,
     SCALE_SUFFIX,
     CheckpointReader,
     load_fp8_linear,
@@ -469,9 +470,23 @@ def _copy_param(dst: Tensor, src: Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def _load_config(path: str | os.PathLike) -> Any:
+    """transformers' config of ``path/config.json``. A ``model_type`` that is another family's model under its own
+    name (``MODEL_FAMILIES``: Kimi-K2 is DeepSeek-V3) is read as that family's config, as vLLM does, without running
+    the checkpoint's remote code (``auto_map``)."""
+    transformers = _transformers()
+    config_dict, _ = transformers.PretrainedConfig.get_config_dict(os.fspath(path))
+    model_type = config_dict.get("model_type")
+    family = MODEL_FAMILIES.get(model_type, model_type)
+    if family == model_type:
+        return transformers.AutoConfig.from_pretrained(path)
+    config_dict = {k: v for k, v in config_dict.items() if k not in ("model_type", "auto_map")}
+    return transformers.AutoConfig.for_model(family, **config_dict)
+
+
 def _build_meta_model(path: str | os.PathLike, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
     transformers = _transformers()
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = _load_config(path)
     arch = _check_config(config)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation

@@ -649,8 +649,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", choices=("deepseek_v3", "qwen3_moe"), default="deepseek_v3",
-                   help="model family of the random checkpoint (default deepseek_v3)")
+    p.add_argument("--arch", choices=("deepseek_v3", "kimi_k2", "qwen3_moe"), default="deepseek_v3",
+                   help="model type of the random checkpoint (default deepseek_v3)")
     p.add_argument("--layers", type=_positive_int, default=3, metavar="N",
                    help="decoder layers, the first dense and the others MoE (default 3)")
     p.add_argument("--tokens", type=_positive_int, default=16, metavar="N",

@@ -4,7 +4,9 @@
    ``tiny_deepseek_v3_config``: MLA attention, 16 routed experts top-4 in grouped routing, a shared
    expert, the first layer dense) — the format of the published DeepSeek-V3 / R1 weights; with
    ``arch="qwen3_moe"`` a Qwen3-MoE one (``tiny_qwen3_moe_config``: grouped-query attention, 16 experts top-4
-   with softmax routing, no shared expert), the format of Qwen's FP8 releases;
+   with softmax routing, no shared expert), the format of Qwen's FP8 releases; with ``arch="kimi_k2"`` a Kimi-K2
+   one (``tiny_kimi_k2_config``: DeepSeek-V3's modules under ``model_type = "kimi_k2"``, 384 experts top-8 in one
+   group, YaRN), read as DeepSeek-V3;
 2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``) with its MoE blocks, MLPs and attention
    projections replaced by ours (``integrations.transformers.load_model``), and into the same model
    with plain transformers modules and the weights dequantized to bf16 (``load_reference_model``);
@@ -30,7 +32,9 @@ import torch
 
 __all__ = ["ARCHS", "DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
 
-ARCHS = ("deepseek_v3", "qwen3_moe")  # the model families of ``integrations.transformers``
+# the model types of ``layers.MODEL_FAMILIES`` (Kimi-K2: DeepSeek-V3's modules, 384 experts in one group)
+ARCHS = ("deepseek_v3", "kimi_k2", "qwen3_moe")
+FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE"}
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
 # The ops a forward of the model calls (GEMMs of every projection and expert, the MoE data path).
@@ -74,7 +78,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     """Run the demo (see the module docstring) and return its report.
 
     Args:
-        arch: ``"deepseek_v3"`` or ``"qwen3_moe"`` (``ARCHS``).
+        arch: ``"deepseek_v3"``, ``"kimi_k2"`` or ``"qwen3_moe"`` (``ARCHS``).
         layers: decoder layers (the first is dense when there are two or more; the others MoE).
         tokens: new tokens to generate per sequence; batch: sequences; prompt_len: prompt tokens each.
         device: ``"cpu"`` / ``"cuda[:N]"`` (default: the current GPU if one is visible, else CPU).
@@ -87,7 +91,12 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     """
     from moe_fp8.backends import _normalize_device
     from moe_fp8.integrations.transformers import compare_logits, load_model, load_reference_model
-    from moe_fp8.layers import tiny_deepseek_v3_config, tiny_qwen3_moe_config, write_checkpoint
+    from moe_fp8.layers import (
+        tiny_deepseek_v3_config,
+        tiny_kimi_k2_config,
+        tiny_qwen3_moe_config,
+        write_checkpoint,
+    )
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -99,9 +108,10 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     dev = _normalize_device(device)
     phase = on_phase or (lambda name: None)
     positions = max(256, prompt_len + tokens)
-    if arch == "deepseek_v3":
-        config = tiny_deepseek_v3_config(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
-                                         max_position_embeddings=positions)
+    if arch in ("deepseek_v3", "kimi_k2"):
+        tiny = tiny_kimi_k2_config if arch == "kimi_k2" else tiny_deepseek_v3_config
+        config = tiny(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
+                      max_position_embeddings=positions)
     else:
         config = tiny_qwen3_moe_config(num_hidden_layers=layers, mlp_only_layers=[0] if layers > 1 else [],
                                        max_position_embeddings=positions)
@@ -192,7 +202,7 @@ def format_report(r: dict[str, Any]) -> str:
     """The text ``moe-fp8 demo`` prints."""
     m, g, lg, s = r["model"], r["generate"], r["logits"], r["seconds"]
     dense = m["layers"] - m["moe_layers"]
-    family = {"deepseek_v3": "DeepSeek-V3", "qwen3_moe": "Qwen3-MoE"}[m.get("arch", "deepseek_v3")]
+    family = FAMILY_NAMES[m.get("arch", "deepseek_v3")]
     shared = f" + {m['shared_experts']} shared" if m["shared_experts"] else ""
     lines = [
         f"model     {family} architecture, random block-FP8 weights: {m['layers']} layers ({dense} dense, "

@@ -280,8 +280,9 @@ def fp8_grouped_gemm_contiguous(
     padding rows (-1) are 0 here (unspecified for kernels); rows with an id outside
     ``[-1, G)`` are NaN (an invalid id is a bug; NaN makes any test see it without a host sync).
 
-    Cost: one full ``[M_total, N]`` product per group, selected by mask (no host sync, no Python
-    loop over rows), i.e. ``O(G · M_total · N · K)``.
+    Cost on a GPU: one full ``[M_total, N]`` product per group, selected by mask (no host sync, no Python
+    loop over rows), i.e. ``O(G · M_total · N · K)``. On the CPU, where reading ``m_indices`` costs no
+    sync, each group's product runs on its own rows only: ``O(M_total · N · K)`` (384 experts stay cheap).
     """
     _check_gemm_operands(x_fp8, w_fp8, 2, 3)
     m_total, num_groups, n = x_fp8.shape[0], w_fp8.shape[0], w_fp8.shape[1]
@@ -292,10 +293,16 @@ def fp8_grouped_gemm_contiguous(
     x = dequant_per_token_group(x_fp8, x_scale)
     ids = m_indices.long()
     result = torch.zeros((m_total, n), dtype=torch.float32, device=x_fp8.device)
-    for g in range(num_groups):
-        w_g = dequant_per_block(w_fp8[g], w_scale[g])  # one group at a time: [N, K] float32
-        row_is_g = (ids == g).unsqueeze(1)
-        result = torch.where(row_is_g, _matmul_nt_f32(x, w_g), result)
+    if x_fp8.device.type == "cpu":
+        for g in ids.unique().tolist():
+            if 0 <= g < num_groups:
+                rows = (ids == g).nonzero().squeeze(1)
+                result[rows] = _matmul_nt_f32(x[rows], dequant_per_block(w_fp8[g], w_scale[g]))
+    else:
+        for g in range(num_groups):
+            w_g = dequant_per_block(w_fp8[g], w_scale[g])  # one group at a time: [N, K] float32
+            row_is_g = (ids == g).unsqueeze(1)
+            result = torch.where(row_is_g, _matmul_nt_f32(x, w_g), result)
     invalid = ((ids < -1) | (ids >= num_groups)).unsqueeze(1)
     result = torch.where(invalid, torch.full_like(result, float("nan")), result)
     if out is None:

@@ -1,4 +1,4 @@
-"""One MoE layer of any supported model (its config.json: DeepSeek-V3 or Qwen3-MoE) as rank 0 of ``--ep`` holds
+"""One MoE layer of any supported model (its config.json: DeepSeek-V3, Kimi-K2 or Qwen3-MoE) as rank 0 of ``--ep`` holds
 it, on random block-FP8 experts: ``Fp8FusedMoE``'s forward replayed from a CUDA graph (the path the layer picks
 for the token count) against the usual PyTorch MoE (route, then a bf16 loop over the local experts on the
 dequantized weights), both timed with ``bench_us`` (L2 flushed). Also the rate at which our replay reads the
@@ -23,12 +23,13 @@ from moe_fp8.benchmarks.moe import _stage_split, bf16_loop, capture_forward, fil
 from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
 from moe_fp8.kernels import tuning
 from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
+from moe_fp8.layers.checkpoint import model_family
 
 
 def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, torch.Tensor]]:
     """Rank 0's layer (routing as the model's transformers block sets it, no shared experts) and the bf16 copies
     of its experts."""
-    arch = ARCHITECTURES[cfg["model_type"]]
+    arch = ARCHITECTURES[model_family(cfg)]
     experts, hidden, inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
     routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
                if k != "num_shared_experts"}

@@ -44,6 +44,7 @@ fi
 if has demo; then
   moe-fp8 demo --device cuda --no-progress 2>&1 | tee "$OUT/demo.txt" | tail -n 25
   moe-fp8 demo --arch qwen3_moe --device cuda --no-progress 2>&1 | tee -a "$OUT/demo.txt" | tail -n 25
+  moe-fp8 demo --arch kimi_k2 --device cuda --no-progress 2>&1 | tee -a "$OUT/demo.txt" | tail -n 25
   pack
 fi
 if has gemm; then

@@ -92,11 +92,28 @@ def test_qwen3_moe_demo(capsys):
     with pytest.raises(ValueError, match="arch must be one of"):
         demo.run_demo(arch="llama")
     from moe_fp8.integrations.transformers import ARCHITECTURES
+    from moe_fp8.layers.checkpoint import MODEL_FAMILIES
 
-    assert tuple(ARCHITECTURES) == demo.ARCHS  # the integration's families, and the command's --arch choices
+    # every model type the integration reads, and the command's --arch choices
+    assert sorted(MODEL_FAMILIES) == sorted(demo.ARCHS) == sorted(demo.FAMILY_NAMES)
+    assert set(MODEL_FAMILIES.values()) == set(ARCHITECTURES)
     parser = cli.build_parser()
     demo_parser = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" demo"))
     assert tuple(next(a for a in demo_parser._actions if a.dest == "arch").choices) == demo.ARCHS
+
+
+def test_kimi_k2_demo(capsys):
+    """--arch kimi_k2: a Kimi-K2 checkpoint (model_type kimi_k2, 384 experts top-8 in one group) read as
+    DeepSeek-V3, through the same checks."""
+    assert cli.main(["demo", "--arch", "kimi_k2", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
+                     "--device", "cpu", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model"]
+    assert m["arch"] == "kimi_k2" and m["architecture"].startswith("DeepseekV3ForCausalLM")
+    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"]) == (1, 384, 8, 1)
+    assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
+    assert demo.format_report(report).startswith("model     Kimi-K2 architecture, random block-FP8 weights: 2 layers "
+                                                 "(1 dense, 1 MoE: 384 experts top-8 + 1 shared), ")
 
 
 @pytest.mark.parametrize("argv,message", [

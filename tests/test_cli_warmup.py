@@ -74,6 +74,19 @@ def test_deepseek_v3_shapes_per_rank():
     assert with_head["lm_head"][:2] == (129280, 7168)
 
 
+def test_kimi_k2_shapes_per_rank():
+    """Kimi-K2 (scripts/models/kimi-k2.json: DeepSeek-V3's shapes with 64 heads and 384 experts): its attention
+    shards at TP 8 differ from DeepSeek-V3's, its experts are DeepSeek-V3's, 48 per EP-8 rank, 24 per EP-16 rank."""
+    kimi = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "kimi-k2.json").read_text())
+    tp8 = _shapes(W.model_gemms(kimi, tp=8))
+    assert {name: tp8[name][:2] for name in ("q_b_proj", "kv_b_proj", "o_proj")} == {
+        "q_b_proj": (1536, 1536), "kv_b_proj": (2048, 512), "o_proj": (7168, 1024)}
+    for ep, local in ((8, 48), (16, 24)):
+        shapes = _shapes(W.model_gemms(kimi, ep=ep))
+        assert shapes["experts.w13"] == (4096, 7168, ("contiguous", "masked"), local)
+        assert shapes["experts.w2"] == (7168, 2048, ("contiguous", "masked"), local)
+
+
 def test_qwen3_moe_shapes_per_rank():
     """Qwen3-MoE (Qwen3-30B-A3B's sizes): fused q/k/v of grouped-query attention, no shared experts, and a dense MLP
     only where mlp_only_layers / decoder_sparse_step leave one."""

@@ -24,12 +24,13 @@ from moe_fp8.layers import (
     qwen3_moe_tensor_specs,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
-from moe_fp8.layers.checkpoint import is_moe_layer
+from moe_fp8.layers.checkpoint import is_moe_layer, model_family
 
 CFG = tiny_deepseek_v3_config(num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                               moe_intermediate_size=256, intermediate_size=384)
@@ -126,6 +127,25 @@ def test_qwen3_moe_writer_and_moe_loader(tmp_path):
     assert torch.equal(moe.w13_weight_scale_inv[9, 1:], up_scale)
     with pytest.raises(ValueError, match="model_type 'llama'"):
         write_checkpoint(tmp_path / "x", {"model_type": "llama"})
+
+
+def test_kimi_k2_is_written_as_deepseek_v3(tmp_path):
+    """Kimi-K2 (``model_type = "kimi_k2"``) is DeepSeek-V3's family: the same tensor names, with 384 experts, and
+    ``config.json`` keeps its own model type and ``auto_map``."""
+    config = tiny_kimi_k2_config()
+    assert model_family(config) == "deepseek_v3" and model_family(tiny_qwen3_moe_config()) == "qwen3_moe"
+    assert [is_moe_layer(config, i) for i in range(2)] == [False, True]
+    path = write_checkpoint(tmp_path / "kimi", config, seed=2, num_shards=1)
+    written = json.loads((path / "config.json").read_text())
+    assert written["model_type"] == "kimi_k2" and "AutoConfig" in written["auto_map"]
+    assert written["quantization_config"]["weight_block_size"] == [128, 128]
+    specs = deepseek_v3_tensor_specs(config)
+    with CheckpointReader(path) as reader:
+        assert {n for n in reader if not n.endswith("_scale_inv")} == set(specs)
+        assert reader.shape("model.layers.1.mlp.gate.weight") == (384, 256)
+        assert reader.shape("model.layers.1.mlp.experts.383.down_proj.weight_scale_inv") == (2, 1)
+    with pytest.raises(ValueError, match="model_type 'mixtral': moe_fp8 knows"):
+        model_family({"model_type": "mixtral"})
 
 
 def test_reader(fp8_ckpt):

@@ -2,7 +2,8 @@
 ``DeepseekV3ForCausalLM`` running on moe_fp8 layers, against transformers' own model with the weights
 dequantized to fp32 (DESIGN §6: ``calc_diff < 2e-3``), plus ``generate``; then the same for Qwen3-MoE
 (``Qwen3MoeForCausalLM``: grouped-query attention, softmax routing, no shared experts), the other family of
-block-FP8 MoE checkpoints in this format.
+block-FP8 MoE checkpoints in this format, and for Kimi-K2 (DeepSeek-V3 under ``model_type = "kimi_k2"``, 384
+experts in one group).
 
 Routing and numerics are checked separately, because a quantized model legitimately routes a few
 near-tie tokens differently from the fp32 model (its hidden states differ by the FP8 activation
@@ -32,7 +33,9 @@ from moe_fp8.layers import (
     Fp8Linear,
     Fp8MLP,
     tiny_deepseek_v3_config,
+    tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
+    write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
@@ -477,5 +480,67 @@ def test_qwen3_logits_match_on_hopper(qwen3_ckpt, qwen3_reference, monkeypatch):
     check_against_reference(ours_gpu, qwen3_reference, input_ids, recorder)
     check_against_reference(ours_gpu, qwen3_reference, input_ids[:1, :6], recorder)
     assert recorder.paths == ["masked", "masked"]
+    out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 11)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kimi-K2: DeepSeek-V3's modules under model_type "kimi_k2", 384 experts in one group, YaRN
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kimi_ckpt(tmp_path_factory):
+    # hidden 256, 2 layers (first dense), 384 experts top-8 of one group, 1 shared expert, auto_map of remote code
+    return write_checkpoint(tmp_path_factory.mktemp("kimi"), tiny_kimi_k2_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def kimi_ours(kimi_ckpt):
+    return hf.load_model(kimi_ckpt, dtype=torch.bfloat16, masked_max_tokens=CROSSOVER)
+
+
+@pytest.fixture(scope="module")
+def kimi_reference(kimi_ckpt):
+    return hf.load_reference_model(kimi_ckpt, dtype=torch.float32)
+
+
+def test_kimi_k2_loads_as_deepseek_v3(kimi_ckpt, kimi_ours, kimi_reference):
+    """A ``kimi_k2`` config (with an ``auto_map`` to remote code that is not there) is read as DeepSeek-V3's, as
+    vLLM reads it, and its MoE layer routes over all 384 experts with Kimi-K2's settings."""
+    assert json.loads((kimi_ckpt / "config.json").read_text())["model_type"] == "kimi_k2"
+    ours = kimi_ours
+    assert isinstance(ours, transformers.DeepseekV3ForCausalLM) and isinstance(kimi_reference,
+                                                                               transformers.DeepseekV3ForCausalLM)
+    assert ours.config.rope_parameters["rope_type"] == "yarn"
+    block = ours.model.layers[1].mlp
+    assert isinstance(block, hf.Fp8DeepseekV3MoE) and isinstance(ours.model.layers[0].mlp, Fp8MLP)
+    experts = block.experts
+    assert experts.w13_weight.shape == (384, 256, 256) and experts.top_k == 8
+    # one group is plain top-k over all experts (sigmoid, correction bias, renormalized, scaled)
+    assert (experts.n_group, experts.topk_group, experts.routed_scaling_factor) == (None, None, 2.827)
+    assert experts.scoring_func == "sigmoid" and experts.e_score_correction_bias.shape == (384,)
+    report = ours.moe_fp8_report
+    assert report.moe_layers == ["model.layers.1.mlp"] and report.unused == [] and report.kept_unquantized == []
+
+
+def test_kimi_k2_logits_match_fp32_transformers_model(kimi_ours, kimi_reference, monkeypatch):
+    ours = kimi_ours
+    recorder = RoutingRecorder(ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    check_against_reference(ours, kimi_reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous"] and len(recorder.ids[0].unique()) > 100  # 32 tokens × 8 of 384 experts
+    check_against_reference(ours, kimi_reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked"]
+
+
+@pytest.mark.hopper
+def test_kimi_k2_logits_match_on_hopper(kimi_ckpt, kimi_reference, monkeypatch):
+    """The Kimi-K2 check on an sm_90 GPU: 384-expert grouped routing kernel, dispatch and both grouped GEMMs."""
+    ours_gpu = hf.load_model(kimi_ckpt, device="cuda", masked_max_tokens=CROSSOVER)
+    recorder = RoutingRecorder(ours_gpu, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    check_against_reference(ours_gpu, kimi_reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous"]
+    check_against_reference(ours_gpu, kimi_reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked"]
     out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 11)

@@ -35,7 +35,9 @@ from moe_fp8.layers import (  # noqa: E402
     shard_fp8_linear,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
+    write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
@@ -322,6 +324,13 @@ def checkpoint(tmp_path_factory):
     return path, cfg
 
 
+@pytest.fixture(scope="module")
+def kimi_checkpoint(tmp_path_factory):
+    """A random tiny Kimi-K2 (DeepSeek-V3's modules, 384 experts top-8 in one group) in block FP8."""
+    cfg = tiny_kimi_k2_config()
+    return write_checkpoint(tmp_path_factory.mktemp("kimi"), cfg, seed=1), cfg
+
+
 def _fused_moe(config, cfg: dict, **kwargs):
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 
@@ -544,7 +553,9 @@ def _deepseek_moe_block(config, cfg: dict, path, fused_shared: int):
     from sglang.srt.runtime_context import get_model
     from transformers import DeepseekV3Config
 
-    hf_config = DeepseekV3Config(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    # (Kimi-K2's remote code has DeepSeek-V3's config class under model_type "kimi_k2": transformers' is the same)
+    hf_config = DeepseekV3Config(**{k: v for k, v in cfg.items()
+                                    if k not in ("quantization_config", "model_type", "auto_map")})
     with get_model().override(shared_experts=SharedExpertsConfig(num_fused_shared_experts=fused_shared)):
         block = DeepseekV2MoE(hf_config, layer_id=1, quant_config=config, prefix=MOE_PREFIX)
     assert block.num_fused_shared_experts == fused_shared
@@ -590,12 +601,14 @@ def _load_moe_block(block, path, num_experts: int, fused_shared: int = 0):
     return block
 
 
+@pytest.mark.parametrize("model", ["checkpoint", "kimi_checkpoint"], ids=["deepseek_v3", "kimi_k2"])
 @pytest.mark.parametrize("fused_shared", [0, 1], ids=["shared_apart", "shared_fused"])
-def test_deepseek_moe_block_through_sglang_matches_ours(config, checkpoint, fused_shared):
+def test_deepseek_moe_block_through_sglang_matches_ours(config, model, fused_shared, request):
     """SGLang's DeepSeek MoE block on our methods gives Fp8FusedMoE's output (routed experts scaled by
     routed_scaling_factor exactly once, plus the shared expert), with the shared expert as its own MLP or
-    fused into the routed FusedMoE as SGLang does for DeepSeek-V3 on GPUs of capability ≥ 8.0."""
-    ckpt, cfg = checkpoint
+    fused into the routed FusedMoE as SGLang does for DeepSeek-V3 on GPUs of capability ≥ 8.0; for DeepSeek-V3
+    and for Kimi-K2 (384 experts, top-8 of one group, routed_scaling_factor 2.827)."""
+    ckpt, cfg = request.getfixturevalue(model)
     block = _deepseek_moe_block(config, cfg, ckpt, fused_shared)
     # Off CUDA SGLang's block multiplies the experts' output by the factor itself: our method must not.
     assert block.experts.quant_method.applies_routed_scaling is False

@@ -55,7 +55,9 @@ from moe_fp8.layers import (  # noqa: E402
     Fp8Linear,
     shard_fp8_linear,
     shard_moe_weights,
+    tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
+    write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
@@ -506,6 +508,60 @@ def test_qwen3_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_
         loop = loop_reference(x, weights / weights.sum(-1, keepdim=True), ids,
                               _dq(ours.w13_weight, ours.w13_weight_scale_inv), _dq(ours.w2_weight, ours.w2_weight_scale_inv))
         assert calc_diff(out, loop) < LAYER_DIFF
+
+
+def test_kimi_k2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_path) -> None:
+    """vLLM's own DeepSeek MoE block (``DeepseekV2MoE``) built from a Kimi-K2 checkpoint under ``--quantization
+    moe_fp8``: vLLM reads ``model_type = "kimi_k2"`` as DeepSeek-V3's config, and the block (384 experts, sigmoid
+    top-8 of one group with correction bias, ``routed_scaling_factor`` 2.827, a shared expert on our linear method),
+    loaded as vLLM's DeepSeek loader does, gives ``Fp8FusedMoE``'s output."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    path = write_checkpoint(tmp_path / "kimi", tiny_kimi_k2_config(), seed=4, num_shards=1)
+    model_config = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
+                               quantization="moe_fp8", dtype="bfloat16")
+    hf_config = model_config.hf_config
+    assert type(hf_config).__name__ == "DeepseekV3Config" and hf_config.n_routed_experts == 384
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config)
+    assert isinstance(cfg.quant_config, MoeFp8Config)
+    prefix = "model.layers.1.mlp"  # the tiny model's MoE layer
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        block = DeepseekV2MoE(hf_config, cfg.parallel_config, quant_config=cfg.quant_config, prefix=prefix)
+    experts = block.experts.routed_experts
+    assert isinstance(experts.quant_method, MoeFp8MoEMethod)
+    assert isinstance(block.shared_experts.gate_up_proj.quant_method, MoeFp8LinearMethod)
+    reader = CheckpointReader(path)
+    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
+    assert load_experts_through_vllm(block.experts, tensors, 1, 384) == set(tensors)
+    shared = block.shared_experts
+    for name in ("weight", "weight_scale_inv"):  # as DeepseekV2ForCausalLM.load_weights stacks gate / up
+        for shard_id, proj in enumerate(("gate_proj", "up_proj")):
+            param = getattr(shared.gate_up_proj, name)
+            param.weight_loader(param, reader.get(f"{prefix}.shared_experts.{proj}.{name}"), shard_id)
+        param = getattr(shared.down_proj, name)
+        param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
+    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
+    block.gate.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias"))
+    for module in block.modules():
+        if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            module.quant_method.process_weights_after_loading(module)
+
+    ours = Fp8FusedMoE(384, 256, 128, 8, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.827,
+                       use_correction_bias=True, num_shared_experts=1)
+    load_fused_moe(ours, reader, prefix)
+    for t in (3, 40):  # vLLM's decode-sized and prefill-sized calls
+        x = randn((t, 256), seed=t)
+        with set_forward_context(None, cfg):
+            out, shared_out = block(x), block.shared_experts(x)
+        logits = block.gate(x)[0]
+        # vLLM's shared MLP (DeepseekV2MLP) rounds SiLU·mul to bf16 before our down projection quantizes it; our
+        # Fp8MLP quantizes the fp32 product. With that rounding the two are equal, and the block is within 1e-4.
+        gate_up = ours.shared_experts.gate_up_proj(x).float()
+        h = (torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:]).to(torch.bfloat16)
+        assert torch.equal(shared_out, ours.shared_experts.down_proj(h))
+        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < 1e-4
 
 
 def test_moe_unloaded_scales_are_refused(vllm_config: VllmConfig, quant_config: MoeFp8Config) -> None:

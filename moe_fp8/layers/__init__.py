@@ -9,7 +9,8 @@
 - ``CheckpointReader``, ``load_fp8_linear``, ``load_fp8_mlp``, ``load_fused_moe``: fill the layers from a
   DeepSeek-V3-format safetensors checkpoint; ``write_deepseek_v3_checkpoint`` /
   ``tiny_deepseek_v3_config`` build a random one (tests, demos), ``write_qwen3_moe_checkpoint`` /
-  ``tiny_qwen3_moe_config`` a Qwen3-MoE one in the same block-FP8 format.
+  ``tiny_qwen3_moe_config`` a Qwen3-MoE one in the same block-FP8 format, ``tiny_kimi_k2_config`` a Kimi-K2 one
+  (DeepSeek-V3's modules, 384 experts); ``write_checkpoint`` writes any of them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from moe_fp8.layers.checkpoint import (
     load_fused_moe,
     qwen3_moe_tensor_specs,
     tiny_deepseek_v3_config,
+    tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
@@ -80,6 +82,7 @@ __all__ = [
     "shard_fp8_linear",
     "shard_moe_weights",
     "tiny_deepseek_v3_config",
+    "tiny_kimi_k2_config",
     "tiny_qwen3_moe_config",
     "tp_shard_range",
     "write_checkpoint",

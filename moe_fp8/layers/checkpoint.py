@@ -27,7 +27,9 @@ Writing (``write_deepseek_v3_checkpoint``) builds a random checkpoint of any Dee
 exact format, for tests, demos and kernel warm-up; ``tiny_deepseek_v3_config`` gives a small valid config.
 Qwen3-MoE's block-FP8 releases (``model_type = "qwen3_moe"``) use the same format (``quantization_config``,
 ``weight`` + ``weight_scale_inv``, per-expert tensors) with their own module names: ``write_qwen3_moe_checkpoint``
-/ ``tiny_qwen3_moe_config``; ``write_checkpoint`` takes either family's config.
+/ ``tiny_qwen3_moe_config``. Kimi-K2's (``model_type = "kimi_k2"``, ``architectures = ["DeepseekV3ForCausalLM"]``)
+are DeepSeek-V3 checkpoints with 384 routed experts in one group (``tiny_kimi_k2_config``). ``MODEL_FAMILIES`` maps
+each ``model_type`` to the family whose module names it uses; ``write_checkpoint`` takes any of their configs.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from moe_fp8.utils import GROUP_K, ceil_div
 
 __all__ = [
     "FP8_QUANTIZATION_CONFIG",
+    "MODEL_FAMILIES",
     "SCALE_FMTS",
     "TENSOR_SPECS",
     "CheckpointReader",
@@ -59,9 +62,11 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "model_family",
     "qwen3_moe_tensor_specs",
     "read_block_fp8",
     "tiny_deepseek_v3_config",
+    "tiny_kimi_k2_config",
     "tiny_qwen3_moe_config",
     "write_checkpoint",
     "write_deepseek_v3_checkpoint",
@@ -80,6 +85,9 @@ FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
     "activation_scheme": "dynamic",
     "weight_block_size": [GROUP_K, GROUP_K],
 }
+# model_type -> the family whose module and tensor names it uses. Kimi-K2's releases are DeepSeek-V3 under their
+# own model_type (with DeepSeek's remote code); vLLM reads them with DeepseekV3Config too.
+MODEL_FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
 # quantization_config.scale_fmt values read: absent / None (fp32 scales, DeepSeek-V3) or "ue8m0" (V3.1).
 SCALE_FMTS = (None, "ue8m0")
 
@@ -467,6 +475,38 @@ def tiny_deepseek_v3_config(**overrides: Any) -> dict[str, Any]:
     }
 
 
+def tiny_kimi_k2_config(**overrides: Any) -> dict[str, Any]:
+    """A small Kimi-K2 ``config.json`` dict: ``tiny_deepseek_v3_config`` under ``model_type = "kimi_k2"`` with what
+    sets Kimi-K2 apart from DeepSeek-V3 kept at full size: 384 routed experts in one group (top-8 of all,
+    ``n_group = topk_group = 1``), ``routed_scaling_factor = 2.827``, YaRN rope scaling, and the ``auto_map`` of its
+    remote code (which moe_fp8 never runs). 2 layers, the first dense. Keyword arguments override entries."""
+    return tiny_deepseek_v3_config(**{
+        "model_type": "kimi_k2",
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                     "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                     "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+        "num_hidden_layers": 2,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.827,
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        **overrides,
+    })
+
+
+def model_family(config: Mapping[str, Any]) -> str:
+    """The family (``"deepseek_v3"`` or ``"qwen3_moe"``) of a ``config.json`` dict by its ``model_type``
+    (``MODEL_FAMILIES``), or ``ValueError`` for a model type moe_fp8 does not know."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"model_type {model_type!r}: moe_fp8 knows {sorted(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[model_type]
+
+
 def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` has a routed-expert MLP. DeepSeek-V3: ``layer >= first_k_dense_replace``
     and ``layer % moe_layer_freq == 0``; Qwen3-MoE (``model_type = "qwen3_moe"``): ``layer`` not in
@@ -626,13 +666,9 @@ TENSOR_SPECS = {"deepseek_v3": deepseek_v3_tensor_specs, "qwen3_moe": qwen3_moe_
 
 def write_checkpoint(path: str | os.PathLike, config: Mapping[str, Any], *, seed: int = 0, fp8: bool = True,
                      num_shards: int = 2, scale_fmt: str | None = None) -> Path:
-    """Write a random checkpoint for ``config`` (``model_type`` ``"deepseek_v3"`` or ``"qwen3_moe"``, see
-    ``TENSOR_SPECS``) to ``path``; ``write_deepseek_v3_checkpoint`` documents the arguments and the format."""
-    specs_of = TENSOR_SPECS.get(config.get("model_type"))
-    if specs_of is None:
-        raise ValueError(f"model_type {config.get('model_type')!r}: random checkpoints are written for "
-                         f"{sorted(TENSOR_SPECS)}")
-    return _write(path, config, specs_of, seed, fp8, num_shards, scale_fmt)
+    """Write a random checkpoint for ``config`` (any ``model_type`` of ``MODEL_FAMILIES``; ``TENSOR_SPECS`` by
+    family) to ``path``; ``write_deepseek_v3_checkpoint`` documents the arguments and the format."""
+    return _write(path, config, TENSOR_SPECS[model_family(config)], seed, fp8, num_shards, scale_fmt)
 
 
 def _write(path: str | os.PathLike, config: Mapping[str, Any], specs_of: Any, seed: int, fp8: bool,
