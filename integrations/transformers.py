@@ -8,8 +8,8 @@ Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` 
     out = model.generate(input_ids, max_new_tokens=32)
 
 ``load_model`` builds transformers' own model for the checkpoint's ``model_type`` (``ARCHITECTURES``:
-``deepseek_v3``, ``qwen3_moe``) on the meta device (no memory), then ``patch_model`` swaps its modules for ours
-and fills everything from the checkpoint:
+``deepseek_v3``, ``qwen3_moe``; Kimi-K2's ``kimi_k2`` is read as ``deepseek_v3``, see ``MODEL_FAMILIES``) on the meta
+device (no memory), then ``patch_model`` swaps its modules for ours and fills everything from the checkpoint:
 
 - each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock``) → ``Fp8DeepseekV3MoE`` /
   ``Fp8Qwen3MoeSparseMoeBlock`` (``Fp8MoEBlock``): the router weight (logits in fp32) + ``Fp8FusedMoE``
