@@ -59,6 +59,28 @@ def build_layer(seed: int = 0):
     return layer, bf16
 
 
+def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0):
+    """Rank 0 of ``ep`` of any supported model's MoE layer (its ``config.json`` dict; routing as the model's
+    transformers block sets it, no shared experts) with random block-FP8 experts, and their bf16 copies."""
+    from types import SimpleNamespace
+
+    from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
+    from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
+    from moe_fp8.layers.checkpoint import model_family
+
+    arch = ARCHITECTURES[model_family(cfg)]
+    experts, hidden, inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
+               if k != "num_shared_experts"}
+    layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
+                        expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None, **routing)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bf16 = fill_random_experts(layer, gen)
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.copy_(torch.randn(experts, device="cuda", generator=gen) * 0.01)
+    return layer, bf16
+
+
 def fill_random_experts(layer, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Fill ``layer``'s local experts with random block-FP8 weights (``N(0, 0.02²)`` quantized per 128×128 block);
     returns their dequantized bf16 copies ``{"w13": [E_local, 2I, H], "w2": [E_local, H, I]}`` for the baselines."""

@@ -13,33 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 
 import torch
 
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import _stage_split, bf16_loop, capture_forward, fill_random_experts, local_ids
-from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
+from moe_fp8.benchmarks.moe import _stage_split, bf16_loop, build_model_layer, capture_forward, local_ids
 from moe_fp8.kernels import tuning
-from moe_fp8.layers import Fp8FusedMoE, expert_map_for_rank
-from moe_fp8.layers.checkpoint import model_family
-
-
-def build(cfg: dict, ep: int, seed: int = 0) -> tuple[Fp8FusedMoE, dict[str, torch.Tensor]]:
-    """Rank 0's layer (routing as the model's transformers block sets it, no shared experts) and the bf16 copies
-    of its experts."""
-    arch = ARCHITECTURES[model_family(cfg)]
-    experts, hidden, inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
-    routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
-               if k != "num_shared_experts"}
-    layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
-                        expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None, **routing)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    bf16 = fill_random_experts(layer, gen)
-    if layer.e_score_correction_bias is not None:
-        layer.e_score_correction_bias.copy_(torch.randn(experts, device="cuda", generator=gen) * 0.01)
-    return layer, bf16
 
 
 def main() -> None:
@@ -52,7 +32,7 @@ def main() -> None:
     path = args.model if args.model.endswith(".json") else f"{args.model}/config.json"
     with open(path) as f:
         cfg = json.load(f)
-    layer, bf16 = build(cfg, args.ep)
+    layer, bf16 = build_model_layer(cfg, args.ep)
     local = bf16["w13"].shape[0]
     per_expert = (layer.w13_weight[0].numel() + layer.w2_weight[0].numel()
                   + 4 * (layer.w13_weight_scale_inv[0].numel() + layer.w2_weight_scale_inv[0].numel()))
