@@ -32,9 +32,9 @@ import torch
 
 __all__ = ["ARCHS", "DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
 
-# the model types of ``layers.MODEL_FAMILIES`` (Kimi-K2: DeepSeek-V3's modules, 384 experts in one group)
-ARCHS = ("deepseek_v3", "kimi_k2", "qwen3_moe")
+# the model types of ``layers.MODEL_FAMILIES`` (Kimi-K2: DeepSeek-V3's modules, 384 experts in one group), named
 FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE"}
+ARCHS = tuple(FAMILY_NAMES)
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
 # The ops a forward of the model calls (GEMMs of every projection and expert, the MoE data path).
