@@ -507,28 +507,26 @@ def test_kimi_k2_loads_as_deepseek_v3(kimi_ckpt, kimi_ours, kimi_reference):
     """A ``kimi_k2`` config (with an ``auto_map`` to remote code that is not there) is read as DeepSeek-V3's, as
     vLLM reads it, and its MoE layer routes over all 384 experts with Kimi-K2's settings."""
     assert json.loads((kimi_ckpt / "config.json").read_text())["model_type"] == "kimi_k2"
-    ours = kimi_ours
-    assert isinstance(ours, transformers.DeepseekV3ForCausalLM) and isinstance(kimi_reference,
-                                                                               transformers.DeepseekV3ForCausalLM)
-    assert ours.config.rope_parameters["rope_type"] == "yarn"
-    block = ours.model.layers[1].mlp
-    assert isinstance(block, hf.Fp8DeepseekV3MoE) and isinstance(ours.model.layers[0].mlp, Fp8MLP)
+    assert isinstance(kimi_ours, transformers.DeepseekV3ForCausalLM)
+    assert isinstance(kimi_reference, transformers.DeepseekV3ForCausalLM)
+    assert kimi_ours.config.rope_parameters["rope_type"] == "yarn"
+    block = kimi_ours.model.layers[1].mlp
+    assert isinstance(block, hf.Fp8DeepseekV3MoE) and isinstance(kimi_ours.model.layers[0].mlp, Fp8MLP)
     experts = block.experts
     assert experts.w13_weight.shape == (384, 256, 256) and experts.top_k == 8
     # one group is plain top-k over all experts (sigmoid, correction bias, renormalized, scaled)
     assert (experts.n_group, experts.topk_group, experts.routed_scaling_factor) == (None, None, 2.827)
     assert experts.scoring_func == "sigmoid" and experts.e_score_correction_bias.shape == (384,)
-    report = ours.moe_fp8_report
+    report = kimi_ours.moe_fp8_report
     assert report.moe_layers == ["model.layers.1.mlp"] and report.unused == [] and report.kept_unquantized == []
 
 
 def test_kimi_k2_logits_match_fp32_transformers_model(kimi_ours, kimi_reference, monkeypatch):
-    ours = kimi_ours
-    recorder = RoutingRecorder(ours, monkeypatch)
+    recorder = RoutingRecorder(kimi_ours, monkeypatch)
     input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    check_against_reference(ours, kimi_reference, input_ids, recorder)
+    check_against_reference(kimi_ours, kimi_reference, input_ids, recorder)
     assert recorder.paths == ["contiguous"] and len(recorder.ids[0].unique()) > 100  # 32 tokens × 8 of 384 experts
-    check_against_reference(ours, kimi_reference, input_ids[:1, :6], recorder)
+    check_against_reference(kimi_ours, kimi_reference, input_ids[:1, :6], recorder)
     assert recorder.paths == ["masked"]
 
 
