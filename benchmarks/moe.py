@@ -59,9 +59,10 @@ def build_layer(seed: int = 0):
     return layer, bf16
 
 
-def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0):
+def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int = 1):
     """Rank 0 of ``ep`` of any supported model's MoE layer (its ``config.json`` dict; routing as the model's
-    transformers block sets it, no shared experts) with random block-FP8 experts, and their bf16 copies."""
+    transformers block sets it, no shared experts) with random block-FP8 experts, and their bf16 copies; with
+    ``tp > 1`` every expert's intermediate size is split over ``tp`` ranks instead (TP-sharded experts)."""
     from types import SimpleNamespace
 
     from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
@@ -69,7 +70,8 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0):
     from moe_fp8.layers.checkpoint import model_family
 
     arch = ARCHITECTURES[model_family(cfg)]
-    experts, hidden, inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+    experts, hidden = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"])
+    inter = int(cfg["moe_intermediate_size"]) // tp
     routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
                if k != "num_shared_experts"}
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",

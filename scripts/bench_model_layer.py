@@ -6,7 +6,8 @@ weights of the experts it touches. ``--split`` adds each stage's median time ins
 bench's split: ``StageTimer`` events, L2 flushed). ``moe-fp8 bench moe`` is the DeepSeek-V3 bench; this script is for
 the others.
 
-    python scripts/bench_model_layer.py --model scripts/models/qwen3-30b-a3b.json --ep 8 [--tokens 1 8 64 ...] [--split]
+    python scripts/bench_model_layer.py --model scripts/models/qwen3-30b-a3b.json --ep 8 [--tp N] [--tokens 1 8 64 ...]
+        [--split]
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="config.json (or a folder holding one)")
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="split every expert's intermediate size over this many ranks")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 512, 2048, 8192])
     p.add_argument("--split", action="store_true", help="also each stage's time inside a forward")
     args = p.parse_args()
     path = args.model if args.model.endswith(".json") else f"{args.model}/config.json"
     with open(path) as f:
         cfg = json.load(f)
-    layer, bf16 = build_model_layer(cfg, args.ep)
+    layer, bf16 = build_model_layer(cfg, args.ep, tp=args.tp)
     local = bf16["w13"].shape[0]
     per_expert = (layer.w13_weight[0].numel() + layer.w2_weight[0].numel()
                   + 4 * (layer.w13_weight_scale_inv[0].numel() + layer.w2_weight_scale_inv[0].numel()))
     print(f"model {cfg['model_type']} hidden {cfg['hidden_size']}, {local} of {layer.num_experts} experts (ep "
-          f"{args.ep}), I {cfg['moe_intermediate_size']}, top-{layer.top_k}; tables: {tuning.describe_active()}")
+          f"{args.ep}), I {cfg['moe_intermediate_size']} (tp {args.tp}: {layer.intermediate_size} a rank), "
+          f"top-{layer.top_k}; tables: {tuning.describe_active()}")
     print(f"{'tokens':>6} {'path':>10} {'ours us':>9} {'torch us':>9} {'x':>6} {'touched':>7} {'TB/s':>5}")
     for t in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(t)
