@@ -4,7 +4,7 @@ forward of each token count captured in a CUDA graph twice (tables off, then thi
 reads them), the replays timed alternately (``bench_us``, median of rounds). What the shipped table gives a layer.
 
     python scripts/ab_tuned_layer.py [--tokens 64 256 512 1024 2048] [--path contiguous|masked|auto] [--rounds 3]
-                                     [--model scripts/models/kimi-k2.json --ep 8]
+                                     [--model scripts/models/kimi-k2.json --ep 8 | --tp 8]
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", help="a model's config.json (default: the moe bench's DeepSeek-V3 rank)")
     p.add_argument("--ep", type=int, default=1, help="with --model: expert-parallel ranks")
+    p.add_argument("--tp", type=int, default=1, help="with --model: ranks splitting every expert's intermediate size")
     args = p.parse_args()
     if args.model:
         with open(args.model) as f:
-            layer, _ = build_model_layer(json.load(f), args.ep)
+            layer, _ = build_model_layer(json.load(f), args.ep, tp=args.tp)
     else:
         layer, _ = build_layer()
     print(f"tables: {tuning.describe_active()}")
