@@ -61,7 +61,7 @@ from moe_fp8.layers import (  # noqa: E402
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
-from moe_fp8.layers.checkpoint import CheckpointReader, load_fused_moe  # noqa: E402
+from moe_fp8.layers.checkpoint import CheckpointReader, load_fused_moe, read_block_fp8  # noqa: E402
 from moe_fp8.testing import randn  # noqa: E402
 from moe_fp8.utils import rel_error  # noqa: E402
 
@@ -536,10 +536,9 @@ def test_kimi_k2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_pa
     tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
     assert load_experts_through_vllm(block.experts, tensors, 1, 384) == set(tensors)
     shared = block.shared_experts
-    for name in ("weight", "weight_scale_inv"):  # as DeepseekV2ForCausalLM.load_weights stacks gate / up
-        for shard_id, proj in enumerate(("gate_proj", "up_proj")):
-            param = getattr(shared.gate_up_proj, name)
-            param.weight_loader(param, reader.get(f"{prefix}.shared_experts.{proj}.{name}"), shard_id)
+    _load_merged(shared.gate_up_proj, [read_block_fp8(reader, f"{prefix}.shared_experts.{proj}")
+                                       for proj in ("gate_proj", "up_proj")])  # as DeepseekV2's loader stacks them
+    for name in ("weight", "weight_scale_inv"):
         param = getattr(shared.down_proj, name)
         param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
     block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
