@@ -525,7 +525,17 @@ class _Specs:
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = config
         self.h = int(config["hidden_size"])
-        self.specs: dict[str, TensorSpec] = {}
+        self.specs: dict[str, TensorSpec] = {
+            "model.embed_tokens.weight": TensorSpec((int(config["vocab_size"]), self.h), torch.bfloat16, False, 0.0,
+                                                    1.0)}
+
+    def layers(self) -> Iterator[tuple[int, str, str]]:
+        """Each decoder layer's index, prefix and attention prefix, once its two norms are added."""
+        for i in range(int(self.config["num_hidden_layers"])):
+            prefix = f"model.layers.{i}"
+            self.norm(f"{prefix}.input_layernorm", self.h)
+            self.norm(f"{prefix}.post_attention_layernorm", self.h)
+            yield i, prefix, f"{prefix}.self_attn"
 
     def linear(self, name: str, n: int, k: int, scale: float = 1.0) -> None:
         self.specs[f"{name}.weight"] = TensorSpec((n, k), torch.bfloat16, True, 0.0, scale / math.sqrt(k))
@@ -546,10 +556,6 @@ class _Specs:
     def experts(self, prefix: str, num_experts: int, inter: int) -> None:
         for e in range(num_experts):
             self.mlp(f"{prefix}.experts.{e}", inter)
-
-    def embeddings(self) -> None:
-        self.specs["model.embed_tokens.weight"] = TensorSpec((int(self.config["vocab_size"]), self.h),
-                                                             torch.bfloat16, False, 0.0, 1.0)
 
     def head(self) -> dict[str, TensorSpec]:
         self.norm("model.norm", self.h)
@@ -573,12 +579,7 @@ def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]
     q_lora = config.get("q_lora_rank")
     kv_lora = int(config["kv_lora_rank"])
     rope, nope, v_dim = int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
-    b.embeddings()
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        b.norm(f"{p}.input_layernorm", h)
-        b.norm(f"{p}.post_attention_layernorm", h)
-        attn = f"{p}.self_attn"
+    for i, p, attn in b.layers():
         if q_lora:
             b.linear(f"{attn}.q_a_proj", int(q_lora), h)
             b.norm(f"{attn}.q_a_layernorm", int(q_lora))
@@ -640,12 +641,7 @@ def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or h // heads)
     bias = bool(config.get("attention_bias", False))
-    b.embeddings()
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        b.norm(f"{p}.input_layernorm", h)
-        b.norm(f"{p}.post_attention_layernorm", h)
-        attn = f"{p}.self_attn"
+    for i, p, attn in b.layers():
         for proj, n, k, scale in (("q_proj", heads * head_dim, h, 1.0), ("k_proj", kv_heads * head_dim, h, 1.0),
                                   ("v_proj", kv_heads * head_dim, h, 1.0), ("o_proj", h, heads * head_dim, 0.5)):
             b.linear(f"{attn}.{proj}", n, k, scale)
