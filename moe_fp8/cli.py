@@ -6,7 +6,7 @@ argparse sub-parser, one function to run it, and one entry in the dict.
 - ``info``: the environment the kernels would run in — one paste is a complete bug report. It never
   raises on a machine without a GPU, driver, compiler or half-written package: every probe is
   wrapped and a failure is shown as ``unavailable: <error>`` in its own section.
-- ``demo``: a small DeepSeek-V3 or Qwen3-MoE (random block-FP8 weights) run through transformers on our layers:
+- ``demo``: a small DeepSeek-V3, Kimi-K2 or Qwen3-MoE (random block-FP8 weights) run through transformers on our layers:
   tokens/s, the backend, and the logit error against the bf16 model (``moe_fp8.demo``).
 - ``bench {gemm,grouped,moe-data,moe,all,plot}``: time our kernels against torch baselines (kinds
   registered in ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
@@ -1117,7 +1117,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "info": Command("versions, GPUs, JIT compilers, cache and backends (paste into bug reports)",
                     _add_info_args, cmd_info),
-    "demo": Command("run a small DeepSeek-V3 (or Qwen3-MoE) on moe_fp8's layers: tokens/s, backend, logit error vs bf16",
+    "demo": Command("run a small DeepSeek-V3 (Kimi-K2, Qwen3-MoE) on moe_fp8's layers: tokens/s, backend, logit error "
+                    "vs bf16",
                     _add_demo_args, cmd_demo),
     "bench": Command("time our kernels against torch baselines; tables, JSON / CSV records, plots",
                      _add_bench_args, cmd_bench),

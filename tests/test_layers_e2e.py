@@ -346,19 +346,6 @@ def test_errors(ckpt, tmp_path, monkeypatch):
         hf.load_model(ckpt)
 
 
-@pytest.mark.hopper
-def test_logits_match_on_hopper(ckpt, reference, monkeypatch):
-    """The same end-to-end check with the model on an sm_90 GPU (Hopper GEMM kernels)."""
-    ours_gpu = hf.load_model(ckpt, device="cuda", masked_max_tokens=CROSSOVER)
-    assert ours_gpu.model.layers[1].mlp.experts.w13_weight.is_cuda
-    recorder = RoutingRecorder(ours_gpu, monkeypatch)
-    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    check_against_reference(ours_gpu, reference, input_ids, recorder)
-    assert recorder.paths == ["contiguous", "contiguous"]
-    out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 11)
-
-
 # ----------------------------------------------------------------------------------------------
 # Qwen3-MoE
 # ----------------------------------------------------------------------------------------------
@@ -471,19 +458,6 @@ def test_qwen3_errors(qwen3_ckpt, tmp_path):
         hf.load_model(path)
 
 
-@pytest.mark.hopper
-def test_qwen3_logits_match_on_hopper(qwen3_ckpt, qwen3_reference, monkeypatch):
-    """The Qwen3-MoE check with the model on an sm_90 GPU: softmax routing (the Triton kernel) and both layouts."""
-    ours_gpu = hf.load_model(qwen3_ckpt, device="cuda", masked_max_tokens=CROSSOVER)
-    recorder = RoutingRecorder(ours_gpu, monkeypatch)
-    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    check_against_reference(ours_gpu, qwen3_reference, input_ids, recorder)
-    check_against_reference(ours_gpu, qwen3_reference, input_ids[:1, :6], recorder)
-    assert recorder.paths == ["masked", "masked"]
-    out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 11)
-
-
 # ----------------------------------------------------------------------------------------------
 # Kimi-K2: DeepSeek-V3's modules under model_type "kimi_k2", 384 experts in one group, YaRN
 # ----------------------------------------------------------------------------------------------
@@ -530,15 +504,27 @@ def test_kimi_k2_logits_match_fp32_transformers_model(kimi_ours, kimi_reference,
     assert recorder.paths == ["masked"]
 
 
+# ----------------------------------------------------------------------------------------------
+# On Hopper: every family
+# ----------------------------------------------------------------------------------------------
+FAMILY_FIXTURES = {"deepseek_v3": ("ckpt", "reference"), "qwen3_moe": ("qwen3_ckpt", "qwen3_reference"),
+                   "kimi_k2": ("kimi_ckpt", "kimi_reference")}
+
+
 @pytest.mark.hopper
-def test_kimi_k2_logits_match_on_hopper(kimi_ckpt, kimi_reference, monkeypatch):
-    """The Kimi-K2 check on an sm_90 GPU: 384-expert grouped routing kernel, dispatch and both grouped GEMMs."""
-    ours_gpu = hf.load_model(kimi_ckpt, device="cuda", masked_max_tokens=CROSSOVER)
+@pytest.mark.parametrize("family", list(FAMILY_FIXTURES))
+def test_logits_match_on_hopper(family, request, monkeypatch):
+    """The end-to-end check with the model on an sm_90 GPU (Hopper GEMM kernels; the routing kernels: grouped
+    sigmoid, softmax for Qwen3-MoE, 384 experts for Kimi-K2; dispatch and both grouped GEMMs): the prompt on the
+    contiguous path, six tokens on the masked one, then ``generate``."""
+    ckpt, reference = (request.getfixturevalue(name) for name in FAMILY_FIXTURES[family])
+    ours_gpu = hf.load_model(ckpt, device="cuda", masked_max_tokens=CROSSOVER)
+    assert ours_gpu.model.layers[-1].mlp.experts.w13_weight.is_cuda
     recorder = RoutingRecorder(ours_gpu, monkeypatch)
     input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    check_against_reference(ours_gpu, kimi_reference, input_ids, recorder)
-    assert recorder.paths == ["contiguous"]
-    check_against_reference(ours_gpu, kimi_reference, input_ids[:1, :6], recorder)
-    assert recorder.paths == ["masked"]
+    check_against_reference(ours_gpu, reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous"] * len(recorder.moe_layers)
+    check_against_reference(ours_gpu, reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked"] * len(recorder.moe_layers)
     out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 11)
