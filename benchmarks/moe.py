@@ -71,6 +71,8 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int =
 
     arch = ARCHITECTURES[model_family(cfg)]
     experts, hidden = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"])
+    if tp < 1 or int(cfg["moe_intermediate_size"]) % tp:
+        raise ValueError(f"tp={tp} must be >= 1 and divide moe_intermediate_size {cfg['moe_intermediate_size']}")
     inter = int(cfg["moe_intermediate_size"]) // tp
     routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
                if k != "num_shared_experts"}

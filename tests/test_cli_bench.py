@@ -67,6 +67,17 @@ def test_grouped_shapes_by_arity():
 # records: ratios, CSV, roofline class, plots
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("tp", [0, 3])
+def test_model_layer_refuses_a_tp_that_does_not_divide_the_experts(tp):
+    """``benchmarks.moe.build_model_layer`` (scripts/bench_model_layer.py, ab_tuned_layer.py) refuses before any GPU
+    work a ``tp`` that would silently truncate each expert's intermediate size."""
+    from moe_fp8.benchmarks.moe import build_model_layer
+
+    cfg = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "deepseek-v3.json").read_text())
+    with pytest.raises(ValueError, match=f"tp={tp} must be >= 1 and divide moe_intermediate_size 2048"):
+        build_model_layer(cfg, tp=tp)
+
+
 def test_csv_and_speedups_from_committed_record(tmp_path):
     rec = report.load_record(RECORDS[0])
     path = report.write_csv(rec["rows"], tmp_path / "out.csv")
