@@ -765,7 +765,8 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             print(f"  {g.name:<34} {g.n}×{g.k}  {'/'.join(g.layouts)}{groups}")
         for v in variants:
             c = v.config
-            print(f"  {v.name:<48} {c.block_m}x{c.block_n} s{c.num_stages}  {W.describe_rows(v):<22} "
+            tile = "few rows" if c is None else f"{c.block_m}x{c.block_n} s{c.num_stages}"
+            print(f"  {v.name:<48} {tile:<11} {W.describe_rows(v):<22} "
                   f"{state(v):<10}  {', '.join(v.users)}")
         for r in routing:
             print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")

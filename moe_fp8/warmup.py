@@ -102,7 +102,7 @@ class Variant:
     layout: Layout
     n: int
     k: int
-    config: GemmConfig
+    config: GemmConfig | None  # None: the few-rows GEMM (kernels/few_rows.py)
     users: list[str] = dataclasses.field(default_factory=list)  # weight names
     rows: tuple[int, int] = (0, 0)  # smallest and largest row count (see describe_rows) that picks it
 
@@ -317,7 +317,24 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
                 if g.name not in v.users:
                     v.users.append(g.name)
                 v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
+    for g in gemms:
+        for lo, hi, name, source in _few_rows_variants(g, max_tokens):
+            v = found.setdefault(name, Variant(name, source, "masked", g.n, g.k, None, rows=(lo, hi)))
+            if g.name not in v.users:
+                v.users.append(g.name)
     return list(found.values())
+
+
+def _few_rows_variants(g: GemmShape, max_tokens: int) -> list[tuple[int, int, str, str]]:
+    """``(first, last, name, source)``: the few-rows GEMM of each token tile that masked decode batches of
+    ``first..last`` tokens run (kernels/few_rows.py; FP32 out under the fused GEMM1's SiLU·mul + quant)."""
+    from moe_fp8.kernels import few_rows
+
+    if "masked" not in g.layouts:
+        return []
+    top = min(max_tokens, few_rows.max_rows(g.n, g.k))
+    return [(lo, min(lo + 7, top), *few_rows.kernel_variant(g.n, g.k, min(lo + 7, top), out_f32=bool(g.act_quant)))
+            for lo in range(1, top + 1, 8) if few_rows.applies(min(lo + 7, top), g.n, g.k, g.num_groups)]
 
 
 @dataclasses.dataclass
@@ -352,7 +369,7 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
 
 def describe_rows(v: Variant) -> str:
     """The row counts that select ``v``: M (normal), M_total (contiguous), expected M per expert (masked)."""
-    what = {"normal": "M", "contiguous": "M_total", "masked": "expected M"}[v.layout]
+    what = "tokens" if v.config is None else {"normal": "M", "contiguous": "M_total", "masked": "expected M"}[v.layout]
     lo, hi = v.rows
     return f"{what} {lo}" if lo == hi else f"{what} {lo}..{hi}"
 

@@ -162,6 +162,24 @@ def test_enumerated_variants_are_what_calls_compile():
     assert all(v.rows[0] <= v.rows[1] for v in by_name.values())
 
 
+def test_few_rows_variants_are_what_decode_batches_compile():
+    """Masked decode batches of up to 16 tokens (8 for DeepSeek-V3's whole experts) run the few-rows GEMM: one
+    variant per token tile and weight, FP32 out for the fused GEMM1 (kernels/few_rows.py)."""
+    from moe_fp8.kernels import few_rows
+
+    for tp, ep, tiles in ((8, 1, (8, 16)), (1, 8, (8,))):
+        variants = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=tp, ep=ep), max_tokens=4096, num_sms=132)
+        few = {v.name: v for v in variants if v.config is None}
+        i = 2048 // tp
+        want = {few_rows.kernel_variant(n, k, rows, out_f32)
+                for rows in tiles for n, k, out_f32 in ((2 * i, 7168, True), (7168, i, False))}
+        assert {(v.name, v.source) for v in few.values()} == want
+        assert all(v.layout == "masked" and v.users[0].startswith("experts.") for v in few.values())
+        assert {W.describe_rows(v) for v in few.values()} == {"tokens 1..8", *(["tokens 9..16"] if tp == 8 else [])}
+    small = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=3, num_sms=132)
+    assert {W.describe_rows(v) for v in small if v.config is None} == {"tokens 1..3"}
+
+
 def test_dry_run_lists_variants(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
     model = _model(tmp_path, DEEPSEEK_V3)

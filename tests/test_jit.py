@@ -870,3 +870,24 @@ def test_gpu_tma_descriptor_cache_and_launch_from_thread(fast_compiler: str) -> 
         torch.cuda.synchronize()
         assert cluster_out.view(8, 2)[:, 0].tolist() == [0, 1] * 4
     in_fresh_thread(lambda: smoke.check_vadd_f32(fast_compiler))
+
+
+def test_include_closure_hash_follows_quoted_includes(tmp_path) -> None:
+    """The closure of one header: its own bytes and those of what it includes by quotes, transitively (cycles
+    once); headers outside it leave the hash alone; a missing include is an error naming it."""
+    from moe_fp8.kernels.jit.cache import include_closure_hash
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "top.cuh").write_text('#pragma once\n#include "../b/mid.cuh"\n#include <cstdint>\n')
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "mid.cuh").write_text('#include "leaf.cuh"\n')
+    (tmp_path / "b" / "leaf.cuh").write_text('#include "mid.cuh"\n// v1\n')
+    (tmp_path / "b" / "other.cuh").write_text("// v1\n")
+    first = include_closure_hash("a/top.cuh", tmp_path)
+    (tmp_path / "b" / "other.cuh").write_text("// v2\n")
+    assert include_closure_hash("a/top.cuh", tmp_path) == first
+    (tmp_path / "b" / "leaf.cuh").write_text('#include "mid.cuh"\n// v2\n')
+    assert include_closure_hash("a/top.cuh", tmp_path) != first
+    (tmp_path / "b" / "mid.cuh").write_text('#include "gone.cuh"\n')
+    with pytest.raises(FileNotFoundError, match=r"gone\.cuh"):
+        include_closure_hash("a/top.cuh", tmp_path)

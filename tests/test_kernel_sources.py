@@ -130,3 +130,42 @@ def test_every_block_shape_is_spill_free(block_m, tmp_path) -> None:
         for fn in res.ptxas.values():
             assert fn.get("spill_stores", 0) == 0 and fn.get("stack", 0) == 0, (block_m, bn, res.ptxas)
         assert_wgmma_pipelined(res.log)
+
+
+# the few-rows GEMM (impls/fp8_gemm_few_rows.cuh): one and two token tiles, each K split, bf16 and FP32 out,
+# ragged N and K
+FEW_ROWS_VARIANTS = [(4096, 7168, 8, False), (7168, 2048, 16, False), (512, 7168, 3, True), (7168, 256, 1, False),
+                     (1032, 1040, 16, True)]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("n,k,max_m,out_f32", FEW_ROWS_VARIANTS)
+def test_few_rows_variant_compiles(compiler, n, k, max_m, out_f32, tmp_path) -> None:
+    """mma.sync on e4m3, which sm_90 runs as FP16 HMMAs after converting the codes (exactly: every e4m3
+    value is an FP16 one); no local memory at two CTAs an SM."""
+    from moe_fp8.kernels import few_rows
+    from moe_fp8.kernels.sass import count_instructions, dump_sass
+
+    name, source = few_rows.kernel_variant(n, k, max_m, out_f32)
+    res = get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path)
+    sass = dump_sass(res.cubin)
+    assert count_instructions(sass, "HMMA.16816.F32") > 0 and count_instructions(sass, "QGMMA") == 0
+    assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
+    (fn,) = res.ptxas.values()
+    assert fn.get("spill_stores", 0) == 0 and fn.get("stack", 0) == 0 and fn["registers"] <= 128, fn
+
+
+def test_few_rows_host_rules() -> None:
+    from moe_fp8.kernels import few_rows
+
+    # K split into pieces of 4 K blocks or more, at most 8 (the warps of a CTA)
+    assert [few_rows.split_k(k) for k in (128, 512, 1024, 2048, 4096, 7168, 16384)] == [1, 1, 2, 4, 8, 8, 8]
+    # up to 16 rows a group where its weights are small (TP-8 shards, Qwen3-MoE's), 8 for DeepSeek-V3's experts
+    assert few_rows.applies(16, 512, 7168, 256) and few_rows.applies(16, 3072, 4096, 16)
+    assert few_rows.applies(8, 4096, 7168, 32) and few_rows.applies(8, 7168, 2048, 32) and few_rows.applies(1, 8, 16, 1024)
+    assert not few_rows.applies(9, 4096, 7168, 32) and not few_rows.applies(9, 7168, 2048, 32)
+    assert not few_rows.applies(17, 512, 7168, 32) and not few_rows.applies(0, 512, 7168, 32)
+    assert not few_rows.applies(8, 4100, 7168, 32) and not few_rows.applies(8, 4096, 7160, 32)
+    assert not few_rows.applies(8, 4096, 7168, 1025)
+    name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
+    assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source

@@ -290,6 +290,18 @@ def test_shipped_tables_load_and_differ_from_the_model():
         assert table.results and all(r.config != r.default and r.us < r.default_us for r in table.results.values())
 
 
+def test_shipped_tables_were_measured_on_these_gemm_sources():
+    """A table's ``kernels`` hashes the wgmma GEMM's include closure: every shipped table matches the sources here
+    (a change to them needs the picks re-measured), and the kernels that share no header with it (the few-rows
+    GEMM, the data path) are outside it."""
+    from moe_fp8.kernels.jit.cache import include_closure_hash, include_tree_hash
+
+    for path in sorted(tuning.PACKAGED_DIR.glob("*.json")):
+        assert tuning.TunedTable.load(path).kernels == tuning._kernel_sources_hash(), path.name
+    assert tuning._kernel_sources_hash() != include_tree_hash()
+    assert include_closure_hash("moe_fp8/impls/fp8_gemm_few_rows.cuh") != include_closure_hash(tuning.GEMM_ENTRY_HEADER)
+
+
 def test_the_shipped_table_is_overridden_entry_by_entry_by_this_machines_own(tmp_path, monkeypatch):
     name = DEVICE
     monkeypatch.setattr(tuning, "PACKAGED_DIR", tmp_path / "pkg")

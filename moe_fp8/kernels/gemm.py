@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..utils import ceil_div, get_num_sms, get_tma_aligned_m, truthy
+from . import few_rows
 from .heuristics import (
     BLOCK_K,
     SWIZZLE_GROUP_M,
@@ -182,9 +183,13 @@ def _pdl() -> bool:
 ENV_DEFINES = "MOE_FP8_GEMM_DEFINES"
 
 
+def env_defines() -> str:
+    """``#define`` lines of ``$MOE_FP8_GEMM_DEFINES`` (both GEMM kernels' measurement switches)."""
+    return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
+
+
 def _source(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
-    defines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in os.environ.get(ENV_DEFINES, "").split())
-    return defines + generate_source(layout, n, k, cfg, act_quant)
+    return env_defines() + generate_source(layout, n, k, cfg, act_quant)
 
 
 def variant_name(layout: Layout, n: int, k: int, cfg: GemmConfig, act_quant: int = 0) -> str:
@@ -327,6 +332,9 @@ def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w
     num_groups, max_m = x_fp8.shape[0], x_fp8.shape[1]
     if max_m == 0 or num_groups == 0:
         return
+    if config is None and few_rows.applies(max_m, w.shape[1], w.shape[2], num_groups):
+        few_rows.launch(x_fp8, x_scale, w, w_scale, out, masked_m)
+        return
     launch_fp8_gemm("masked", x_fp8, x_scale, w, w_scale, out, masked_m, max_m, num_groups,
                     expected_m=expected_m, config=config)
 
@@ -352,5 +360,14 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
                             w13.shape[0], expected_m=expected_m or None, config=config, act_quant=act_quant,
                             out_scale=out_scale, m_rows=m_total)
     elif x_fp8.shape[0] and x_fp8.shape[1]:
+        if config is None and few_rows.applies(x_fp8.shape[1], w13.shape[1], w13.shape[2], x_fp8.shape[0]):
+            # few rows a group (decode): the few-rows GEMM's FP32 h, then SiLU·mul + quant on it (as the fused
+            # epilogue, h is not rounded to bf16); h is at most 16 rows an expert
+            from ..ops import silu_mul_per_token_group_quant
+
+            h = torch.empty((*x_fp8.shape[:2], w13.shape[1]), dtype=torch.float32, device=x_fp8.device)
+            few_rows.launch(x_fp8, x_scale, w13, w13_scale, h, masked_m)
+            silu_mul_per_token_group_quant(h, BLOCK_K, ue8m0, masked_m, out=out_fp8, out_scale=out_scale)
+            return
         launch_fp8_gemm("masked", x_fp8, x_scale, w13, w13_scale, out_fp8, masked_m, x_fp8.shape[1], x_fp8.shape[0],
                         expected_m=expected_m, config=config, act_quant=act_quant, out_scale=out_scale)

@@ -122,10 +122,15 @@ def default_path(device_name: str) -> Path:
     return cache_dir() / "tuned" / device_file_name(device_name)
 
 
-def _kernel_sources_hash() -> str:
-    from .jit.cache import include_tree_hash
+# The header whose include closure a table's picks were measured on (``TunedTable.kernels``): the wgmma GEMM's
+# sources only, so kernels that share no header with it (the few-rows GEMM, the data path) leave tables current.
+GEMM_ENTRY_HEADER = "moe_fp8/impls/fp8_gemm.cuh"
 
-    return include_tree_hash()
+
+def _kernel_sources_hash() -> str:
+    from .jit.cache import include_closure_hash
+
+    return include_closure_hash(GEMM_ENTRY_HEADER)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,32 @@ def include_tree_hash(root: Path | None = None) -> str:
     return digest
 
 
+_QUOTED_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def include_closure_hash(entry: str, root: Path | None = None) -> str:
+    """sha256 over (relative path, content) of the header ``entry`` (relative to ``root``, default
+    ``include_dir()``) and of every header it includes by quotes, transitively: what one kernel's code
+    depends on, where ``include_tree_hash`` covers every kernel's."""
+    root = (Path(root) if root is not None else include_dir()).resolve()
+    seen: dict[str, Path] = {}
+    todo = [root / entry]
+    while todo:
+        path = todo.pop().resolve()
+        rel = path.relative_to(root).as_posix()
+        if rel in seen:
+            continue
+        if not path.is_file():
+            raise FileNotFoundError(f"{rel}: included but not under {root}")
+        seen[rel] = path
+        todo.extend(path.parent / inc for inc in _QUOTED_INCLUDE_RE.findall(path.read_text()))
+    h = hashlib.sha256()
+    for rel in sorted(seen):
+        h.update(rel.encode() + b"\0")
+        h.update(hashlib.sha256(seen[rel].read_bytes()).digest())
+    return h.hexdigest()
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {_NAME_RE.pattern} (it names a cache directory)")
@@ -358,6 +384,7 @@ __all__ = [
     "cache_info",
     "cache_key",
     "clear_memory_cache",
+    "include_closure_hash",
     "include_dir",
     "include_tree_hash",
     "is_cached",

@@ -1,0 +1,96 @@
+"""Launch wrapper of the few-rows FP8 GEMM (impls/fp8_gemm_few_rows.cuh): the Hopper path of masked GEMMs
+whose groups hold at most ``MAX_ROWS`` rows (decode batches of up to ``MAX_ROWS`` tokens: the layer's masked
+layout has ``max_m`` = tokens), in place of the wgmma kernel, whose tiles leave one touched expert on a few
+SMs (docs/kernels/gemm.md, session 51).
+
+Arguments are validated by the public API before they get here; ``applies`` says which calls it takes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..utils import ceil_div, get_num_sms
+from .jit import build
+
+KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm_few_rows.cuh"
+
+__attribute__((unused)) static void instantiate() {{
+    (void)&moe_fp8::few_rows::fp8_gemm_few_rows_kernel<
+        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32}>;
+}}
+"""
+
+# Rows a group may hold (mma.sync's 8 columns per token tile, two tiles); 0 turns the path off (A/B runs).
+# Groups of more than SMALL_GROUP_BYTES of weights take it up to WIDE_MAX_ROWS: with 9-16 decode tokens an EP-8
+# rank of DeepSeek-V3 / Kimi-K2 touches 13-14 of its experts, whose 64-row wgmma tiles then stream the weights
+# 2-7% faster; the smaller experts of Qwen3-235B (12.6 / 6.3 MB) and of TP-8 shards (3.7 / 1.8 MB) run 3-37%
+# faster here at 16 tokens (H200, scripts/ab_few_rows.py, docs/kernels/gemm.md session 51).
+MAX_ROWS = 16
+WIDE_MAX_ROWS = 8
+SMALL_GROUP_BYTES = 13 << 20
+MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
+WARPS = 8
+TILE_N = 16
+CTAS_PER_SM = 2
+# K blocks one warp walks at least: K splits into at most WARPS pieces of this many blocks or more.
+MIN_SPLIT_K_BLOCKS = 4
+
+
+def max_rows(n: int, k: int) -> int:
+    """The most rows a group of N × K weights may hold to run here."""
+    return MAX_ROWS if n * k <= SMALL_GROUP_BYTES else min(MAX_ROWS, WIDE_MAX_ROWS)
+
+
+def applies(max_m: int, n: int, k: int, num_groups: int) -> bool:
+    """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here."""
+    return 0 < max_m <= max_rows(n, k) and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS
+
+
+def split_k(k: int) -> int:
+    """Warps sharing one 16-row tile's K: the most (a power of two, at most ``WARPS``) that leave each
+    ``MIN_SPLIT_K_BLOCKS`` K blocks, so one expert's tiles fill the GPU with loads in flight."""
+    blocks, split = ceil_div(k, 128), 1
+    while split < WARPS and blocks // (2 * split) >= MIN_SPLIT_K_BLOCKS:
+        split *= 2
+    return split
+
+
+def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[str, str]:
+    """``(name, source)`` of the variant a call compiles: pure host code (``moe-fp8 warmup`` uses it)."""
+    from .gemm import env_defines
+
+    token_tiles, sk = ceil_div(max_m, 8), split_k(k)
+    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk, out_f32=str(out_f32).lower())
+    return f"fp8_gemm_few_rows_n{n}_k{k}_t{token_tiles}_s{sk}{'_f32' if out_f32 else ''}", source
+
+
+@functools.cache
+def get_kernel(n: int, k: int, token_tiles: int, out_f32: bool):
+    return build(*kernel_variant(n, k, 8 * token_tiles, out_f32))
+
+
+def items(n: int, k: int, num_groups: int) -> int:
+    """Work items of a launch where every group has rows (the kernel walks only the groups that do)."""
+    return num_groups * ceil_div(n, TILE_N * (WARPS // split_k(k)))
+
+
+def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
+           masked_m: torch.Tensor | None) -> None:
+    """``out [G, max_m, N]`` (bf16 or FP32) of the masked GEMM over ``x_fp8 [G, max_m, K]``, rows past
+    ``masked_m[g]`` untouched; with ``masked_m`` None, the normal GEMM of ``x_fp8 [M, K]`` (``out [M, N]``).
+    Inputs validated, ``applies`` true."""
+    from .gemm import _pdl
+
+    masked = masked_m is not None
+    num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
+    n, k = w.shape[-2], w.shape[-1]
+    kernel = get_kernel(n, k, ceil_div(max_m, 8), out.dtype == torch.float32)
+    grid = min(items(n, k, num_groups), CTAS_PER_SM * get_num_sms())
+    # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
+    xs_group = x_scale.stride(0) if masked else 0
+    xs_k = x_scale.stride(-1) if x_scale.shape[-1] > 1 else 0
+    kernel.launch(grid, 32 * WARPS, [x_fp8, x_scale, w, w_scale, out, masked_m, num_groups, max_m, xs_group, xs_k],
+                  pdl=_pdl())

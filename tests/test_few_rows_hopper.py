@@ -1,0 +1,144 @@
+"""The few-rows GEMM (impls/fp8_gemm_few_rows.cuh): masked GEMMs of at most 16 rows a group, and the normal
+layout, vs the reference on fresh inputs; what the public masked ops route to it; CUDA-graph replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_grouped_hopper import _check_act, _check_masked, _clone_operands, _poisoned_act, _replay_masked
+
+from moe_fp8 import reference as ref
+from moe_fp8.kernels import few_rows
+from moe_fp8.kernels.gemm import fp8_grouped_gemm_masked_hopper, fp8_grouped_gemm_silu_mul_quant_hopper
+from moe_fp8.testing import make_masked_inputs
+from moe_fp8.utils import calc_diff
+
+pytestmark = [pytest.mark.hopper, pytest.mark.gpu]
+
+# DeepSeek-V3's experts and their TP-8 shards, Qwen3-MoE's, ragged N (a half 16-row tile) and K (a 16-byte tail)
+SHAPES = [(4096, 7168), (7168, 2048), (512, 7168), (7168, 256), (3072, 4096), (1032, 1040), (24, 144)]
+
+
+def _counts(pattern: str, groups: int, max_m: int) -> list[int]:
+    return {"one": [0] * (groups - 1) + [max_m],  # a decode token on one expert (the last: walked past the rest)
+            "ragged": [(5 * g + 3) % (max_m + 1) for g in range(groups)],  # 0 .. max_m, empty groups among them
+            "empty": [0] * groups,
+            "full": [max_m] * groups}[pattern]
+
+
+def _run(inp, out: torch.Tensor) -> None:
+    few_rows.launch(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, out, inp.masked_m)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("groups,max_m", [(1, 1), (32, 3), (8, 8), (32, 9), (4, 16)])
+@pytest.mark.parametrize("pattern", ["one", "ragged", "full"])
+def test_masked(n: int, k: int, groups: int, max_m: int, pattern: str) -> None:
+    inp = make_masked_inputs(groups, max_m, 1, n, k, seed=n + k + max_m, device="cuda",
+                             masked_m=_counts(pattern, groups, max_m))
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(inp, out)
+    _check_masked(inp, out)  # rows past masked_m stay NaN
+
+
+@pytest.mark.parametrize("groups", [256, 384, 1024])
+def test_masked_many_groups(groups: int) -> None:
+    """A TP-8 rank's experts (every routed expert at I / 8) with a few touched, up to the kernel's 1024 groups."""
+    counts = [0] * groups
+    for i, g in enumerate((3, groups // 2, groups // 2 + 1, groups - 1)):
+        counts[g] = i + 1
+    inp = make_masked_inputs(groups, 4, 1, 512, 256, seed=groups, device="cuda", masked_m=counts)
+    out = torch.full((groups, 4, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(inp, out)
+    _check_masked(inp, out)
+
+
+def test_masked_empty_writes_nothing() -> None:
+    inp = make_masked_inputs(32, 8, 1, 4096, 7168, seed=2, device="cuda", masked_m=_counts("empty", 32, 8))
+    out = torch.full((32, 8, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(inp, out)
+    assert out.isnan().all()
+
+
+def test_counts_out_of_range_are_clamped() -> None:
+    """masked_m past [0, max_m] (a caller's bug) reads and writes within the group: clamped as the wgmma kernel's."""
+    inp = make_masked_inputs(3, 8, 1, 512, 1024, seed=4, device="cuda", masked_m=[0, 8, 2])
+    inp.masked_m.copy_(torch.tensor([-5, 1000, 2], dtype=torch.int32))
+    out = torch.full((3, 8, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(inp, out)
+    _check_masked(inp._replace(masked_m=torch.tensor([0, 8, 2], dtype=torch.int32, device="cuda")), out)
+
+
+def test_float32_out_and_deterministic() -> None:
+    inp = make_masked_inputs(8, 16, 1, 4096, 7168, seed=6, device="cuda", masked_m=_counts("ragged", 8, 16))
+    outs = [torch.full((8, 16, 4096), float("nan"), dtype=torch.float32, device="cuda") for _ in range(2)]
+    for out in outs:
+        _run(inp, out)
+    assert torch.equal(outs[0].nan_to_num(7.0), outs[1].nan_to_num(7.0)), "split-K partial sums in a fixed order"
+    expect = ref.fp8_grouped_gemm_masked(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m)
+    valid = torch.arange(16, device="cuda")[None, :] < inp.masked_m[:, None]
+    assert calc_diff(outs[0][valid], expect[valid].float()) < 1e-5
+    assert outs[0][~valid].isnan().all()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(7168, 2048), (2112, 576), (24, 144)])
+def test_normal_layout(m: int, n: int, k: int) -> None:
+    """masked_m None: out [M, N] of x [M, K] (the normal GEMM's layout, M <= 16)."""
+    inp = make_masked_inputs(1, m, 1, n, k, seed=m + n, device="cuda", masked_m=[m])
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    few_rows.launch(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out, None)
+    torch.cuda.synchronize()
+    _check_masked(inp, out[None])
+
+
+@pytest.mark.parametrize("max_m,n,k,routed", [(16, 512, 7168, True), (17, 512, 7168, False), (8, 4096, 7168, True),
+                                               (9, 4096, 7168, False)])
+def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_grouped_gemm_masked takes the few-rows kernel up to few_rows.max_rows rows a group (no config given),
+    the wgmma kernel beyond or with a config; both right."""
+    calls = []
+    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (calls.append(1), _f(*a)))
+    inp = make_masked_inputs(32, max_m, 1, n, k, seed=max_m, device="cuda", masked_m=_counts("ragged", 32, max_m))
+    out = torch.full((32, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 1, out)
+    torch.cuda.synchronize()
+    assert bool(calls) == routed
+    _check_masked(inp, out)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("max_m,pattern,n", [(1, "one", 4096), (8, "ragged", 4096), (16, "full", 512)])
+def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, ue8m0: bool) -> None:
+    """The fused GEMM1 op at decode: the few-rows GEMM's FP32 h, then SiLU·mul + quant; checked as the fused
+    epilogue is, rows past masked_m untouched."""
+    groups, k = 32, 7168
+    assert few_rows.applies(max_m, n, k, groups)
+    inp = make_masked_inputs(groups, max_m, 1, n, k, seed=max_m, device="cuda",
+                             masked_m=_counts(pattern, groups, max_m))
+    act, scale = _poisoned_act((groups, max_m, n // 2), groups=groups)
+    fp8_grouped_gemm_silu_mul_quant_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, None, inp.masked_m, 1,
+                                           ue8m0, act, scale)
+    torch.cuda.synchronize()
+    valid = torch.arange(max_m, device="cuda")[None, :] < inp.masked_m[:, None]
+    _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)
+
+
+def test_cuda_graph_replays() -> None:
+    """Captured once, replayed with other counts (none, one expert, all full) and data: every replay right."""
+    groups, max_m, n, k = 32, 8, 7168, 2048
+    buf = _clone_operands(make_masked_inputs(groups, max_m, 1, n, k, seed=1, device="cuda",
+                                             masked_m=_counts("ragged", groups, max_m)))
+    out = torch.empty((groups, max_m, n), dtype=torch.bfloat16, device="cuda")
+
+    def run() -> None:
+        fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, 1, out)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed, pattern in [(2, "one"), (3, "full"), (4, "empty"), (5, "ragged")]:
+        _replay_masked(graph, buf, out, make_masked_inputs(groups, max_m, 1, n, k, seed=seed, device="cuda",
+                                                           masked_m=_counts(pattern, groups, max_m)))
