@@ -318,23 +318,31 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
                     v.users.append(g.name)
                 v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
     for g in gemms:
-        for lo, hi, name, source in _few_rows_variants(g, max_tokens):
-            v = found.setdefault(name, Variant(name, source, "masked", g.n, g.k, None, rows=(lo, hi)))
+        for layout, lo, hi, name, source in _few_rows_variants(g, max_tokens):
+            v = found.setdefault(name, Variant(name, source, layout, g.n, g.k, None, rows=(lo, hi)))
             if g.name not in v.users:
                 v.users.append(g.name)
+            v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
     return list(found.values())
 
 
-def _few_rows_variants(g: GemmShape, max_tokens: int) -> list[tuple[int, int, str, str]]:
-    """``(first, last, name, source)``: the few-rows GEMM of each token tile that masked decode batches of
-    ``first..last`` tokens run (kernels/few_rows.py; FP32 out under the fused GEMM1's SiLU·mul + quant)."""
+def _few_rows_variants(g: GemmShape, max_tokens: int) -> list[tuple[Layout, int, int, str, str]]:
+    """``(layout, first, last, name, source)``: the few-rows GEMM of each token tile that decode batches of
+    ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs at long K, masked ones (FP32 out under the
+    fused GEMM1's SiLU·mul + quant)."""
     from moe_fp8.kernels import few_rows
 
-    if "masked" not in g.layouts:
-        return []
-    top = min(max_tokens, few_rows.max_rows(g.n, g.k))
-    return [(lo, min(lo + 7, top), *few_rows.kernel_variant(g.n, g.k, min(lo + 7, top), out_f32=bool(g.act_quant)))
-            for lo in range(1, top + 1, 8) if few_rows.applies(min(lo + 7, top), g.n, g.k, g.num_groups)]
+    out: list[tuple[Layout, int, int, str, str]] = []
+    if "normal" in g.layouts and few_rows.applies_normal(1, g.n, g.k):
+        top = min(max_tokens, few_rows.NORMAL_MAX_ROWS)
+        out.append(("normal", 1, top, *few_rows.kernel_variant(g.n, g.k, top)))
+    if "masked" in g.layouts:
+        top = min(max_tokens, few_rows.max_rows(g.n, g.k))
+        for lo in range(1, top + 1, 8):
+            hi = min(lo + 7, top)
+            if few_rows.applies(hi, g.n, g.k, g.num_groups):
+                out.append(("masked", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi, out_f32=bool(g.act_quant))))
+    return out
 
 
 @dataclasses.dataclass

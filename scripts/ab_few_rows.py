@@ -3,9 +3,10 @@
 GEMMs: a model rank's masked GEMMs with the rows ``tokens`` decode tokens route there (top-k of the global
 experts, counted on the rank's local ones, seeded), both kernels timed alternately (``bench_us``: L2 flushed,
 median), with the touched experts' weights read per µs. Layers: one forward of each token count captured in a
-CUDA graph with the path off (``few_rows.MAX_ROWS = 0``) and on, the replays timed alternately.
+CUDA graph with the path off (``few_rows.MAX_ROWS = 0``) and on, the replays timed alternately. Normal: the
+linears of decode batches (M = tokens), ``fp8_gemm_hopper`` against the few-rows kernel.
 
-    python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--gemms-only | --layers-only]
+    python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
 """
 
 from __future__ import annotations
@@ -69,6 +70,33 @@ def gemm_rows(rounds: int, token_counts: list[int]) -> None:
     few_rows.MAX_ROWS = 16
 
 
+def normal_rows(rounds: int, token_counts: list[int]) -> None:
+    """DeepSeek-V3's linears at TP 1 and TP 8 (and Qwen3-235B-A22B's attention at TP 4) at M = decode tokens:
+    ``fp8_gemm_hopper`` as it picks its config (this GPU's tuned table included) against the few-rows kernel."""
+    from moe_fp8 import warmup as W
+    from moe_fp8.kernels.gemm import fp8_gemm_hopper
+
+    shapes: dict[tuple[int, int], str] = {}
+    for file, tp in (("deepseek-v3.json", 1), ("deepseek-v3.json", 8), ("qwen3-235b-a22b.json", 4)):
+        for g in W.model_gemms(json.loads((MODELS / file).read_text()), tp=tp):
+            if "normal" in g.layouts:
+                shapes.setdefault((g.n, g.k), f"{g.name} tp{tp}")
+    print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9} {'few us':>8} {'x':>6} {'few TB/s':>8}")
+    for (n, k), name in shapes.items():
+        for m in token_counts:
+            inp = make_masked_inputs(1, m, 1, n, k, seed=m, device="cuda", masked_m=[m])
+            x, xs, w, ws = inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0]
+            out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+            runs = (partial(fp8_gemm_hopper, x, xs, w, ws, out), partial(few_rows.launch, x, xs, w, ws, out, None))
+            times: list[list[float]] = [[], []]
+            for _ in range(rounds):
+                for i, run in enumerate(runs):
+                    times[i].append(bench_us(run))
+            off_us, on_us = (sorted(t)[rounds // 2] for t in times)
+            print(f"{name:>36} {n:>5}x{k:<6} {m:>3} {off_us:9.1f} {on_us:8.1f} {off_us / on_us:6.2f} "
+                  f"{n * k / 1e6 / on_us:8.2f}", flush=True)
+
+
 def layer_rows(rounds: int, token_counts: list[int]) -> None:
     print(f"{'rank':>16} {'tokens':>6} {'off us':>8} {'on us':>8} {'x':>6}")
     for name, file, ep, tp in RANKS:
@@ -96,14 +124,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--gemms-only", action="store_true")
-    p.add_argument("--layers-only", action="store_true")
+    p.add_argument("--parts", nargs="+", choices=("gemms", "layers", "normal"), default=["gemms", "layers"])
+    p.add_argument("--ctas-per-sm", type=int, default=few_rows.CTAS_PER_SM, help="the few-rows kernel's grid")
     args = p.parse_args()
+    few_rows.CTAS_PER_SM = args.ctas_per_sm
     print(f"device: {torch.cuda.get_device_name()}")
-    if not args.layers_only:
-        gemm_rows(args.rounds, args.tokens)
-    if not args.gemms_only:
-        layer_rows(args.rounds, args.tokens)
+    for part in args.parts:
+        {"gemms": gemm_rows, "layers": layer_rows, "normal": normal_rows}[part](args.rounds, args.tokens)
 
 
 if __name__ == "__main__":

@@ -163,18 +163,22 @@ def test_enumerated_variants_are_what_calls_compile():
 
 
 def test_few_rows_variants_are_what_decode_batches_compile():
-    """Masked decode batches of up to 16 tokens (8 for DeepSeek-V3's whole experts) run the few-rows GEMM: one
-    variant per token tile and weight, FP32 out for the fused GEMM1 (kernels/few_rows.py)."""
+    """Decode batches run the few-rows GEMM: masked ones of up to 16 tokens (8 for DeepSeek-V3's whole experts),
+    one variant per token tile and expert weight, FP32 out for the fused GEMM1; normal ones of up to 8 rows at
+    K >= 4096 (kernels/few_rows.py)."""
     from moe_fp8.kernels import few_rows
 
     for tp, ep, tiles in ((8, 1, (8, 16)), (1, 8, (8,))):
-        variants = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=tp, ep=ep), max_tokens=4096, num_sms=132)
+        gemms = W.model_gemms(DEEPSEEK_V3, tp=tp, ep=ep)
+        variants = W.enumerate_variants(gemms, max_tokens=4096, num_sms=132)
         few = {v.name: v for v in variants if v.config is None}
         i = 2048 // tp
-        want = {few_rows.kernel_variant(n, k, rows, out_f32)
-                for rows in tiles for n, k, out_f32 in ((2 * i, 7168, True), (7168, i, False))}
-        assert {(v.name, v.source) for v in few.values()} == want
-        assert all(v.layout == "masked" and v.users[0].startswith("experts.") for v in few.values())
+        masked = {few_rows.kernel_variant(n, k, rows, out_f32)
+                  for rows in tiles for n, k, out_f32 in ((2 * i, 7168, True), (7168, i, False))}
+        normal = {few_rows.kernel_variant(g.n, g.k, 8) for g in gemms if "normal" in g.layouts and g.k >= 4096}
+        assert len(normal) >= 3 and {(v.name, v.source) for v in few.values()} == masked | normal
+        for v in few.values():
+            assert v.users[0].startswith("experts.") == (v.layout == "masked"), v
         assert {W.describe_rows(v) for v in few.values()} == {"tokens 1..8", *(["tokens 9..16"] if tp == 8 else [])}
     small = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=3, num_sms=132)
     assert {W.describe_rows(v) for v in small if v.config is None} == {"tokens 1..3"}

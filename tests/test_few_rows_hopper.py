@@ -109,6 +109,23 @@ def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: boo
     _check_masked(inp, out)
 
 
+@pytest.mark.parametrize("m,n,k,routed", [(8, 2112, 7168, True), (9, 2112, 7168, False), (4, 4096, 2048, False),
+                                           (1, 7168, 16384, True)])
+def test_public_normal_op_routes_by_rows_and_k(m: int, n: int, k: int, routed: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given); both paths right."""
+    from moe_fp8.kernels.gemm import fp8_gemm_hopper
+
+    calls = []
+    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (calls.append(1), _f(*a)))
+    inp = make_masked_inputs(1, m, 1, n, k, seed=m + k, device="cuda", masked_m=[m])
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_gemm_hopper(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out)
+    torch.cuda.synchronize()
+    assert bool(calls) == routed
+    _check_masked(inp, out[None])
+
+
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("max_m,pattern,n", [(1, "one", 4096), (8, "ragged", 4096), (16, "full", 512)])
 def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, ue8m0: bool) -> None:

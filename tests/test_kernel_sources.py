@@ -167,5 +167,9 @@ def test_few_rows_host_rules() -> None:
     assert not few_rows.applies(17, 512, 7168, 32) and not few_rows.applies(0, 512, 7168, 32)
     assert not few_rows.applies(8, 4100, 7168, 32) and not few_rows.applies(8, 4096, 7160, 32)
     assert not few_rows.applies(8, 4096, 7168, 1025)
+    # normal GEMMs: up to 8 rows at K >= 4096
+    assert few_rows.applies_normal(8, 2112, 7168) and few_rows.applies_normal(1, 7168, 4096)
+    assert not few_rows.applies_normal(9, 2112, 7168) and not few_rows.applies_normal(8, 4096, 2048)
+    assert not few_rows.applies_normal(0, 2112, 7168)
     name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
     assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source

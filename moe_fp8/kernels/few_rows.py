@@ -1,7 +1,8 @@
-"""Launch wrapper of the few-rows FP8 GEMM (impls/fp8_gemm_few_rows.cuh): the Hopper path of masked GEMMs
-whose groups hold at most ``MAX_ROWS`` rows (decode batches of up to ``MAX_ROWS`` tokens: the layer's masked
-layout has ``max_m`` = tokens), in place of the wgmma kernel, whose tiles leave one touched expert on a few
-SMs (docs/kernels/gemm.md, session 51).
+"""Launch wrapper of the few-rows FP8 GEMM (impls/fp8_gemm_few_rows.cuh): the Hopper path of decode GEMMs in
+place of the wgmma kernel, whose tiles leave one touched expert on a few SMs and walk long K serially
+(docs/kernels/gemm.md, session 51): masked GEMMs whose groups hold at most ``max_rows`` rows (decode batches
+of that many tokens: the layer's masked layout has ``max_m`` = tokens), and normal GEMMs of a few rows at
+long K.
 
 Arguments are validated by the public API before they get here; ``applies`` says which calls it takes.
 """
@@ -31,6 +32,13 @@ __attribute__((unused)) static void instantiate() {{
 MAX_ROWS = 16
 WIDE_MAX_ROWS = 8
 SMALL_GROUP_BYTES = 13 << 20
+# Normal GEMMs (decode linears) of up to NORMAL_MAX_ROWS rows and K of NORMAL_MIN_K or more: there a wgmma
+# tile's serial walk over K is what bounds it (H100, DeepSeek-V3's linears, M = 1-8: q_a + kv_a 2112 x 7168
+# 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
+# with shorter K the wgmma kernel is as fast or up to 20% faster (kv_b_proj 4096 x 512), and from 16 rows on
+# even (docs/kernels/gemm.md, session 51).
+NORMAL_MAX_ROWS = 8
+NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
 WARPS = 8
 TILE_N = 16
@@ -47,6 +55,11 @@ def max_rows(n: int, k: int) -> int:
 def applies(max_m: int, n: int, k: int, num_groups: int) -> bool:
     """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here."""
     return 0 < max_m <= max_rows(n, k) and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS
+
+
+def applies_normal(m: int, n: int, k: int) -> bool:
+    """Whether a normal GEMM of M × N × K runs here."""
+    return 0 < m <= min(NORMAL_MAX_ROWS, MAX_ROWS) and k >= NORMAL_MIN_K and n % 8 == 0 and k % 16 == 0
 
 
 def split_k(k: int) -> int:

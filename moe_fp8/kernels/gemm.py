@@ -307,6 +307,9 @@ def fp8_gemm_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     m = x_fp8.shape[0]
     if m == 0:
         return
+    if config is None and few_rows.applies_normal(m, w.shape[0], w.shape[1]):
+        few_rows.launch(x_fp8, x_scale, w, w_scale, out, None)
+        return
     launch_fp8_gemm("normal", x_fp8, x_scale, w, w_scale, out, None, m, 1, config=config)
 
 
