@@ -1,8 +1,9 @@
 """The few-rows GEMM (kernels/few_rows.py) against the wgmma kernel on decode batches, in one process.
 
 GEMMs: a model rank's masked GEMMs with the rows ``tokens`` decode tokens route there (top-k of the global
-experts, counted on the rank's local ones, seeded), both kernels timed alternately (``bench_us``: L2 flushed,
-median), with the touched experts' weights read per µs. Layers: one forward of each token count captured in a
+experts, counted on the rank's local ones, seeded), ``fp8_grouped_gemm_masked`` with the path off and on timed
+alternately (``bench_us``: L2 flushed, median), with the touched experts' weights read per µs; ``path`` says
+which kernel it takes when on (``wgmma``: the same kernel both times). Layers: one forward of each token count captured in a
 CUDA graph with the path off (``few_rows.MAX_ROWS = 0``) and on, the replays timed alternately. Normal: the
 linears of decode batches (M = tokens), ``fp8_gemm_hopper`` against the few-rows kernel.
 
@@ -46,8 +47,8 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
 
 
 def gemm_rows(rounds: int, token_counts: list[int]) -> None:
-    print(f"{'rank':>16} {'N x K':>12} {'tokens':>6} {'touched':>7} {'wgmma us':>9} {'few us':>8} {'x':>6} "
-          f"{'wgmma TB/s':>10} {'few TB/s':>8}")
+    print(f"{'rank':>16} {'N x K':>12} {'tokens':>6} {'touched':>7} {'path':>5} {'off us':>8} {'on us':>8} {'x':>6} "
+          f"{'off TB/s':>8} {'on TB/s':>8}")
     for name, file, ep, tp in RANKS:
         experts, local, top_k, hidden, inter = rank_shapes(json.loads((MODELS / file).read_text()), ep, tp)
         for n, k in ((2 * inter, hidden), (hidden, inter)):
@@ -65,36 +66,43 @@ def gemm_rows(rounds: int, token_counts: list[int]) -> None:
                 off_us, on_us = (sorted(times[on])[rounds // 2] for on in (False, True))
                 touched = sum(r > 0 for r in rows)
                 mb = touched * n * k / 1e6
-                print(f"{name:>16} {n:>5}x{k:<6} {tokens:>6} {touched:>7} {off_us:9.1f} {on_us:8.1f} "
-                      f"{off_us / on_us:6.2f} {mb / off_us:10.2f} {mb / on_us:8.2f}", flush=True)
+                path = "few" if few_rows.applies(tokens, n, k, local) else "wgmma"  # (with the path on)
+                print(f"{name:>16} {n:>5}x{k:<6} {tokens:>6} {touched:>7} {path:>5} {off_us:8.1f} {on_us:8.1f} "
+                      f"{off_us / on_us:6.2f} {mb / off_us:8.2f} {mb / on_us:8.2f}", flush=True)
     few_rows.MAX_ROWS = 16
 
 
 def normal_rows(rounds: int, token_counts: list[int]) -> None:
     """DeepSeek-V3's linears at TP 1 and TP 8 (and Qwen3-235B-A22B's attention at TP 4) at M = decode tokens:
-    ``fp8_gemm_hopper`` as it picks its config (this GPU's tuned table included) against the few-rows kernel."""
+    the wgmma kernel with the config ``get_config`` picks (this GPU's tuned table included) against the few-rows
+    kernel, and which of them ``fp8_gemm`` takes."""
     from moe_fp8 import warmup as W
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
+    from moe_fp8.kernels.heuristics import GemmDesc, get_config
+    from moe_fp8.utils import get_num_sms
 
     shapes: dict[tuple[int, int], str] = {}
     for file, tp in (("deepseek-v3.json", 1), ("deepseek-v3.json", 8), ("qwen3-235b-a22b.json", 4)):
         for g in W.model_gemms(json.loads((MODELS / file).read_text()), tp=tp):
             if "normal" in g.layouts:
                 shapes.setdefault((g.n, g.k), f"{g.name} tp{tp}")
-    print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9} {'few us':>8} {'x':>6} {'few TB/s':>8}")
+    print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9} {'few us':>8} {'x':>6} {'few TB/s':>8} {'takes':>5}")
     for (n, k), name in shapes.items():
         for m in token_counts:
             inp = make_masked_inputs(1, m, 1, n, k, seed=m, device="cuda", masked_m=[m])
             x, xs, w, ws = inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0]
             out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-            runs = (partial(fp8_gemm_hopper, x, xs, w, ws, out), partial(few_rows.launch, x, xs, w, ws, out, None))
+            cfg = get_config(GemmDesc(m, n, k, num_sms=get_num_sms()))
+            runs = (partial(fp8_gemm_hopper, x, xs, w, ws, out, config=cfg),
+                    partial(few_rows.launch, x, xs, w, ws, out, None))
             times: list[list[float]] = [[], []]
             for _ in range(rounds):
                 for i, run in enumerate(runs):
                     times[i].append(bench_us(run))
             off_us, on_us = (sorted(t)[rounds // 2] for t in times)
+            takes = "few" if few_rows.applies_normal(m, n, k) else "wgmma"
             print(f"{name:>36} {n:>5}x{k:<6} {m:>3} {off_us:9.1f} {on_us:8.1f} {off_us / on_us:6.2f} "
-                  f"{n * k / 1e6 / on_us:8.2f}", flush=True)
+                  f"{n * k / 1e6 / on_us:8.2f} {takes:>5}", flush=True)
 
 
 def layer_rows(rounds: int, token_counts: list[int]) -> None:

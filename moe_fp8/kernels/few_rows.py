@@ -27,8 +27,8 @@ __attribute__((unused)) static void instantiate() {{
 # Rows a group may hold (mma.sync's 8 columns per token tile, two tiles); 0 turns the path off (A/B runs).
 # Groups of more than SMALL_GROUP_BYTES of weights take it up to WIDE_MAX_ROWS: with 9-16 decode tokens an EP-8
 # rank of DeepSeek-V3 / Kimi-K2 touches 13-14 of its experts, whose 64-row wgmma tiles then stream the weights
-# 2-7% faster; the smaller experts of Qwen3-235B (12.6 / 6.3 MB) and of TP-8 shards (3.7 / 1.8 MB) run 3-37%
-# faster here at 16 tokens (H200, scripts/ab_few_rows.py, docs/kernels/gemm.md session 51).
+# 2-8% faster; the smaller experts of Qwen3-235B (12.6 / 6.3 MB) and of TP-8 shards (3.7 / 1.8 MB) run 0-37%
+# faster here at 16 tokens (H200; docs/benchmarks/h100-few-rows.md).
 MAX_ROWS = 16
 WIDE_MAX_ROWS = 8
 SMALL_GROUP_BYTES = 13 << 20
@@ -36,7 +36,7 @@ SMALL_GROUP_BYTES = 13 << 20
 # tile's serial walk over K is what bounds it (H100, DeepSeek-V3's linears, M = 1-8: q_a + kv_a 2112 x 7168
 # 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
 # with shorter K the wgmma kernel is as fast or up to 20% faster (kv_b_proj 4096 x 512), and from 16 rows on
-# even (docs/kernels/gemm.md, session 51).
+# even (docs/benchmarks/h100-few-rows.md).
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
