@@ -304,25 +304,25 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
         raise ModelConfigError(f"--max-tokens must be >= 1, got {max_tokens}")
     tables = warmup_tables(num_sms) if tables is None else tables
     found: dict[str, Variant] = {}
+
+    def add(g: GemmShape, name: str, source: str, layout: Layout, cfg: GemmConfig | None, lo: int, hi: int) -> None:
+        v = found.get(name)
+        if v is None:
+            v = found[name] = Variant(name, source, layout, g.n, g.k, cfg, rows=(lo, hi))
+        elif v.source != source:  # the name encodes every baked field; a clash is a bug there
+            raise AssertionError(f"two sources for kernel name {name}")
+        if g.name not in v.users:
+            v.users.append(g.name)
+        v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
+
     for g in gemms:
         for layout, lo, hi, desc in shape_descs(g, max_tokens, top_k, num_sms):
             configs = [get_config(desc), *(t.get(desc) for t in tables)]
             for cfg in dict.fromkeys(c for c in configs if c is not None):
-                name, source = kernel_variant(desc, cfg)
-                v = found.get(name)
-                if v is None:
-                    v = found[name] = Variant(name, source, layout, g.n, g.k, cfg, rows=(lo, hi))
-                elif v.source != source:  # the name encodes every baked field; a clash is a bug there
-                    raise AssertionError(f"two sources for kernel name {name}")
-                if g.name not in v.users:
-                    v.users.append(g.name)
-                v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
+                add(g, *kernel_variant(desc, cfg), layout, cfg, lo, hi)
     for g in gemms:
         for layout, lo, hi, name, source in _few_rows_variants(g, max_tokens):
-            v = found.setdefault(name, Variant(name, source, layout, g.n, g.k, None, rows=(lo, hi)))
-            if g.name not in v.users:
-                v.users.append(g.name)
-            v.rows = (min(v.rows[0], lo), max(v.rows[1], hi))
+            add(g, name, source, layout, None, lo, hi)
     return list(found.values())
 
 

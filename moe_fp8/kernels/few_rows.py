@@ -35,8 +35,8 @@ SMALL_GROUP_BYTES = 13 << 20
 # Normal GEMMs (decode linears) of up to NORMAL_MAX_ROWS rows and K of NORMAL_MIN_K or more: there a wgmma
 # tile's serial walk over K is what bounds it (H100, DeepSeek-V3's linears, M = 1-8: q_a + kv_a 2112 x 7168
 # 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
-# with shorter K the wgmma kernel is as fast or up to 20% faster (kv_b_proj 4096 x 512), and from 16 rows on
-# even (docs/benchmarks/h100-few-rows.md).
+# with shorter K the wgmma kernel is as fast or takes up to 21% less time (kv_b_proj 4096 x 512), and at 16 rows
+# it is even or ahead (docs/benchmarks/h100-few-rows.md).
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)

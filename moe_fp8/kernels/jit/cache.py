@@ -97,13 +97,18 @@ def include_tree_hash(root: Path | None = None) -> str:
     memo = _tree_hash_memo.get(str(root))
     if memo is not None and memo[0] == listing:
         return memo[1]
+    digest = _hash_files(files)
+    _tree_hash_memo[str(root)] = (listing, digest)
+    return digest
+
+
+def _hash_files(files: list[tuple[str, Path]]) -> str:
+    """sha256 over (relative path, sha256 of content) of ``files``, in the order given."""
     h = hashlib.sha256()
     for rel, p in files:
         h.update(rel.encode() + b"\0")
         h.update(hashlib.sha256(p.read_bytes()).digest())
-    digest = h.hexdigest()
-    _tree_hash_memo[str(root)] = (listing, digest)
-    return digest
+    return h.hexdigest()
 
 
 _QUOTED_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
@@ -125,11 +130,7 @@ def include_closure_hash(entry: str, root: Path | None = None) -> str:
             raise FileNotFoundError(f"{rel}: included but not under {root}")
         seen[rel] = path
         todo.extend(path.parent / inc for inc in _QUOTED_INCLUDE_RE.findall(path.read_text()))
-    h = hashlib.sha256()
-    for rel in sorted(seen):
-        h.update(rel.encode() + b"\0")
-        h.update(hashlib.sha256(seen[rel].read_bytes()).digest())
-    return h.hexdigest()
+    return _hash_files(sorted(seen.items()))
 
 
 def _check_name(name: str) -> None:
