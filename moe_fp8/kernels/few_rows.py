@@ -20,8 +20,7 @@ KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm_few_rows.cuh"
 
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::few_rows::fp8_gemm_few_rows_kernel<
-        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32},
-        /*kStages=*/{stages}, /*kSmemBytes=*/{smem_bytes}>;
+        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32}>;
 }}
 """
 
@@ -44,8 +43,6 @@ MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
 WARPS = 8
 TILE_N = 16
 CTAS_PER_SM = 2
-# K blocks each warp has in flight (cp.async into its shared-memory ring), by token tiles: 96 KB a CTA either way
-STAGES = {1: 4, 2: 3}
 # K blocks one warp walks at least: K splits into at most WARPS pieces of this many blocks or more.
 MIN_SPLIT_K_BLOCKS = 4
 
@@ -74,20 +71,12 @@ def split_k(k: int) -> int:
     return split
 
 
-def smem_bytes(token_tiles: int) -> int:
-    """Dynamic shared memory of a CTA: each warp's ring of K blocks, 16 bytes a lane for each of the two halves of
-    two weight rows and of each token tile (few_rows::fp8_gemm_few_rows_kernel)."""
-    return WARPS * STAGES[token_tiles] * (4 + 2 * token_tiles) * 16 * 32
-
-
 def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[str, str]:
     """``(name, source)`` of the variant a call compiles: pure host code (``moe-fp8 warmup`` uses it)."""
     from .gemm import env_defines
 
     token_tiles, sk = ceil_div(max_m, 8), split_k(k)
-    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk,
-                                                    out_f32=str(out_f32).lower(), stages=STAGES[token_tiles],
-                                                    smem_bytes=smem_bytes(token_tiles))
+    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk, out_f32=str(out_f32).lower())
     return f"fp8_gemm_few_rows_n{n}_k{k}_t{token_tiles}_s{sk}{'_f32' if out_f32 else ''}", source
 
 
@@ -111,11 +100,10 @@ def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     masked = masked_m is not None
     num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
     n, k = w.shape[-2], w.shape[-1]
-    token_tiles = ceil_div(max_m, 8)
-    kernel = get_kernel(n, k, token_tiles, out.dtype == torch.float32)
+    kernel = get_kernel(n, k, ceil_div(max_m, 8), out.dtype == torch.float32)
     grid = min(items(n, k, num_groups), CTAS_PER_SM * get_num_sms())
     # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
     xs_group = x_scale.stride(0) if masked else 0
     xs_k = x_scale.stride(-1) if x_scale.shape[-1] > 1 else 0
     kernel.launch(grid, 32 * WARPS, [x_fp8, x_scale, w, w_scale, out, masked_m, num_groups, max_m, xs_group, xs_k],
-                  smem_bytes=smem_bytes(token_tiles), pdl=_pdl())
+                  pdl=_pdl())

@@ -5,10 +5,9 @@
 // (group, 64-row block, n-block): one touched expert of 4096 x 7168 gives 16-64 tiles, each a serial chain
 // of 56 K blocks, and the expert's 29 MB are read at ~1.1 TB/s (docs/kernels/gemm.md, session 50). Here the
 // weights are the MMA's M side (swap AB): a warp computes 16 weight rows x 8 tokens with mma.sync, and the
-// K range of each 16-row tile is split over kSplitK warps, so one expert spreads over the whole GPU. Each warp
-// streams its K range through a ring of kStages K blocks in shared memory (cp.async): every thread copies, and
-// reads back, only the 32 bytes of its rows that its MMA fragments hold (any K order serves: see
-// mma/mma_sync_fp8.cuh), so no barrier guards the ring.
+// K range of each 16-row tile is split over kSplitK warps, so one expert spreads over the whole GPU and
+// every warp keeps several K blocks of loads in flight. No shared-memory staging: each thread loads the
+// 32 bytes of its rows that its MMA fragments hold (any K order serves: see mma/mma_sync_fp8.cuh).
 //
 // Numerics as the wgmma kernel's: each 128-K block's product starts from zero and is added in FP32 with
 // its two scales; the kSplitK partial sums are added in split order (deterministic).
@@ -23,7 +22,11 @@ namespace moe_fp8::few_rows {
 constexpr uint32_t kWarps = 8, kThreads = 32 * kWarps;
 constexpr uint32_t kTileN = 16;         // weight rows of one warp tile (the MMA's M)
 constexpr uint32_t kMaxGroups = 1024;   // compacted in shared memory (kernels/few_rows.py: MAX_GROUPS)
-// CTAs an SM holds (the register cap): a -D switch for measurements only.
+// K blocks of loads a warp issues before their MMAs (one token tile; halved for two), and CTAs an SM holds
+// (the register cap): -D switches for measurements only.
+#ifndef MOE_FP8_FEW_ROWS_UNROLL
+#define MOE_FP8_FEW_ROWS_UNROLL 2
+#endif
 #ifndef MOE_FP8_FEW_ROWS_MIN_CTAS
 #define MOE_FP8_FEW_ROWS_MIN_CTAS 2
 #endif
@@ -42,8 +45,7 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
 
 // Items: (touched group, kWarps / kSplitK consecutive 16-row tiles), walked by a persistent grid; in an item,
 // warp w takes tile w / kSplitK and K blocks [s * Kb / kSplitK, (s + 1) * Kb / kSplitK) with s = w % kSplitK.
-template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32, uint32_t kStages,
-          uint32_t kSmemBytes>
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32>
 __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_few_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, const uint8_t* __restrict__ w,
     const float* __restrict__ w_scale, void* __restrict__ out, const int32_t* __restrict__ masked_m,
@@ -53,15 +55,11 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u), kNumNBlocks = ceil_div(SHAPE_N, 128u);
     constexpr uint32_t kTilesPerItem = kWarps / kSplitK;
     constexpr uint32_t kItemsPerGroup = ceil_div(SHAPE_N, kTileN * kTilesPerItem);
+    constexpr uint32_t kUnroll = MOE_FP8_FEW_ROWS_UNROLL >= 2 * kTokenTiles ? MOE_FP8_FEW_ROWS_UNROLL / kTokenTiles : 1;
     constexpr bool kRaggedN = SHAPE_N % kTileN != 0, kRaggedK = SHAPE_K % 128 != 0;
     __shared__ uint32_t touched[kMaxGroups];  // group << 16 | rows, for each group with rows, in group order
     __shared__ uint32_t warp_count[kWarps];
     __shared__ float partial[kSplitK > 1 ? kWarps : 1][kTokenTiles][4][32];
-    // each warp's ring of kStages K blocks: per block, kPieces pieces of 16 bytes a lane (weight rows g / g + 8
-    // and token tiles, two halves each), written by cp.async and read back by the same thread
-    constexpr uint32_t kPieces = 4 + 2 * kTokenTiles;
-    static_assert(kSmemBytes >= kWarps * kStages * kPieces * 512, "kernels/few_rows.py: smem_bytes");
-    extern __shared__ __align__(16) uint8_t ring[];
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     ptx::wait_prerequisites();  // masked_m and x come from the previous kernel
@@ -104,62 +102,44 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
             const uint8_t* x_row = x + (static_cast<uint64_t>(group) * max_m + gq) * SHAPE_K + 16 * t;
             const float* ws = w_scale + (static_cast<uint64_t>(group) * kNumNBlocks + n0 / 128) * kNumKBlocks;
             const float* xs = x_scale + static_cast<uint64_t>(group) * xs_group_stride + 2 * t;
-            uint8_t* my_ring = ring + warp * kStages * kPieces * 512 + lane * 16;
-            // K block kb's loads into ring slot kb % kStages: cp.async (no registers held while in flight), zeros
-            // where a row or the K tail lies outside (those addresses are never read)
-            const auto issue = [&](uint32_t kb) {
-                uint8_t* slot = my_ring + (kb % kStages) * kPieces * 512;
+            for (uint32_t kb0 = kb_begin; kb0 < kb_end; kb0 += kUnroll) {
+                uint4 wv[kUnroll][2][2] = {}, xv[kUnroll][kTokenTiles][2] = {};
 #pragma unroll
-                for (uint32_t h = 0; h < 2; ++h) {
-                    const uint32_t k = kb * 128 + 64 * h;  // (+ 16t: in the row pointers)
-                    const bool in_k = !kRaggedK || k + 16 * t + 16 <= SHAPE_K;
-                    mma::cp_async_16(slot + h * 512, w_row + k, in_k);
-                    mma::cp_async_16(slot + (2 + h) * 512, second_row ? w_row + 8 * SHAPE_K + k : w_row, in_k && second_row);
+                for (uint32_t u = 0; u < kUnroll; ++u) {
+                    const uint32_t kb = kb0 + u;
+                    if (kb >= kb_end) break;
+#pragma unroll
+                    for (uint32_t h = 0; h < 2; ++h) {
+                        const uint32_t k = kb * 128 + 64 * h;  // (+ 16t: in the row pointers)
+                        if (kRaggedK && k + 16 * t + 16 > SHAPE_K) continue;
+                        wv[u][0][h] = mma::ld_stream_v4(w_row + k);
+                        if (second_row) wv[u][1][h] = mma::ld_stream_v4(w_row + 8 * SHAPE_K + k);
+#pragma unroll
+                        for (uint32_t j = 0; j < kTokenTiles; ++j)
+                            if (8 * j + gq < rows) xv[u][j][h] = mma::ld_shared_by_sm_v4(x_row + 8 * j * SHAPE_K + k);
+                    }
+                }
+#pragma unroll
+                for (uint32_t u = 0; u < kUnroll; ++u) {
+                    const uint32_t kb = kb0 + u;
+                    if (kb >= kb_end) break;
+                    const float sw = ptx::ldg_f32(ws + kb);
 #pragma unroll
                     for (uint32_t j = 0; j < kTokenTiles; ++j) {
                         if (8 * j >= rows) break;
-                        const bool in_rows = 8 * j + gq < rows;
-                        mma::cp_async_16(slot + (4 + 2 * j + h) * 512, in_rows ? x_row + 8 * j * SHAPE_K + k : x_row,
-                                         in_k && in_rows);
+                        float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (uint32_t i = 0; i < 4; ++i)
+                            mma::mma_m16n8k32_e4m3(d, word(wv[u][0], 2 * i), word(wv[u][1], 2 * i),
+                                                   word(wv[u][0], 2 * i + 1), word(wv[u][1], 2 * i + 1),
+                                                   word(xv[u][j], 2 * i), word(xv[u][j], 2 * i + 1));
+                        const uint32_t r = 8 * j + 2 * t;  // d0 / d2: token r, d1 / d3: token r + 1
+                        const float s0 = r < rows ? sw * ptx::ldg_f32(xs + 8 * j + kb * xs_k_stride) : 0.f;
+                        const float s1 = r + 1 < rows ? sw * ptx::ldg_f32(xs + 8 * j + 1 + kb * xs_k_stride) : 0.f;
+                        acc[j][0] += d[0] * s0, acc[j][1] += d[1] * s1, acc[j][2] += d[2] * s0, acc[j][3] += d[3] * s1;
                     }
                 }
-            };
-            uint32_t next = kb_begin;  // the next K block to issue
-#pragma unroll
-            for (uint32_t s = 0; s + 1 < kStages; ++s) {
-                if (next < kb_end) issue(next++);
-                mma::cp_async_commit();  // (empty groups keep the count: block kb is group kb - kb_begin)
             }
-            for (uint32_t kb = kb_begin; kb < kb_end; ++kb) {
-                if (next < kb_end) issue(next++);  // into the slot read one block ago
-                mma::cp_async_commit();
-                mma::cp_async_wait<kStages - 1>();
-                const uint8_t* slot = my_ring + (kb % kStages) * kPieces * 512;
-                uint4 wv[2][2], xv[kTokenTiles][2];
-#pragma unroll
-                for (uint32_t h = 0; h < 2; ++h) {
-                    wv[0][h] = ptx::ld_shared_v4(slot + h * 512);
-                    wv[1][h] = ptx::ld_shared_v4(slot + (2 + h) * 512);
-#pragma unroll
-                    for (uint32_t j = 0; j < kTokenTiles; ++j)
-                        if (8 * j < rows) xv[j][h] = ptx::ld_shared_v4(slot + (4 + 2 * j + h) * 512);
-                }
-                const float sw = ptx::ldg_f32(ws + kb);
-#pragma unroll
-                for (uint32_t j = 0; j < kTokenTiles; ++j) {
-                    if (8 * j >= rows) break;
-                    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (uint32_t i = 0; i < 4; ++i)
-                        mma::mma_m16n8k32_e4m3(d, word(wv[0], 2 * i), word(wv[1], 2 * i), word(wv[0], 2 * i + 1),
-                                               word(wv[1], 2 * i + 1), word(xv[j], 2 * i), word(xv[j], 2 * i + 1));
-                    const uint32_t r = 8 * j + 2 * t;  // d0 / d2: token r, d1 / d3: token r + 1
-                    const float s0 = r < rows ? sw * ptx::ldg_f32(xs + 8 * j + kb * xs_k_stride) : 0.f;
-                    const float s1 = r + 1 < rows ? sw * ptx::ldg_f32(xs + 8 * j + 1 + kb * xs_k_stride) : 0.f;
-                    acc[j][0] += d[0] * s0, acc[j][1] += d[1] * s1, acc[j][2] += d[2] * s0, acc[j][3] += d[3] * s1;
-                }
-            }
-            mma::cp_async_wait<0>();  // (only empty groups left) the ring is free for the next item
         }
         if constexpr (kSplitK > 1) {  // the tile's other splits hand their sums to its first warp
 #pragma unroll

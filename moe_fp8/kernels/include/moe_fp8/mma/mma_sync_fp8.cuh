@@ -1,4 +1,4 @@
-// Warp-level FP8 MMA (mma.sync, sm_89+) and the copies that feed it from global memory, for the few-rows
+// Warp-level FP8 MMA (mma.sync, sm_89+) and the loads that feed it from global memory, for the few-rows
 // GEMM (impls/fp8_gemm_few_rows.cuh). Kept apart from the wgmma headers: the tuned tables are keyed by the
 // wgmma GEMM's sources only (kernels/tuning.py).
 #pragma once
@@ -21,19 +21,19 @@ __device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], uint32_t a0, ui
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 16 bytes global -> shared through L2 only (cp.async.cg), or 16 zero bytes where `full` is false (src unread).
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))), "l"(src), "r"(full ? 16u : 0u)
-                 : "memory");
+// 16 bytes read once (weights): not kept in L1. Not volatile, so the compiler may batch the loads.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* ptr) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// The calling thread's cp.async groups but the newest kPending are complete (their bytes visible to it).
-template <uint32_t kPending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+// 16 bytes read by many warps of an SM (activation rows): through L1.
+__device__ __forceinline__ uint4 ld_shared_by_sm_v4(const void* ptr) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
 }
 
 }  // namespace moe_fp8::mma
