@@ -495,7 +495,9 @@ def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor,
                                     m_total: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """An expert's first GEMM and its activation: ``silu_mul_per_token_group_quant`` of the grouped GEMM
     ``h = x @ w13[g]ᵀ``, fused on Hopper (the quantisation runs in the GEMM's epilogue on the FP32
-    product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn.
+    product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn. Masked
+    batches of a few rows a group (decode; ``kernels/few_rows.py``) run the few-rows GEMM, which writes
+    ``h`` in FP32 (not rounded either), then the SiLU·mul + quant kernel on it.
 
     Args:
         x_fp8, x_scale, m_indices (and the optional hint expected_m): as ``fp8_grouped_gemm_contiguous``
