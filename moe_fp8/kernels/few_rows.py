@@ -76,7 +76,8 @@ def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[s
     from .gemm import env_defines
 
     token_tiles, sk = ceil_div(max_m, 8), split_k(k)
-    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk, out_f32=str(out_f32).lower())
+    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk,
+                                                    out_f32=str(out_f32).lower())
     return f"fp8_gemm_few_rows_n{n}_k{k}_t{token_tiles}_s{sk}{'_f32' if out_f32 else ''}", source
 
 
