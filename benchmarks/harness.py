@@ -20,7 +20,7 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,16 @@ def bench_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     except ImportError:
         return _bench_events_us(fn, warmup_ms, rep_ms)
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def alternated_us(fns: Sequence[Callable[[], Any]], rounds: int = 3) -> list[float]:
+    """``bench_us`` of each of ``fns`` over ``rounds`` rounds, taken in turn within each round so that drift falls on
+    all alike (A/B runs in one process): the median of each."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times, strict=True):
+            t.append(bench_us(fn))
+    return [sorted(t)[rounds // 2] for t in times]
 
 
 def _bench_events_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from moe_fp8.benchmarks.harness import bench_us
+from moe_fp8.benchmarks.harness import alternated_us
 from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels import few_rows
 from moe_fp8.kernels.gemm import fp8_grouped_gemm_masked_hopper
@@ -46,6 +47,12 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
     return hits[:local].tolist()
 
 
+def with_max_rows(rows: int, call: Callable[[], None]) -> None:
+    """``call()`` with the few-rows path taking up to ``rows`` rows a group (0: off)."""
+    few_rows.MAX_ROWS = rows
+    call()
+
+
 def gemm_rows(rounds: int, token_counts: list[int]) -> None:
     print(f"{'rank':>16} {'N x K':>12} {'tokens':>6} {'touched':>7} {'path':>5} {'off us':>8} {'on us':>8} {'x':>6} "
           f"{'off TB/s':>8} {'on TB/s':>8}")
@@ -56,14 +63,10 @@ def gemm_rows(rounds: int, token_counts: list[int]) -> None:
                 rows = counts(tokens, experts, local, top_k, seed=tokens)
                 inp = make_masked_inputs(local, tokens, 1, n, k, seed=tokens, device="cuda", masked_m=rows)
                 out = torch.empty((local, tokens, n), dtype=torch.bfloat16, device="cuda")
-                hint = max(1, tokens * top_k // experts)
-                times: dict[bool, list[float]] = {False: [], True: []}
-                for _ in range(rounds):
-                    for on in (False, True):
-                        few_rows.MAX_ROWS = 16 if on else 0
-                        times[on].append(bench_us(partial(fp8_grouped_gemm_masked_hopper, inp.x_fp8, inp.x_scale,
-                                                          inp.w_fp8, inp.w_scale, inp.masked_m, hint, out)))
-                off_us, on_us = (sorted(times[on])[rounds // 2] for on in (False, True))
+                call = partial(fp8_grouped_gemm_masked_hopper, inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
+                               inp.masked_m, max(1, tokens * top_k // experts), out)
+                off_us, on_us = alternated_us([partial(with_max_rows, 0, call), partial(with_max_rows, 16, call)],
+                                              rounds)
                 touched = sum(r > 0 for r in rows)
                 mb = touched * n * k / 1e6
                 path = "few" if few_rows.applies(tokens, n, k, local) else "wgmma"  # (with the path on)
@@ -93,13 +96,8 @@ def normal_rows(rounds: int, token_counts: list[int]) -> None:
             x, xs, w, ws = inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0]
             out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
             cfg = get_config(GemmDesc(m, n, k, num_sms=get_num_sms()))
-            runs = (partial(fp8_gemm_hopper, x, xs, w, ws, out, config=cfg),
-                    partial(few_rows.launch, x, xs, w, ws, out, None))
-            times: list[list[float]] = [[], []]
-            for _ in range(rounds):
-                for i, run in enumerate(runs):
-                    times[i].append(bench_us(run))
-            off_us, on_us = (sorted(t)[rounds // 2] for t in times)
+            off_us, on_us = alternated_us([partial(fp8_gemm_hopper, x, xs, w, ws, out, config=cfg),
+                                           partial(few_rows.launch, x, xs, w, ws, out, None)], rounds)
             takes = "few" if few_rows.applies_normal(m, n, k) else "wgmma"
             print(f"{name:>36} {n:>5}x{k:<6} {m:>3} {off_us:9.1f} {on_us:8.1f} {off_us / on_us:6.2f} "
                   f"{n * k / 1e6 / on_us:8.2f} {takes:>5}", flush=True)
@@ -118,11 +116,7 @@ def layer_rows(rounds: int, token_counts: list[int]) -> None:
                 few_rows.MAX_ROWS = 16 if on else 0
                 graphs[on] = capture_forward(layer, hidden, logits, "masked")
             few_rows.MAX_ROWS = 16
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(rounds):
-                for on, g in graphs.items():
-                    times[on].append(bench_us(g.replay))
-            off_us, on_us = (sorted(times[on])[rounds // 2] for on in (False, True))
+            off_us, on_us = alternated_us([graphs[False].replay, graphs[True].replay], rounds)
             print(f"{name:>16} {tokens:>6} {off_us:8.1f} {on_us:8.1f} {off_us / on_us:6.2f}", flush=True)
         del layer
         torch.cuda.empty_cache()

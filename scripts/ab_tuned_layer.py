@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from moe_fp8.benchmarks.harness import bench_us
+from moe_fp8.benchmarks.harness import alternated_us
 from moe_fp8.benchmarks.moe import build_layer, build_model_layer, capture_forward
 from moe_fp8.kernels import tuning
 
@@ -54,11 +54,7 @@ def main() -> None:
         path = layer.choose_path(t) if args.path == "auto" else args.path
         graphs = {"off": capture(layer, hidden, logits, path, "off"),
                   "on": capture(layer, hidden, logits, path, None)}
-        times: dict[str, list[float]] = {k: [] for k in graphs}
-        for _ in range(args.rounds):  # alternated: drift falls on both
-            for k, g in graphs.items():
-                times[k].append(bench_us(g.replay))
-        off, on = (sorted(times[k])[args.rounds // 2] for k in ("off", "on"))
+        off, on = alternated_us([graphs["off"].replay, graphs["on"].replay], args.rounds)
         print(f"{t:>6} {path:>10} {off:9.1f} {on:9.1f}  {off / on:.3f}", flush=True)
 
 

@@ -474,3 +474,11 @@ def test_span_covers_first_start_to_last_end() -> None:
     assert harness.span_us(iter([("a", 3.0, 4.5)])) == 1.5
     with pytest.raises(ValueError, match="no GPU activity"):
         harness.span_us([])
+
+
+def test_alternated_us_takes_turns_and_medians(monkeypatch):
+    """A/B timing: the callables are timed in turn within each round, and each gets its median over the rounds."""
+    calls, times = [], {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    monkeypatch.setattr(harness, "bench_us", lambda fn: (calls.append(fn()), next(times[calls[-1]]))[1])
+    assert harness.alternated_us([lambda: "a", lambda: "b"], rounds=3) == [3.0, 4.0]
+    assert calls == ["a", "b"] * 3

@@ -26,6 +26,14 @@ def _counts(pattern: str, groups: int, max_m: int) -> list[int]:
             "full": [max_m] * groups}[pattern]
 
 
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per few_rows.launch call made through the public ops' routing."""
+    calls: list[int] = []
+    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (calls.append(1), _f(*a)))
+    return calls
+
+
 def _run(inp, out: torch.Tensor) -> None:
     few_rows.launch(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, out, inp.masked_m)
     torch.cuda.synchronize()
@@ -95,34 +103,28 @@ def test_normal_layout(m: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("max_m,n,k,routed", [(16, 512, 7168, True), (17, 512, 7168, False), (8, 4096, 7168, True),
                                                (9, 4096, 7168, False)])
-def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: bool,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: bool, launches: list[int]) -> None:
     """fp8_grouped_gemm_masked takes the few-rows kernel up to few_rows.max_rows rows a group (no config given),
     the wgmma kernel beyond or with a config; both right."""
-    calls = []
-    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (calls.append(1), _f(*a)))
     inp = make_masked_inputs(32, max_m, 1, n, k, seed=max_m, device="cuda", masked_m=_counts("ragged", 32, max_m))
     out = torch.full((32, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 1, out)
     torch.cuda.synchronize()
-    assert bool(calls) == routed
+    assert bool(launches) == routed
     _check_masked(inp, out)
 
 
 @pytest.mark.parametrize("m,n,k,routed", [(8, 2112, 7168, True), (9, 2112, 7168, False), (4, 4096, 2048, False),
                                            (1, 7168, 16384, True)])
-def test_public_normal_op_routes_by_rows_and_k(m: int, n: int, k: int, routed: bool,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_normal_op_routes_by_rows_and_k(m: int, n: int, k: int, routed: bool, launches: list[int]) -> None:
     """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given); both paths right."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
 
-    calls = []
-    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (calls.append(1), _f(*a)))
     inp = make_masked_inputs(1, m, 1, n, k, seed=m + k, device="cuda", masked_m=[m])
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     fp8_gemm_hopper(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out)
     torch.cuda.synchronize()
-    assert bool(calls) == routed
+    assert bool(launches) == routed
     _check_masked(inp, out[None])
 
 

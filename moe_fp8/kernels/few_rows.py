@@ -81,14 +81,18 @@ def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[s
     return f"fp8_gemm_few_rows_n{n}_k{k}_t{token_tiles}_s{sk}{'_f32' if out_f32 else ''}", source
 
 
-@functools.cache
-def get_kernel(n: int, k: int, token_tiles: int, out_f32: bool):
-    return build(*kernel_variant(n, k, 8 * token_tiles, out_f32))
-
-
 def items(n: int, k: int, num_groups: int) -> int:
     """Work items of a launch where every group has rows (the kernel walks only the groups that do)."""
     return num_groups * ceil_div(n, TILE_N * (WARPS // split_k(k)))
+
+
+@functools.cache
+def _launch_plan(n: int, k: int, num_groups: int, token_tiles: int, out_f32: bool, num_sms: int):
+    """``(kernel, grid, pdl)`` of a launch, built once (decode calls repeat the same few shapes)."""
+    from .gemm import _pdl
+
+    kernel = build(*kernel_variant(n, k, 8 * token_tiles, out_f32))
+    return kernel, min(items(n, k, num_groups), CTAS_PER_SM * num_sms), _pdl()
 
 
 def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
@@ -96,15 +100,13 @@ def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     """``out [G, max_m, N]`` (bf16 or FP32) of the masked GEMM over ``x_fp8 [G, max_m, K]``, rows past
     ``masked_m[g]`` untouched; with ``masked_m`` None, the normal GEMM of ``x_fp8 [M, K]`` (``out [M, N]``).
     Inputs validated, ``applies`` true."""
-    from .gemm import _pdl
-
     masked = masked_m is not None
     num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
     n, k = w.shape[-2], w.shape[-1]
-    kernel = get_kernel(n, k, ceil_div(max_m, 8), out.dtype == torch.float32)
-    grid = min(items(n, k, num_groups), CTAS_PER_SM * get_num_sms())
+    kernel, grid, pdl = _launch_plan(n, k, num_groups, ceil_div(max_m, 8), out.dtype == torch.float32,
+                                     get_num_sms())
     # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
     xs_group = x_scale.stride(0) if masked else 0
     xs_k = x_scale.stride(-1) if x_scale.shape[-1] > 1 else 0
     kernel.launch(grid, 32 * WARPS, [x_fp8, x_scale, w, w_scale, out, masked_m, num_groups, max_m, xs_group, xs_k],
-                  pdl=_pdl())
+                  pdl=pdl)
