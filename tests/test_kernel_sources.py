@@ -173,3 +173,23 @@ def test_few_rows_host_rules() -> None:
     assert not few_rows.applies_normal(0, 2112, 7168)
     name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
     assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("v,lpg,topk_group,early", [(8, 4, 4, True), (8, 0, 1, True), (12, 0, 1, False),
+                                                    (12, 4, 4, False), (16, 0, 1, False)])
+def test_routing_dependents_launch(compiler, v, lpg, topk_group, early, tmp_path) -> None:
+    """The routing kernel lets the dispatch after it launch at its start (`griddepcontrol.launch_dependents`,
+    SASS `PREEXIT`) only in its 64-register variants (V <= 8); after the 128-register ones (Kimi-K2's 384
+    experts) an early launch delayed the dispatch by ~6 us (impls/routing.cuh: kEarlyDependents). No local
+    memory either way."""
+    import torch
+
+    from moe_fp8.kernels import routing
+    from moe_fp8.kernels.sass import count_instructions, dump_sass
+
+    name, source = routing.kernel_variant(torch.float32, torch.float32, v, lpg, 8, topk_group)
+    res = get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path)
+    sass = dump_sass(res.cubin)
+    assert (count_instructions(sass, "PREEXIT") > 0) == early
+    assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"

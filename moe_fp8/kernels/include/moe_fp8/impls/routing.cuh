@@ -500,6 +500,20 @@ __device__ __noinline__ int32_t pick_exact(const TLogit* lane_logits, const TBia
 // contiguous, 16-byte aligned.
 template <uint32_t V>
 constexpr uint32_t kThreads = V <= 8 ? 1024 : 512;
+// Whether the PDL-launched kernel after routing (the dispatch) may launch at this kernel's start, or only as its
+// blocks exit. NOTE: measured, not understood (H100, decode graphs with the router GEMM before routing; session 52,
+// docs/kernels/datapath.md): after the 128-register variants (V > 8: Kimi-K2's 384 experts) an early launch made the
+// dispatch end ~6.5 us after routing instead of ~3.3 in nearly every replay (Kimi-K2's layer at 1-4 tokens 3-17%
+// slower), whatever the routing's length, shared memory or its own PDL wait; the 64-register ones rarely showed
+// it, and for them the early launch saves ~1 us (the dispatch's launch and first loads hidden under routing).
+// (MOE_FP8_ROUTING_EARLY_DEPENDENTS=0/1 overrides it: a measurement switch, scripts/ab_routing_dependents.py.)
+#ifndef MOE_FP8_ROUTING_EARLY_DEPENDENTS
+template <uint32_t V>
+constexpr bool kEarlyDependents = V <= 8;
+#else
+template <uint32_t V>
+constexpr bool kEarlyDependents = MOE_FP8_ROUTING_EARLY_DEPENDENTS;
+#endif
 
 template <typename TLogit, typename TBias, uint32_t V, uint32_t LPG, uint32_t kTopK, uint32_t kTopKGroup,
           bool kHasBias>
@@ -515,7 +529,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     extern __shared__ __align__(16) uint4 exchanges[];
     const uint32_t exchange = static_cast<uint32_t>(__cvta_generic_to_shared(exchanges + threadIdx.x / 32 * 32));
     // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
-    ptx::launch_dependents();
+    if constexpr (kEarlyDependents<V>) ptx::launch_dependents();
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t per_block = num_tokens / gridDim.x, rest = num_tokens % gridDim.x;
     const uint32_t first = blockIdx.x * per_block + min(blockIdx.x, rest);
