@@ -1,7 +1,7 @@
 """The GEMM kernel sources compile on any machine (no GPU needed) to sm_90a code that uses the
 FP8 tensor-core path (SASS QGMMA), without local-memory spills or wgmmas that ptxas serialises, under
 both compilers; the generated wgmma header is what its generator writes; host and device agree on
-shared memory."""
+shared memory. Also the routing kernel's launch of its dependents, per variant."""
 
 from __future__ import annotations
 
