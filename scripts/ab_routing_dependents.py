@@ -4,9 +4,10 @@ Each rank's decode forward is captured in a CUDA graph with the router GEMM befo
 starts when that GEMM ends) three times: routing built with its rule (early for V <= 8, at exit above), with
 ``MOE_FP8_ROUTING_EARLY_DEPENDENTS=1`` (early always) and ``=0`` (at exit always). Per variant: the replay's
 ``bench_us`` (L2 flushed by a memset), and after a clean flush (``flushed_events``: as after a model's previous
-layer) the median and largest gap from routing's end to the dispatch's end, and the median kernel span.
+layer) the median and largest gap from routing's end to the dispatch's end, and the median kernel span. ``touched``:
+the rank's local experts that the batch reaches (0: the rank still routes, dispatches and combines).
 
-    python scripts/ab_routing_dependents.py [--tokens 1 2 4 16] [--rounds 3]
+    python scripts/ab_routing_dependents.py [--tokens 1 2 4 16] [--rounds 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def routing_kernels(define: int | None):
     return get_kernel
 
 
+def touched(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> int:
+    """Local experts of the rank that the batch's routing reaches."""
+    _, ids = layer.route(torch.nn.functional.linear(hidden.float(), router_w))
+    local = ids.long() if layer.expert_map is None else layer.expert_map[ids.long()]
+    return int(local[local >= 0].unique().numel())
+
+
 def capture(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> torch.cuda.CUDAGraph:
     def forward():
         return layer(hidden, torch.nn.functional.linear(hidden.float(), router_w), path="masked")
@@ -62,15 +70,19 @@ def clean_gaps(graph: torch.cuda.CUDAGraph, reps: int = 9) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16])
+    p.add_argument("--ranks", nargs="+", default=[r[0] for r in RANKS], help="of: " + ", ".join(r[0] for r in RANKS))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="of the router's weights and the hidden states")
     args = p.parse_args()
     print(f"device: {torch.cuda.get_device_name()}")
     print("per variant: bench_us [clean flush: dispatch end - routing end, median/largest; span median] (us)")
-    print(f"{'rank':>16} {'tokens':>6}  " + " | ".join(f"{v:>26}" for v in VARIANTS))
+    print(f"{'rank':>16} {'tokens':>6} {'touched':>7}  " + " | ".join(f"{v:>26}" for v in VARIANTS))
     original = routing.get_kernel
     for name, file, ep, tp in RANKS:
+        if name not in args.ranks:
+            continue
         layer, _ = build_model_layer(json.loads((MODELS / file).read_text()), ep, tp=tp)
-        gen = torch.Generator(device="cuda").manual_seed(0)
+        gen = torch.Generator(device="cuda").manual_seed(args.seed)
         router_w = 0.02 * torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)
         for tokens in args.tokens:
             hidden = torch.randn(tokens, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -82,7 +94,7 @@ def main() -> None:
             cols = [clean_gaps(g) for g in graphs]
             us = alternated_us([g.replay for g in graphs], args.rounds)
             row = " | ".join(f"{u:6.1f} [{c:>17}]" for u, c in zip(us, cols, strict=True))
-            print(f"{name:>16} {tokens:>6}  {row}", flush=True)
+            print(f"{name:>16} {tokens:>6} {touched(layer, hidden, router_w):>7}  {row}", flush=True)
         del layer
         torch.cuda.empty_cache()
 
