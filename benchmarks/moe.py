@@ -219,13 +219,20 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
     return (bench_us(gemm1), bench_us(lambda: gemm(y_fp8, y_scale, layer.w2_weight, layer.w2_weight_scale_inv)))
 
 
-def capture_forward(layer, hidden: torch.Tensor, logits: torch.Tensor, path: str) -> torch.cuda.CUDAGraph:
+def capture_forward(layer, hidden: torch.Tensor, logits: torch.Tensor | None, path: str, *,
+                    router_weight: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:
+    """One forward of ``layer`` captured in a CUDA graph (after two eager ones) on ``logits``, or, with
+    ``router_weight`` (float32 ``[E, H]``) instead, on logits computed in the graph from ``hidden`` first: the router
+    GEMM before routing, as in a model."""
+    def forward():
+        return layer(hidden, logits if router_weight is None else
+                     torch.nn.functional.linear(hidden.float(), router_weight), path=path)
     for _ in range(2):
-        layer(hidden, logits, path=path)
+        forward()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer(hidden, logits, path=path)
+        forward()
     return graph
 
 

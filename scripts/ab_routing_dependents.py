@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moe_fp8.benchmarks.harness import alternated_us, flushed_events
-from moe_fp8.benchmarks.moe import build_model_layer
+from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels import routing
 from moe_fp8.kernels.jit import build
 
@@ -44,18 +44,6 @@ def touched(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> int:
     _, ids = layer.route(torch.nn.functional.linear(hidden.float(), router_w))
     local = ids.long() if layer.expert_map is None else layer.expert_map[ids.long()]
     return int(local[local >= 0].unique().numel())
-
-
-def capture(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> torch.cuda.CUDAGraph:
-    def forward():
-        return layer(hidden, torch.nn.functional.linear(hidden.float(), router_w), path="masked")
-    for _ in range(2):
-        forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
 
 
 def clean_gaps(graph: torch.cuda.CUDAGraph, reps: int = 9) -> str:
@@ -89,7 +77,7 @@ def main() -> None:
             graphs = []
             for define in VARIANTS.values():
                 routing.get_kernel = routing_kernels(define)
-                graphs.append(capture(layer, hidden, router_w))
+                graphs.append(capture_forward(layer, hidden, None, "masked", router_weight=router_w))
             routing.get_kernel = original
             cols = [clean_gaps(g) for g in graphs]
             us = alternated_us([g.replay for g in graphs], args.rounds)
