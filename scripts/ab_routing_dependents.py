@@ -7,7 +7,7 @@ starts when that GEMM ends) three times: routing built with its rule (early for 
 layer) the median and largest gap from routing's end to the dispatch's end, and the median kernel span. ``touched``:
 the rank's local experts that the batch reaches (0: the rank still routes, dispatches and combines).
 
-    python scripts/ab_routing_dependents.py [--tokens 1 2 4 16] [--rounds 3] [--seed 0]
+    python scripts/ab_routing_dependents.py [--ranks 'Kimi-K2 EP8' ...] [--tokens 1 2 4 16] [--rounds 3] [--seed 0]
 """
 
 from __future__ import annotations
