@@ -180,9 +180,8 @@ def test_few_rows_host_rules() -> None:
                                                     (12, 4, 4, False), (16, 0, 1, False)])
 def test_routing_dependents_launch(compiler, v, lpg, topk_group, early, tmp_path) -> None:
     """The routing kernel lets the dispatch after it launch at its start (`griddepcontrol.launch_dependents`,
-    SASS `PREEXIT`) only in its 64-register variants (V <= 8); after the 128-register ones (Kimi-K2's 384
-    experts) an early launch delayed the dispatch by ~6 us (impls/routing.cuh: kEarlyDependents). No local
-    memory either way."""
+    SASS `PREEXIT`) only in its variants of V <= 8; after the others (Kimi-K2's 384 experts: V = 12) an early
+    launch delayed the dispatch by ~6 us (impls/routing.cuh: kEarlyDependents). No local memory either way."""
     import torch
 
     from moe_fp8.kernels import routing

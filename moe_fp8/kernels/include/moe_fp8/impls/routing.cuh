@@ -502,10 +502,10 @@ template <uint32_t V>
 constexpr uint32_t kThreads = V <= 8 ? 1024 : 512;
 // Whether the PDL-launched kernel after routing (the dispatch) may launch at this kernel's start, or only as its
 // blocks exit. NOTE: measured, not understood (H100, decode graphs with the router GEMM before routing; session 52,
-// docs/kernels/datapath.md): after the 128-register variants (V > 8: Kimi-K2's 384 experts) an early launch made the
+// docs/kernels/datapath.md): after the V > 8 variants (Kimi-K2's 384 experts) an early launch made the
 // dispatch end ~9.5 us after routing instead of ~3.3 in nearly every replay (Kimi-K2's decode step at 1-4 tokens
-// 5-23% slower), whatever the routing's length, shared memory or its own PDL wait; the 64-register ones rarely showed
-// it, and for them the early launch saves ~1 us (the dispatch's launch and first loads hidden under routing).
+// 5-23% slower), whatever the routing's length, registers, shared memory or its own PDL wait; the V <= 8 ones rarely
+// showed it, and for them the early launch saves ~1 us (the dispatch's launch and first loads hidden under routing).
 // (MOE_FP8_ROUTING_EARLY_DEPENDENTS=0/1 overrides it: a measurement switch, scripts/ab_routing_dependents.py.)
 #ifndef MOE_FP8_ROUTING_EARLY_DEPENDENTS
 template <uint32_t V>
