@@ -224,6 +224,9 @@ def capture_forward(layer, hidden: torch.Tensor, logits: torch.Tensor | None, pa
     """One forward of ``layer`` captured in a CUDA graph (after two eager ones) on ``logits``, or, with
     ``router_weight`` (float32 ``[E, H]``) instead, on logits computed in the graph from ``hidden`` first: the router
     GEMM before routing, as in a model."""
+    if (logits is None) == (router_weight is None):
+        raise ValueError("capture_forward: give the router logits or the router_weight, not both nor neither")
+
     def forward():
         return layer(hidden, logits if router_weight is None else
                      torch.nn.functional.linear(hidden.float(), router_weight), path=path)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moe_fp8.benchmarks.harness import alternated_us, flushed_events
-from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
+from moe_fp8.benchmarks.moe import build_model_layer, capture_forward, local_ids
 from moe_fp8.kernels import routing
 from moe_fp8.kernels.jit import build
 
@@ -41,9 +41,8 @@ def routing_kernels(define: int | None):
 
 def touched(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> int:
     """Local experts of the rank that the batch's routing reaches."""
-    _, ids = layer.route(torch.nn.functional.linear(hidden.float(), router_w))
-    local = ids.long() if layer.expert_map is None else layer.expert_map[ids.long()]
-    return int(local[local >= 0].unique().numel())
+    ids = layer.route(torch.nn.functional.linear(hidden.float(), router_w))[1]
+    return int((local_ids(layer, ids).unique() >= 0).sum())
 
 
 def clean_gaps(graph: torch.cuda.CUDAGraph, reps: int = 9) -> str:

@@ -78,6 +78,22 @@ def test_model_layer_refuses_a_tp_that_does_not_divide_the_experts(tp):
         build_model_layer(cfg, tp=tp)
 
 
+def test_capture_forward_takes_logits_or_router_weight():
+    """``benchmarks.moe.capture_forward`` captures a forward on the given logits or on logits computed in the graph
+    from ``router_weight``: given both or neither, it refuses before running anything."""
+    import torch
+
+    from moe_fp8.benchmarks.moe import capture_forward
+
+    def layer(*args, **kwargs):
+        raise AssertionError("ran the layer")
+
+    x = torch.zeros(2, 8)
+    for logits, router_weight in ((None, None), (x, x)):
+        with pytest.raises(ValueError, match="give the router logits or the router_weight, not both nor neither"):
+            capture_forward(layer, x, logits, "masked", router_weight=router_weight)
+
+
 def test_csv_and_speedups_from_committed_record(tmp_path):
     rec = report.load_record(RECORDS[0])
     path = report.write_csv(rec["rows"], tmp_path / "out.csv")
