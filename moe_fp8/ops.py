@@ -446,8 +446,9 @@ def fp8_grouped_gemm_masked(x_fp8: Tensor, x_scale: Tensor, w: Tensor, w_scale: 
         w: ``float8_e4m3fn [G, N, K]`` contiguous, ``N % 8 == 0``; w_scale ``float32 [G, ceil(N/128), ceil(K/128)]``.
         masked_m: ``int32 [G]`` on x's device: valid rows of each group. Never read on the host, so it is
             not range-checked here: values must lie in ``[0, max_m]``.
-        expected_m: positive host int, a hint for the kernel configuration; it may change speed, never
-            the result.
+        expected_m: positive host int, the rows per group the caller expects: a hint for the kernel and its
+            configuration (small groups expected to hold a few rows take the few-rows GEMM whatever ``max_m``);
+            it may change speed, never the result.
         out: optional ``bfloat16 [G, max_m, N]`` contiguous. Rows ``r >= masked_m[g]`` are not written
             (when ``out`` is None they hold whatever ``torch.empty`` gave).
 
@@ -496,8 +497,8 @@ def fp8_grouped_gemm_silu_mul_quant(x_fp8: Tensor, x_scale: Tensor, w13: Tensor,
     """An expert's first GEMM and its activation: ``silu_mul_per_token_group_quant`` of the grouped GEMM
     ``h = x @ w13[g]ᵀ``, fused on Hopper (the quantisation runs in the GEMM's epilogue on the FP32
     product; ``h`` is never written, nor rounded to bf16 first); elsewhere the two ops in turn. Masked
-    batches of a few rows a group (decode; ``kernels/few_rows.py``) run the few-rows GEMM, which writes
-    ``h`` in FP32 (not rounded either), then the SiLU·mul + quant kernel on it.
+    batches of a few rows a group (decode, or small groups expected to hold few; ``kernels/few_rows.py``) run
+    the few-rows GEMM, which writes ``h`` in FP32 (not rounded either), then the SiLU·mul + quant kernel on it.
 
     Args:
         x_fp8, x_scale, m_indices (and the optional hint expected_m): as ``fp8_grouped_gemm_contiguous``

@@ -4,10 +4,13 @@ GEMMs: a model rank's masked GEMMs with the rows ``tokens`` decode tokens route 
 experts, counted on the rank's local ones, seeded), ``fp8_grouped_gemm_masked`` with the path off and on timed
 alternately (``bench_us``: L2 flushed, median), with the touched experts' weights read per µs; ``path`` says
 which kernel it takes when on (``wgmma``: the same kernel both times). Layers: one forward of each token count captured in a
-CUDA graph with the path off (``few_rows.MAX_ROWS = 0``) and on, the replays timed alternately. Normal: the
-linears of decode batches (M = tokens), ``fp8_gemm_hopper`` against the few-rows kernel.
+CUDA graph with the path off (``few_rows.MAX_ROWS = 0``, ``CHUNKED_MAX_EXPECTED = 0``) and on, the replays
+timed alternately. Normal: the linears of decode batches (M = tokens), ``fp8_gemm_hopper`` against the few-rows
+kernel. ``--chunked``: past 16 tokens the path on takes every small group's GEMM whatever its expected rows (the
+chunked regime, to measure where it pays), once per ``--chunk-tiles`` value.
 
     python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
+                                  [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels import few_rows
 from moe_fp8.kernels.gemm import fp8_grouped_gemm_masked_hopper
 from moe_fp8.testing import make_masked_inputs
+from moe_fp8.utils import ceil_div
 
 MODELS = Path(__file__).resolve().parent / "models"
 # (name, config, ep, tp): DeepSeek-V3 and Kimi-K2 at EP 8 and TP 8, Qwen3-235B-A22B at EP 8
@@ -47,15 +51,26 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
     return hits[:local].tolist()
 
 
-def with_max_rows(rows: int, call: Callable[[], None]) -> None:
-    """``call()`` with the few-rows path taking up to ``rows`` rows a group (0: off)."""
-    few_rows.MAX_ROWS = rows
+Setting = tuple[int, int, int]  # few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES
+SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES)
+OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES)
+ON: dict[str, Setting] = {"on": SHIPPED}  # the path's settings timed against OFF (main() may change them)
+
+
+def set_path(setting: Setting) -> None:
+    few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES = setting
+
+
+def with_path(setting: Setting, call: Callable[[], None]) -> None:
+    """``call()`` under the few-rows path's ``setting``."""
+    set_path(setting)
     call()
 
 
 def gemm_rows(rounds: int, token_counts: list[int]) -> None:
-    print(f"{'rank':>16} {'N x K':>12} {'tokens':>6} {'touched':>7} {'path':>5} {'off us':>8} {'on us':>8} {'x':>6} "
-          f"{'off TB/s':>8} {'on TB/s':>8}")
+    ons = "".join(f" {label + ' us':>9} {'x':>5} {'TB/s':>5}" for label in ON)
+    print(f"{'rank':>16} {'N x K':>12} {'tokens':>6} {'exp':>3} {'max':>3} {'touched':>7} {'path':>5} {'off us':>8} "
+          f"{'TB/s':>5}{ons}")
     for name, file, ep, tp in RANKS:
         experts, local, top_k, hidden, inter = rank_shapes(json.loads((MODELS / file).read_text()), ep, tp)
         for n, k in ((2 * inter, hidden), (hidden, inter)):
@@ -63,16 +78,18 @@ def gemm_rows(rounds: int, token_counts: list[int]) -> None:
                 rows = counts(tokens, experts, local, top_k, seed=tokens)
                 inp = make_masked_inputs(local, tokens, 1, n, k, seed=tokens, device="cuda", masked_m=rows)
                 out = torch.empty((local, tokens, n), dtype=torch.bfloat16, device="cuda")
+                expected = max(1, ceil_div(tokens * top_k, experts))  # as the layer's hint
                 call = partial(fp8_grouped_gemm_masked_hopper, inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale,
-                               inp.masked_m, max(1, tokens * top_k // experts), out)
-                off_us, on_us = alternated_us([partial(with_max_rows, 0, call), partial(with_max_rows, 16, call)],
-                                              rounds)
+                               inp.masked_m, expected, out)
+                times = alternated_us([partial(with_path, s, call) for s in (OFF, *ON.values())], rounds)
                 touched = sum(r > 0 for r in rows)
                 mb = touched * n * k / 1e6
-                path = "few" if few_rows.applies(tokens, n, k, local) else "wgmma"  # (with the path on)
-                print(f"{name:>16} {n:>5}x{k:<6} {tokens:>6} {touched:>7} {path:>5} {off_us:8.1f} {on_us:8.1f} "
-                      f"{off_us / on_us:6.2f} {mb / off_us:8.2f} {mb / on_us:8.2f}", flush=True)
-    few_rows.MAX_ROWS = 16
+                set_path(SHIPPED)
+                path = "few" if few_rows.applies(tokens, n, k, local, expected) else "wgmma"  # as shipped
+                cols = "".join(f" {t:9.1f} {times[0] / t:5.2f} {mb / t:5.2f}" for t in times[1:])
+                print(f"{name:>16} {n:>5}x{k:<6} {tokens:>6} {expected:>3} {max(rows):>3} {touched:>7} {path:>5} "
+                      f"{times[0]:8.1f} {mb / times[0]:5.2f}{cols}", flush=True)
+    set_path(SHIPPED)
 
 
 def normal_rows(rounds: int, token_counts: list[int]) -> None:
@@ -104,21 +121,22 @@ def normal_rows(rounds: int, token_counts: list[int]) -> None:
 
 
 def layer_rows(rounds: int, token_counts: list[int]) -> None:
-    print(f"{'rank':>16} {'tokens':>6} {'off us':>8} {'on us':>8} {'x':>6}")
+    print(f"{'rank':>16} {'tokens':>6} {'off us':>8}" + "".join(f" {label + ' us':>9} {'x':>5}" for label in ON))
     for name, file, ep, tp in RANKS:
         layer, _ = build_model_layer(json.loads((MODELS / file).read_text()), ep, tp=tp)
         for tokens in token_counts:
             gen = torch.Generator(device="cuda").manual_seed(tokens)
             hidden = torch.randn(tokens, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             logits = torch.randn(tokens, layer.num_experts, device="cuda", dtype=torch.float32, generator=gen)
-            graphs = {}
-            for on in (False, True):
-                few_rows.MAX_ROWS = 16 if on else 0
-                graphs[on] = capture_forward(layer, hidden, logits, "masked")
-            few_rows.MAX_ROWS = 16
-            off_us, on_us = alternated_us([graphs[False].replay, graphs[True].replay], rounds)
-            print(f"{name:>16} {tokens:>6} {off_us:8.1f} {on_us:8.1f} {off_us / on_us:6.2f}", flush=True)
-        del layer
+            graphs = []
+            for setting in (OFF, *ON.values()):
+                set_path(setting)
+                graphs.append(capture_forward(layer, hidden, logits, "masked"))
+            set_path(SHIPPED)
+            times = alternated_us([g.replay for g in graphs], rounds)
+            print(f"{name:>16} {tokens:>6} {times[0]:8.1f}" + "".join(f" {t:9.1f} {times[0] / t:5.2f}" for t in times[1:]),
+                  flush=True)
+        del layer, graphs
         torch.cuda.empty_cache()
 
 
@@ -128,8 +146,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--parts", nargs="+", choices=("gemms", "layers", "normal"), default=["gemms", "layers"])
     p.add_argument("--ctas-per-sm", type=int, default=few_rows.CTAS_PER_SM, help="the few-rows kernel's grid")
+    p.add_argument("--ranks", nargs="+", choices=[r[0] for r in RANKS], help="only these ranks (default: all)")
+    p.add_argument("--chunked", action="store_true", help="the path on takes small groups whatever their expected rows")
+    p.add_argument("--chunk-tiles", type=int, nargs="+", choices=(1, 2), default=[few_rows.CHUNK_TOKEN_TILES])
     args = p.parse_args()
     few_rows.CTAS_PER_SM = args.ctas_per_sm
+    if args.ranks:
+        RANKS[:] = [r for r in RANKS if r[0] in args.ranks]
+    if args.chunked or args.chunk_tiles != [few_rows.CHUNK_TOKEN_TILES]:
+        ON.clear()
+        chunked = 1 << 30 if args.chunked else few_rows.CHUNKED_MAX_EXPECTED
+        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t) for t in args.chunk_tiles})
     print(f"device: {torch.cuda.get_device_name()}")
     for part in args.parts:
         {"gemms": gemm_rows, "layers": layer_rows, "normal": normal_rows}[part](args.rounds, args.tokens)

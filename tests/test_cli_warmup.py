@@ -164,8 +164,8 @@ def test_enumerated_variants_are_what_calls_compile():
 
 def test_few_rows_variants_are_what_decode_batches_compile():
     """Decode batches run the few-rows GEMM: masked ones of up to 16 tokens (8 for DeepSeek-V3's whole experts),
-    one variant per token tile and expert weight, FP32 out for the fused GEMM1; normal ones of up to 8 rows at
-    K >= 4096 (kernels/few_rows.py)."""
+    one variant per token tile and expert weight, FP32 out for the fused GEMM1, and past 16 tokens small groups'
+    chunked variant; normal ones of up to 8 rows at K >= 4096 (kernels/few_rows.py)."""
     from moe_fp8.kernels import few_rows
 
     for tp, ep, tiles in ((8, 1, (8, 16)), (1, 8, (8,))):
@@ -173,13 +173,17 @@ def test_few_rows_variants_are_what_decode_batches_compile():
         variants = W.enumerate_variants(gemms, max_tokens=4096, num_sms=132)
         few = {v.name: v for v in variants if v.config is None}
         i = 2048 // tp
+        # past 16 tokens the TP-8 shards (small groups) take the chunked variant, one for every larger batch
         masked = {few_rows.kernel_variant(n, k, rows, out_f32)
-                  for rows in tiles for n, k, out_f32 in ((2 * i, 7168, True), (7168, i, False))}
+                  for rows in (*tiles, *((17,) if tp == 8 else ())) for n, k, out_f32 in ((2 * i, 7168, True),
+                                                                                       (7168, i, False))}
         normal = {few_rows.kernel_variant(g.n, g.k, 8) for g in gemms if "normal" in g.layouts and g.k >= 4096}
         assert len(normal) >= 3 and {(v.name, v.source) for v in few.values()} == masked | normal
         for v in few.values():
             assert v.users[0].startswith("experts.") == (v.layout == "masked"), v
-        assert {W.describe_rows(v) for v in few.values()} == {"tokens 1..8", *(["tokens 9..16"] if tp == 8 else [])}
+        assert max(v.rows[1] for v in few.values() if v.layout == "masked") == (4096 if tp == 8 else 8)
+        if tp == 1:
+            assert {W.describe_rows(v) for v in few.values()} == {"tokens 1..8"}
     small = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=3, num_sms=132)
     assert {W.describe_rows(v) for v in small if v.config is None} == {"tokens 1..3"}
 

@@ -1,5 +1,6 @@
-"""The few-rows GEMM (impls/fp8_gemm_few_rows.cuh): masked GEMMs of at most 16 rows a group, and the normal
-layout, vs the reference on fresh inputs; what the public masked ops route to it; CUDA-graph replays."""
+"""The few-rows GEMM (impls/fp8_gemm_few_rows.cuh): masked GEMMs of at most 16 rows a group, small groups of any
+count in chunks, and the normal layout, vs the reference on fresh inputs; what the public masked ops route to it;
+CUDA-graph replays."""
 
 from __future__ import annotations
 
@@ -48,6 +49,22 @@ def test_masked(n: int, k: int, groups: int, max_m: int, pattern: str) -> None:
     out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     _run(inp, out)
     _check_masked(inp, out)  # rows past masked_m stay NaN
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("n,k", [(512, 7168), (7168, 256), (1032, 1040), (24, 144)])
+@pytest.mark.parametrize("groups,max_m", [(1, 17), (32, 64), (256, 40), (3, 300)])
+@pytest.mark.parametrize("pattern", ["one", "ragged", "full"])
+def test_masked_chunks(n: int, k: int, groups: int, max_m: int, pattern: str, tiles: int,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 16 rows a group is walked in chunks of 8 * CHUNK_TOKEN_TILES rows (a hot expert in an engine's batched
+    layout: up to max_m rows, a last chunk partial); every row below masked_m right, none past it written."""
+    monkeypatch.setattr(few_rows, "CHUNK_TOKEN_TILES", tiles)
+    inp = make_masked_inputs(groups, max_m, 1, n, k, seed=n + k + max_m + tiles, device="cuda",
+                             masked_m=_counts(pattern, groups, max_m))
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(inp, out)
+    _check_masked(inp, out)
 
 
 @pytest.mark.parametrize("groups", [256, 384, 1024])
@@ -105,10 +122,28 @@ def test_normal_layout(m: int, n: int, k: int) -> None:
                                                (9, 4096, 7168, False)])
 def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: bool, launches: list[int]) -> None:
     """fp8_grouped_gemm_masked takes the few-rows kernel up to few_rows.max_rows rows a group (no config given),
-    the wgmma kernel beyond or with a config; both right."""
+    the wgmma kernel beyond (expected_m past the chunked rule's) or with a config; both right."""
     inp = make_masked_inputs(32, max_m, 1, n, k, seed=max_m, device="cuda", masked_m=_counts("ragged", 32, max_m))
     out = torch.full((32, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 1, out)
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                   few_rows.CHUNKED_MAX_EXPECTED + 1, out)
+    torch.cuda.synchronize()
+    assert bool(launches) == routed
+    _check_masked(inp, out)
+
+
+@pytest.mark.parametrize("groups,max_m,n,k,above,routed", [(32, 64, 7168, 256, 0, True), (32, 64, 7168, 256, 1, False),
+                                                            (4, 2048, 4096, 1536, 0, True), (32, 64, 512, 7168, 0, True),
+                                                            (8, 64, 4096, 7168, 0, False)])
+def test_public_masked_op_routes_by_expected_rows(groups: int, max_m: int, n: int, k: int, above: int, routed: bool,
+                                                  launches: list[int]) -> None:
+    """Past max_rows, fp8_grouped_gemm_masked takes the few-rows kernel for small groups whose expected_m is at most
+    CHUNKED_MAX_EXPECTED (``above`` more: not), never for DeepSeek-V3's whole experts; both right."""
+    inp = make_masked_inputs(groups, max_m, 1, n, k, seed=max_m + above, device="cuda",
+                             masked_m=_counts("ragged", groups, max_m))
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m,
+                                   few_rows.CHUNKED_MAX_EXPECTED + above, out)
     torch.cuda.synchronize()
     assert bool(launches) == routed
     _check_masked(inp, out)
@@ -129,12 +164,13 @@ def test_public_normal_op_routes_by_rows_and_k(m: int, n: int, k: int, routed: b
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
-@pytest.mark.parametrize("max_m,pattern,n", [(1, "one", 4096), (8, "ragged", 4096), (16, "full", 512)])
-def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, ue8m0: bool) -> None:
-    """The fused GEMM1 op at decode: the few-rows GEMM's FP32 h, then SiLU·mul + quant; checked as the fused
-    epilogue is, rows past masked_m untouched."""
-    groups, k = 32, 7168
-    assert few_rows.applies(max_m, n, k, groups)
+@pytest.mark.parametrize("max_m,pattern,n,k", [(1, "one", 4096, 7168), (8, "ragged", 4096, 7168), (16, "full", 512, 7168),
+                                               (48, "ragged", 1536, 2048)])
+def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, k: int, ue8m0: bool) -> None:
+    """The fused GEMM1 op at decode (48 rows of Qwen3-30B-A3B's experts: in chunks): the few-rows GEMM's FP32 h,
+    then SiLU·mul + quant; checked as the fused epilogue is, rows past masked_m untouched."""
+    groups = 32
+    assert few_rows.applies(max_m, n, k, groups, 1)
     inp = make_masked_inputs(groups, max_m, 1, n, k, seed=max_m, device="cuda",
                              masked_m=_counts(pattern, groups, max_m))
     act, scale = _poisoned_act((groups, max_m, n // 2), groups=groups)
@@ -155,6 +191,26 @@ def test_cuda_graph_replays() -> None:
     def run() -> None:
         fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, 1, out)
     run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed, pattern in [(2, "one"), (3, "full"), (4, "empty"), (5, "ragged")]:
+        _replay_masked(graph, buf, out, make_masked_inputs(groups, max_m, 1, n, k, seed=seed, device="cuda",
+                                                           masked_m=_counts(pattern, groups, max_m)))
+
+
+def test_cuda_graph_replays_chunks(launches: list[int]) -> None:
+    """The chunked path (an engine's batched layout: max_m the capacity, a few rows expected) captured once and
+    replayed with other counts: a hot group of every row, all full, none, ragged."""
+    groups, max_m, n, k = 64, 96, 7168, 256
+    buf = _clone_operands(make_masked_inputs(groups, max_m, 1, n, k, seed=1, device="cuda",
+                                             masked_m=_counts("ragged", groups, max_m)))
+    out = torch.empty((groups, max_m, n), dtype=torch.bfloat16, device="cuda")
+
+    def run() -> None:
+        fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, 1, out)
+    run()
+    assert launches, "takes the few-rows kernel"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()

@@ -135,7 +135,7 @@ def test_every_block_shape_is_spill_free(block_m, tmp_path) -> None:
 # the few-rows GEMM (impls/fp8_gemm_few_rows.cuh): one and two token tiles, each K split, bf16 and FP32 out,
 # ragged N and K
 FEW_ROWS_VARIANTS = [(4096, 7168, 8, False), (7168, 2048, 16, False), (512, 7168, 3, True), (7168, 256, 1, False),
-                     (1032, 1040, 16, True)]
+                     (1032, 1040, 16, True), (512, 7168, 64, True), (7168, 256, 40, False)]
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)
@@ -157,6 +157,7 @@ def test_few_rows_variant_compiles(compiler, n, k, max_m, out_f32, tmp_path) -> 
 
 def test_few_rows_host_rules() -> None:
     from moe_fp8.kernels import few_rows
+    from moe_fp8.utils import ceil_div
 
     # K split into pieces of 4 K blocks or more, at most 8 (the warps of a CTA)
     assert [few_rows.split_k(k) for k in (128, 512, 1024, 2048, 4096, 7168, 16384)] == [1, 1, 2, 4, 8, 8, 8]
@@ -173,6 +174,17 @@ def test_few_rows_host_rules() -> None:
     assert not few_rows.applies_normal(0, 2112, 7168)
     name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
     assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source
+    # any max_m for small groups expected to hold few rows (chunks of 8 * CHUNK_TOKEN_TILES), never for large ones
+    few = few_rows.CHUNKED_MAX_EXPECTED
+    assert few >= 1 and few_rows.applies(2048, 7168, 256, 32, few) and few_rows.applies(64, 512, 7168, 256, 1)
+    assert not few_rows.applies(64, 7168, 256, 256, few + 1) and not few_rows.applies(64, 7168, 256, 256)
+    assert not few_rows.applies(64, 4096, 7168, 32, 1) and not few_rows.applies(64, 7168, 2048, 32, 1)
+    assert not few_rows.applies(64, 7168, 256, 1025, 1)
+    assert few_rows.token_tiles(16) == 2 and few_rows.token_tiles(17) == few_rows.CHUNK_TOKEN_TILES
+    name, source = few_rows.kernel_variant(7168, 256, 64)
+    assert name.endswith("_c") and "/*kChunked=*/true" in source
+    assert "/*kChunked=*/false" in few_rows.kernel_variant(7168, 256, 16)[1]
+    assert few_rows.items(512, 7168, 4, 64) == 4 * ceil_div(64, 8 * few_rows.CHUNK_TOKEN_TILES) * 32
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)

@@ -649,6 +649,11 @@ def test_batched_experts_match_reference(vllm_config: VllmConfig, quant_config: 
     prepare_finalize, a, a_scale, meta = _batched_inputs(x, topk_weights, topk_ids, E)
     experts = MoeFp8BatchedExperts(experts_layer.moe_config, qc, max_num_tokens=t, num_dispatchers=1)
     assert experts.activation_format() == mk.FusedMoEActivationFormat.BatchedExperts
+    # the GEMMs' expected_m hint: copies per global expert of a batch of this call's tokens from each dispatcher
+    # (capped by the capacity), so a small decode batch in a large buffer looks small (few-rows GEMM)
+    wide = MoeFp8BatchedExperts(experts_layer.moe_config, qc, max_num_tokens=256, num_dispatchers=8)
+    assert wide._expected_m(2048, 1, TOP_K) == max(1, -(-8 * TOP_K // E))
+    assert wide._expected_m(2048, 512, TOP_K) == -(-256 * 8 * TOP_K // E)
     _, _, out_shape = experts.workspace_shapes(t, 2 * INTER, H, TOP_K, E, E, meta, experts_layer.activation)
     fused_out = torch.full(out_shape, float("nan"), dtype=torch.bfloat16)   # poisoned: rows past counts stay
     experts.apply(fused_out, a, experts_layer.w13_weight, experts_layer.w2_weight, topk_weights, topk_ids,

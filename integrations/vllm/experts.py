@@ -186,9 +186,12 @@ class MoeFp8BatchedExperts(_MoeFp8ExpertsBase):
                          activation: MoEActivation) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         return (0,), (0,), (local_num_experts, self._rows_per_expert(M), K)
 
-    def _expected_m(self, max_m: int, top_k: int) -> int:
-        # Host hint only (DESIGN §2): copies per global expert if every dispatcher sent a full batch.
-        return max(1, min(max_m, ceil_div(self._rows_per_expert(max_m) * top_k, self.moe_config.num_experts)))
+    def _expected_m(self, max_m: int, num_tokens: int, top_k: int) -> int:
+        # Host hint only (DESIGN §2): copies per global expert if every dispatcher sent a batch of this rank's
+        # num_tokens (not of its capacity: a decode batch of few tokens then takes the few-rows GEMM).
+        assert self.num_dispatchers is not None  # set by __init__
+        rows = min(num_tokens, self.max_num_tokens or num_tokens) * self.num_dispatchers
+        return max(1, min(max_m, ceil_div(rows * top_k, self.moe_config.num_experts)))
 
     def apply(self, output: Tensor, hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: Tensor,
               topk_ids: Tensor, activation: MoEActivation, global_num_experts: int, expert_map: Tensor | None,
@@ -216,7 +219,8 @@ class MoeFp8BatchedExperts(_MoeFp8ExpertsBase):
                 self._warned_scale_layout = True
             a_scale = to_scale_tma_layout(a_scale.float())
         max_m = hidden_states.shape[1]
-        expected_m = self._expected_m(max_m, topk_ids.shape[-1] if topk_ids.dim() == 2 else 1)
+        tokens, top_k = (topk_ids.shape[0], topk_ids.shape[1]) if topk_ids.dim() == 2 else (max_m, 1)
+        expected_m = self._expected_m(max_m, tokens, top_k)
         direct = output.dtype == torch.bfloat16 and output.is_contiguous()
         y = grouped_experts_masked(hidden_states, a_scale, masked_m, expected_m, w1, self.w1_scale, w2,
                                    self.w2_scale, out=output if direct else None)

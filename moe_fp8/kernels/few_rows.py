@@ -1,8 +1,9 @@
 """Launch wrapper of the few-rows FP8 GEMM (impls/fp8_gemm_few_rows.cuh): the Hopper path of decode GEMMs in
 place of the wgmma kernel, whose tiles leave one touched expert on a few SMs and walk long K serially
 (docs/kernels/gemm.md, session 51): masked GEMMs whose groups hold at most ``max_rows`` rows (decode batches
-of that many tokens: the layer's masked layout has ``max_m`` = tokens), and normal GEMMs of a few rows at
-long K.
+of that many tokens: the layer's masked layout has ``max_m`` = tokens), masked GEMMs of small groups expected to
+hold few rows whatever ``max_m`` (groups past a chunk's rows walked in chunks: session 53), and normal GEMMs of a
+few rows at long K.
 
 Arguments are validated by the public API before they get here; ``applies`` says which calls it takes.
 """
@@ -20,7 +21,8 @@ KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm_few_rows.cuh"
 
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::few_rows::fp8_gemm_few_rows_kernel<
-        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32}>;
+        /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32},
+        /*kChunked=*/{chunked}>;
 }}
 """
 
@@ -37,6 +39,16 @@ SMALL_GROUP_BYTES = 13 << 20
 # 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
 # with shorter K the wgmma kernel is as fast or takes up to 21% less time (kv_b_proj 4096 x 512), and at 16 rows
 # it is even or ahead (docs/benchmarks/h100-few-rows.md).
+# Masked GEMMs of any max_m whose groups (of at most SMALL_GROUP_BYTES) are expected to hold at most
+# CHUNKED_MAX_EXPECTED rows (the callers' expected_m hint; 0 turns this off): TP-sharded and small experts at decode
+# batches past 16 tokens, and engines' batched layouts (max_m: the dispatch's capacity). Their rows run in chunks
+# of 8 * CHUNK_TOKEN_TILES, a group of more (a hot expert) in several. H100, one rank's layer replayed against the
+# wgmma kernel at 24-64 tokens: DeepSeek-V3 TP 8 1.08-1.18x, Qwen3-235B-A22B EP 8 1.01-1.06x (H200: 1.10-1.18x,
+# 1.04-1.12x); the down projections gain most (TP 8's 7168 x 256 GEMM 1.18-1.25x), the gate-up ones at long K
+# about break even alone (512 x 7168 0.98-1.04x; the layer was as fast or faster with them on). With 8 rows
+# expected it lost, and chunks of 16 rows were no faster at 1-4 (docs/kernels/gemm.md, session 53).
+CHUNKED_MAX_EXPECTED = 4
+CHUNK_TOKEN_TILES = 1
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
@@ -52,9 +64,18 @@ def max_rows(n: int, k: int) -> int:
     return MAX_ROWS if n * k <= SMALL_GROUP_BYTES else min(MAX_ROWS, WIDE_MAX_ROWS)
 
 
-def applies(max_m: int, n: int, k: int, num_groups: int) -> bool:
-    """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here."""
-    return 0 < max_m <= max_rows(n, k) and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS
+def applies(max_m: int, n: int, k: int, num_groups: int, expected_m: int | None = None) -> bool:
+    """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here: groups of at
+    most ``max_rows``, or small groups expected (``expected_m``, a hint) to hold at most ``CHUNKED_MAX_EXPECTED``."""
+    if not (max_m > 0 and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS):
+        return False
+    return max_m <= max_rows(n, k) or (expected_m is not None and 0 < expected_m <= CHUNKED_MAX_EXPECTED
+                                       and n * k <= SMALL_GROUP_BYTES and max_m < 1 << 24)
+
+
+def token_tiles(max_m: int) -> int:
+    """8-row token tiles of a warp's MMAs: enough for ``max_m`` up to ``MAX_ROWS``, else a chunk's."""
+    return ceil_div(max_m, 8) if max_m <= MAX_ROWS else CHUNK_TOKEN_TILES
 
 
 def applies_normal(m: int, n: int, k: int) -> bool:
@@ -75,24 +96,27 @@ def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[s
     """``(name, source)`` of the variant a call compiles: pure host code (``moe-fp8 warmup`` uses it)."""
     from .gemm import env_defines
 
-    token_tiles, sk = ceil_div(max_m, 8), split_k(k)
-    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=token_tiles, split_k=sk,
-                                                    out_f32=str(out_f32).lower())
-    return f"fp8_gemm_few_rows_n{n}_k{k}_t{token_tiles}_s{sk}{'_f32' if out_f32 else ''}", source
+    tiles, sk = token_tiles(max_m), split_k(k)
+    chunked = max_m > 8 * tiles
+    source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=tiles, split_k=sk,
+                                                    out_f32=str(out_f32).lower(), chunked=str(chunked).lower())
+    return f"fp8_gemm_few_rows_n{n}_k{k}_t{tiles}_s{sk}{'_f32' if out_f32 else ''}{'_c' if chunked else ''}", source
 
 
-def items(n: int, k: int, num_groups: int) -> int:
-    """Work items of a launch where every group has rows (the kernel walks only the groups that do)."""
-    return num_groups * ceil_div(n, TILE_N * (WARPS // split_k(k)))
+def items(n: int, k: int, num_groups: int, max_m: int = 1) -> int:
+    """Work items of a launch where every group has ``max_m`` rows (the kernel walks only the chunks of rows
+    there are)."""
+    return num_groups * ceil_div(max_m, 8 * token_tiles(max_m)) * ceil_div(n, TILE_N * (WARPS // split_k(k)))
 
 
 @functools.cache
-def _launch_plan(n: int, k: int, num_groups: int, token_tiles: int, out_f32: bool, num_sms: int):
-    """``(kernel, grid, pdl)`` of a launch, built once (decode calls repeat the same few shapes)."""
+def _launch_plan(n: int, k: int, num_groups: int, max_m: int, tiles: int, out_f32: bool, num_sms: int):
+    """``(kernel, grid, pdl)`` of a launch, built once (decode calls repeat the same few shapes); ``tiles``:
+    ``token_tiles(max_m)``, part of the key only (A/B runs change ``CHUNK_TOKEN_TILES``)."""
     from .gemm import _pdl
 
-    kernel = build(*kernel_variant(n, k, 8 * token_tiles, out_f32))
-    return kernel, min(items(n, k, num_groups), CTAS_PER_SM * num_sms), _pdl()
+    kernel = build(*kernel_variant(n, k, max_m, out_f32))
+    return kernel, min(items(n, k, num_groups, max_m), CTAS_PER_SM * num_sms), _pdl()
 
 
 def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
@@ -103,7 +127,7 @@ def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     masked = masked_m is not None
     num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
     n, k = w.shape[-2], w.shape[-1]
-    kernel, grid, pdl = _launch_plan(n, k, num_groups, ceil_div(max_m, 8), out.dtype == torch.float32,
+    kernel, grid, pdl = _launch_plan(n, k, num_groups, max_m, token_tiles(max_m), out.dtype == torch.float32,
                                      get_num_sms())
     # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
     xs_group = x_scale.stride(0) if masked else 0

@@ -335,7 +335,7 @@ def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w
     num_groups, max_m = x_fp8.shape[0], x_fp8.shape[1]
     if max_m == 0 or num_groups == 0:
         return
-    if config is None and few_rows.applies(max_m, w.shape[1], w.shape[2], num_groups):
+    if config is None and few_rows.applies(max_m, w.shape[1], w.shape[2], num_groups, expected_m):
         few_rows.launch(x_fp8, x_scale, w, w_scale, out, masked_m)
         return
     launch_fp8_gemm("masked", x_fp8, x_scale, w, w_scale, out, masked_m, max_m, num_groups,
@@ -363,9 +363,10 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
                             w13.shape[0], expected_m=expected_m or None, config=config, act_quant=act_quant,
                             out_scale=out_scale, m_rows=m_total)
     elif x_fp8.shape[0] and x_fp8.shape[1]:
-        if config is None and few_rows.applies(x_fp8.shape[1], w13.shape[1], w13.shape[2], x_fp8.shape[0]):
+        if config is None and few_rows.applies(x_fp8.shape[1], w13.shape[1], w13.shape[2], x_fp8.shape[0],
+                                                expected_m):
             # few rows a group (decode): the few-rows GEMM's FP32 h, then SiLU·mul + quant on it (as the fused
-            # epilogue, h is not rounded to bf16); h is at most 16 rows an expert
+            # epilogue, h is not rounded to bf16); only h's rows below masked_m are written and read
             from ..ops import silu_mul_per_token_group_quant
 
             h = torch.empty((*x_fp8.shape[:2], w13.shape[1]), dtype=torch.float32, device=x_fp8.device)

@@ -1,5 +1,6 @@
-// Block-scaled FP8 GEMM for groups of at most 8 * kTokenTiles rows (decode): out[g, r, n] for r < rows(g),
-// rows(g) = masked_m[g] (masked layout, [G, max_m, K]) or max_m (normal layout: one group, masked_m null).
+// Block-scaled FP8 GEMM for groups of few rows (decode): out[g, r, n] for r < rows(g), rows(g) = masked_m[g]
+// (masked layout, [G, max_m, K]) or max_m (normal layout: one group, masked_m null). A warp's MMAs take 8 *
+// kTokenTiles rows; groups of more (any count up to max_m) are walked in chunks of that many.
 //
 // NOTE: why not the wgmma kernel. At decode a step touches few experts, and a masked GEMM's tiles are
 // (group, 64-row block, n-block): one touched expert of 4096 x 7168 gives 16-64 tiles, each a serial chain
@@ -43,55 +44,93 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
     return r;
 }
 
-// Items: (touched group, kWarps / kSplitK consecutive 16-row tiles), walked by a persistent grid; in an item,
-// warp w takes tile w / kSplitK and K blocks [s * Kb / kSplitK, (s + 1) * Kb / kSplitK) with s = w % kSplitK.
-template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32>
+// Items: (chunk, kWarps / kSplitK consecutive 16-row tiles), walked by a persistent grid; a chunk is the rows of
+// a group with rows, or with kChunked (max_m past 8 * kTokenTiles) up to kChunkRows = 8 * kTokenTiles of them: a
+// group of more rows (a hot expert of a batched layout) is several chunks. In an item, warp w takes tile w / kSplitK
+// and K blocks [s * Kb / kSplitK, (s + 1) * Kb / kSplitK) with s = w % kSplitK.
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32, bool kChunked>
 __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_few_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, const uint8_t* __restrict__ w,
     const float* __restrict__ w_scale, void* __restrict__ out, const int32_t* __restrict__ masked_m,
     uint32_t num_groups, uint32_t max_m, uint32_t xs_group_stride, uint32_t xs_k_stride) {
     static_assert(kWarps % kSplitK == 0 && SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "see kernels/few_rows.py");
-    static_assert(kTokenTiles >= 1 && 8 * kTokenTiles < (1u << 16), "rows are packed in 16 bits");
+    static_assert(kTokenTiles >= 1 && kTokenTiles <= 2, "rows of 8 or 16 a chunk");
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u), kNumNBlocks = ceil_div(SHAPE_N, 128u);
-    constexpr uint32_t kTilesPerItem = kWarps / kSplitK;
-    constexpr uint32_t kItemsPerGroup = ceil_div(SHAPE_N, kTileN * kTilesPerItem);
+    constexpr uint32_t kTilesPerItem = kWarps / kSplitK, kChunkRows = 8 * kTokenTiles;
+    constexpr uint32_t kItemsPerChunk = ceil_div(SHAPE_N, kTileN * kTilesPerItem);
     constexpr uint32_t kUnroll = MOE_FP8_FEW_ROWS_UNROLL >= 2 * kTokenTiles ? MOE_FP8_FEW_ROWS_UNROLL / kTokenTiles : 1;
     constexpr bool kRaggedN = SHAPE_N % kTileN != 0, kRaggedK = SHAPE_K % 128 != 0;
-    __shared__ uint32_t touched[kMaxGroups];  // group << 16 | rows, for each group with rows, in group order
-    __shared__ uint32_t warp_count[kWarps];
+    constexpr uint32_t kChunkSlots = kChunked ? kMaxGroups : 1;
+    // each group with rows, in group order: group << 16 | rows (kChunked: the group, its rows and the chunks up to
+    // and including its own apart)
+    __shared__ uint32_t touched[kMaxGroups], touched_rows[kChunkSlots], chunks_end[kChunkSlots];
+    __shared__ uint32_t warp_count[kWarps], warp_chunks[kChunked ? kWarps : 1];
     __shared__ float partial[kSplitK > 1 ? kWarps : 1][kTokenTiles][4][32];
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     ptx::wait_prerequisites();  // masked_m and x come from the previous kernel
     ptx::launch_dependents();
 
-    // the groups with rows, compacted (every CTA alike: no host sync, CUDA-graph safe)
-    uint32_t num_touched = 0;
+    // the groups with rows (and their chunks), compacted (every CTA alike: no host sync, CUDA-graph safe)
+    uint32_t num_touched = 0, num_chunks = 0;
     for (uint32_t g0 = 0; g0 < num_groups; g0 += kThreads) {
         const uint32_t g = g0 + threadIdx.x;
         uint32_t rows = 0;
         if (g < num_groups)  // clamped: an out-of-range count must not read or write past the group
             rows = masked_m == nullptr ? max_m : min(static_cast<uint32_t>(max(ptx::ldg_s32(masked_m + g), 0)), max_m);
+        uint32_t chunks = 0;  // kChunked: an inclusive scan over the warp's lanes
+        if constexpr (kChunked) {
+            chunks = ceil_div(rows, kChunkRows);
+#pragma unroll
+            for (uint32_t o = 1; o < 32; o <<= 1) {
+                const uint32_t below = __shfl_up_sync(kFullMask, chunks, o);
+                chunks += lane >= o ? below : 0;
+            }
+            if (lane == 31) warp_chunks[warp] = chunks;
+        }
         const uint32_t ballot = __ballot_sync(kFullMask, rows > 0);
         if (lane == 0) warp_count[warp] = __popc(ballot);
         __syncthreads();
-        uint32_t before = num_touched;
+        uint32_t before = num_touched, chunks_before = num_chunks;
 #pragma unroll
         for (uint32_t i = 0; i < kWarps; ++i) {
             before += i < warp ? warp_count[i] : 0;
             num_touched += warp_count[i];
+            if constexpr (kChunked) {
+                chunks_before += i < warp ? warp_chunks[i] : 0;
+                num_chunks += warp_chunks[i];
+            }
         }
-        if (rows > 0) touched[before + __popc(ballot & ((1u << lane) - 1))] = g << 16 | rows;
+        if (rows > 0) {
+            const uint32_t at = before + __popc(ballot & ((1u << lane) - 1));
+            if constexpr (kChunked)
+                touched[at] = g, touched_rows[at] = rows, chunks_end[at] = chunks_before + chunks;
+            else
+                touched[at] = g << 16 | rows;
+        }
         __syncthreads();  // the counts are rewritten next round
     }
+    if constexpr (!kChunked) num_chunks = num_touched;
 
     const uint32_t t = lane % 4, gq = lane / 4;  // fragment coordinates (mma/mma_sync_fp8.cuh)
     const uint32_t split = warp % kSplitK;
     const uint32_t kb_begin = split * kNumKBlocks / kSplitK, kb_end = (split + 1) * kNumKBlocks / kSplitK;
-    for (uint32_t item = blockIdx.x; item < num_touched * kItemsPerGroup; item += gridDim.x) {
-        const uint32_t entry = touched[item / kItemsPerGroup];
-        const uint32_t group = entry >> 16, rows = entry & 0xffffu;
-        const uint32_t n0 = ((item % kItemsPerGroup) * kTilesPerItem + warp / kSplitK) * kTileN;
+    for (uint32_t item = blockIdx.x; item < num_chunks * kItemsPerChunk; item += gridDim.x) {
+        const uint32_t chunk = item / kItemsPerChunk;
+        uint32_t group, rows, r0 = 0;  // the chunk's rows start at row r0 of the group
+        if constexpr (kChunked) {
+            uint32_t lo = 0, hi = num_touched - 1;  // the first group whose chunks end past this one
+            while (lo < hi) {
+                const uint32_t mid = (lo + hi) / 2;
+                if (chunks_end[mid] > chunk) hi = mid; else lo = mid + 1;
+            }
+            group = touched[lo];
+            r0 = (chunk - (lo ? chunks_end[lo - 1] : 0)) * kChunkRows;
+            rows = min(touched_rows[lo] - r0, kChunkRows);
+        } else {
+            group = touched[chunk] >> 16, rows = touched[chunk] & 0xffffu;
+        }
+        const uint32_t n0 = ((item % kItemsPerChunk) * kTilesPerItem + warp / kSplitK) * kTileN;
         const bool second_row = !kRaggedN || n0 + gq + 8 < SHAPE_N;
         float acc[kTokenTiles][4] = {};
         if (n0 < SHAPE_N) {
@@ -99,9 +138,9 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
             // (+ 8), token gq (+ 8j). A warp's load covers the first or last 64 bytes of 8 rows, whole 32-byte
             // sectors: each sector is requested once (with [32t, 32t + 32) each was requested twice, half each time)
             const uint8_t* w_row = w + (static_cast<uint64_t>(group) * SHAPE_N + n0 + gq) * SHAPE_K + 16 * t;
-            const uint8_t* x_row = x + (static_cast<uint64_t>(group) * max_m + gq) * SHAPE_K + 16 * t;
+            const uint8_t* x_row = x + (static_cast<uint64_t>(group) * max_m + r0 + gq) * SHAPE_K + 16 * t;
             const float* ws = w_scale + (static_cast<uint64_t>(group) * kNumNBlocks + n0 / 128) * kNumKBlocks;
-            const float* xs = x_scale + static_cast<uint64_t>(group) * xs_group_stride + 2 * t;
+            const float* xs = x_scale + static_cast<uint64_t>(group) * xs_group_stride + r0 + 2 * t;
             for (uint32_t kb0 = kb_begin; kb0 < kb_end; kb0 += kUnroll) {
                 uint4 wv[kUnroll][2][2] = {}, xv[kUnroll][kTokenTiles][2] = {};
 #pragma unroll
@@ -163,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
                 for (uint32_t i = 0; i < 4; ++i) {
                     const uint32_t r = 8 * j + 2 * t + i % 2, n = n0 + gq + 8 * (i / 2);
                     if (r >= rows || (i >= 2 && !second_row)) continue;
-                    const uint64_t at = (static_cast<uint64_t>(group) * max_m + r) * SHAPE_N + n;
+                    const uint64_t at = (static_cast<uint64_t>(group) * max_m + r0 + r) * SHAPE_N + n;
                     if constexpr (kOutF32)
                         static_cast<float*>(out)[at] = acc[j][i];
                     else
