@@ -44,8 +44,8 @@ SMALL_GROUP_BYTES = 13 << 20
 # batches past 16 tokens, and engines' batched layouts (max_m: the dispatch's capacity). Their rows run in chunks
 # of 8 * CHUNK_TOKEN_TILES, a group of more (a hot expert) in several. H100, one rank's layer replayed against the
 # wgmma kernel at 24-64 tokens: DeepSeek-V3 TP 8 1.08-1.18x, Qwen3-235B-A22B EP 8 1.01-1.06x (H200: 1.10-1.18x,
-# 1.04-1.12x); the down projections gain most (TP 8's 7168 x 256 GEMM 1.18-1.25x), the gate-up ones at long K
-# about break even alone (512 x 7168 0.98-1.04x; the layer was as fast or faster with them on). With 8 rows
+# 1.04-1.12x); the down projections gain most (TP 8's 7168 x 256 GEMM 1.16-1.26x), the gate-up ones at long K
+# about break even alone (512 x 7168 0.98-1.05x; the layer was as fast or faster with them on). With 8 rows
 # expected it lost, and chunks of 16 rows were no faster at 1-4 (docs/kernels/gemm.md, session 53).
 CHUNKED_MAX_EXPECTED = 4
 CHUNK_TOKEN_TILES = 1
