@@ -1,4 +1,5 @@
-"""Hugging Face transformers: run ``DeepseekV3ForCausalLM`` and ``Qwen3MoeForCausalLM`` on moe_fp8's block-FP8 layers.
+"""Hugging Face transformers: run ``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` and ``Glm4MoeForCausalLM`` on
+moe_fp8's block-FP8 layers.
 
 Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` (``pip install
 'moe-fp8[transformers]'``), imported only when a function here is called.
@@ -8,17 +9,19 @@ Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` 
     out = model.generate(input_ids, max_new_tokens=32)
 
 ``load_model`` builds transformers' own model for the checkpoint's ``model_type`` (``ARCHITECTURES``:
-``deepseek_v3``, ``qwen3_moe``; Kimi-K2's ``kimi_k2`` is read as ``deepseek_v3``, see ``MODEL_FAMILIES``) on the meta
-device (no memory), then ``patch_model`` swaps its modules for ours and fills everything from the checkpoint:
+``deepseek_v3``, ``qwen3_moe``, ``glm4_moe``; Kimi-K2's ``kimi_k2`` is read as ``deepseek_v3``, see
+``MODEL_FAMILIES``) on the meta device (no memory), then ``patch_model`` swaps its modules for ours and fills
+everything from the checkpoint:
 
-- each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock``) → ``Fp8DeepseekV3MoE`` /
-  ``Fp8Qwen3MoeSparseMoeBlock`` (``Fp8MoEBlock``): the router weight (logits in fp32) + ``Fp8FusedMoE``
-  (routed experts stacked as ``w13`` / ``w2``; DeepSeek-V3: sigmoid grouped top-k, correction bias, shared
-  experts; Qwen3-MoE: softmax top-k, renormalized when ``norm_topk_prob``);
-- each dense MLP (``DeepseekV3MLP`` / ``Qwen3MoeMLP``) → ``Fp8MLP`` (gate and up fused);
+- each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock`` / ``Glm4MoeMoE``) → ``Fp8DeepseekV3MoE`` /
+  ``Fp8Qwen3MoeSparseMoeBlock`` / ``Fp8Glm4MoeMoE`` (``Fp8MoEBlock``): the router weight (logits in fp32) +
+  ``Fp8FusedMoE`` (routed experts stacked as ``w13`` / ``w2``; DeepSeek-V3 and GLM-4.5: sigmoid grouped top-k,
+  correction bias, shared experts; Qwen3-MoE: softmax top-k, renormalized when ``norm_topk_prob``);
+- each dense MLP (``DeepseekV3MLP`` / ``Qwen3MoeMLP`` / ``Glm4MoeMLP``) → ``Fp8MLP`` (gate and up fused);
 - each attention projection (DeepSeek-V3: ``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``,
-  ``kv_b_proj``, ``o_proj``; Qwen3-MoE: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) → ``Fp8Linear``;
-- embeddings, norms (Qwen3's per-head ``q_norm`` / ``k_norm`` too), ``lm_head`` and the rotary tables stay in
+  ``kv_b_proj``, ``o_proj``; Qwen3-MoE and GLM-4.5: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, their biases
+  kept) → ``Fp8Linear``;
+- embeddings, norms (the per-head ``q_norm`` / ``k_norm`` too), ``lm_head`` and the rotary tables stay in
   transformers' modules, in ``dtype``.
 
 FP8 weights are copied as stored (never through bf16); a bf16 checkpoint is quantized on load per
@@ -69,7 +72,7 @@ from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
-__all__ = ["ARCHITECTURES", "MOE_BLOCKS", "Architecture", "Fp8DeepseekV3MoE", "Fp8MoEBlock",
+__all__ = ["ARCHITECTURES", "MOE_BLOCKS", "Architecture", "Fp8DeepseekV3MoE", "Fp8Glm4MoeMoE", "Fp8MoEBlock",
            "Fp8Qwen3MoeSparseMoeBlock", "LoadReport", "LogitComparison", "architecture", "compare_logits", "load_model", "load_reference_model",
            "patch_model", "reference_logits"]
 
@@ -104,6 +107,8 @@ ARCHITECTURES = {
                                 "n_routed_experts"),
     "qwen3_moe": Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP",
                               "Qwen3MoeTopKRouter", ("q_proj", "k_proj", "v_proj", "o_proj"), "num_experts"),
+    "glm4_moe": Architecture("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeMoE", "Glm4MoeMLP", "Glm4MoeTopkRouter",
+                             ("q_proj", "k_proj", "v_proj", "o_proj"), "n_routed_experts"),
 }
 
 
@@ -124,7 +129,7 @@ def architecture(config: Any) -> Architecture:
     """The ``Architecture`` of a transformers config, or ``ValueError`` for a model family moe_fp8 does not patch."""
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"moe_fp8 patches {' and '.join(repr(t) for t in ARCHITECTURES)} models (model_type), got "
+        raise ValueError(f"moe_fp8 patches {', '.join(repr(t) for t in ARCHITECTURES)} models (model_type), got "
                          f"{model_type!r}")
     return ARCHITECTURES[model_type]
 
@@ -233,6 +238,13 @@ class Fp8DeepseekV3MoE(Fp8MoEBlock):
                     num_shared_experts=int(getattr(config, "n_shared_experts", 0) or 0))
 
 
+class Fp8Glm4MoeMoE(Fp8DeepseekV3MoE):
+    """Drop-in for transformers' ``Glm4MoeMoE`` (GLM-4.5): DeepSeek-V3's MoE block and routing (sigmoid, correction
+    bias, ``routed_scaling_factor``, shared experts; GLM-4.5's configs have one group, so plain top-k)."""
+
+    architecture = ARCHITECTURES["glm4_moe"]
+
+
 class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
     """Drop-in for transformers' ``Qwen3MoeSparseMoeBlock``: softmax top-k, renormalized when
     ``norm_topk_prob``, no shared experts."""
@@ -245,7 +257,8 @@ class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
 
 
 # model_type -> the block patch_model puts in place of the family's MoE block
-MOE_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock)}
+MOE_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock,
+                                                           Fp8Glm4MoeMoE)}
 
 
 # ==============================================================================================
@@ -384,7 +397,7 @@ def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
 def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLike, *,
                 device: torch.device | str | None = None, masked_max_tokens: int | None = None,
                 moe_path: str = "auto") -> LoadReport:
-    """Swap a transformers ``DeepseekV3ForCausalLM``'s or ``Qwen3MoeForCausalLM``'s MoE blocks, MLPs and attention
+    """Swap a transformers model's (``ARCHITECTURES``) MoE blocks, MLPs and attention
     projections for moe_fp8 layers and load every weight from a checkpoint in the DeepSeek-V3 format (FP8 or bf16).
 
     Args:
@@ -498,8 +511,8 @@ def _build_meta_model(path: str | os.PathLike, dtype: torch.dtype, attn_implemen
 def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                masked_max_tokens: int | None = None, moe_path: str = "auto",
                attn_implementation: str | None = None) -> nn.Module:
-    """Build transformers' model of ``path/config.json`` (``DeepseekV3ForCausalLM`` or ``Qwen3MoeForCausalLM``, by
-    ``model_type``) and run it on moe_fp8 layers.
+    """Build transformers' model of ``path/config.json`` (``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` or
+    ``Glm4MoeForCausalLM``, by ``model_type``) and run it on moe_fp8 layers.
 
     Args:
         path: checkpoint directory in the DeepSeek-V3 format (FP8 with ``weight_scale_inv``, or bf16).
@@ -521,7 +534,7 @@ def load_model(path: str | os.PathLike, *, device: torch.device | str = "cpu", d
 @torch.no_grad()
 def load_reference_model(path: str | os.PathLike, *, device: torch.device | str = "cpu",
                          dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
-    """transformers' plain model (``DeepseekV3ForCausalLM`` / ``Qwen3MoeForCausalLM``) with every weight dequantized
+    """transformers' plain model (of ``ARCHITECTURES``) with every weight dequantized
     to ``dtype`` (validation only: it materialises the whole model in ``dtype``). Routed experts are stacked as transformers stores them:
     ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj [E, H, I]``."""
     model = _build_meta_model(path, dtype, attn_implementation)
@@ -573,14 +586,14 @@ def reference_logits(reference: nn.Module, input_ids: Tensor, routed_ids: list[T
     the combine weights stay transformers' formula on its own router scores) and with ``zero_moe`` every MoE
     block's output zeroed (to show what the MoE layers contribute)."""
     config = reference.config
-    deepseek = architecture(config).model_type == "deepseek_v3"
+    sigmoid = MOE_BLOCKS[architecture(config).model_type].routing(config)["scoring_func"] == "sigmoid"
     queue = list(routed_ids) if routed_ids is not None else None
     handles = []
 
     def force(mod: nn.Module, args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         logits, _, _ = out
         ids = queue.pop(0).long().to(logits.device)
-        if deepseek:
+        if sigmoid:  # DeepSeek-V3's and GLM-4.5's routers
             weights = logits.sigmoid().gather(1, ids)
             if getattr(config, "norm_topk_prob", True):
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -1,4 +1,4 @@
-"""``moe-fp8 demo``: a small DeepSeek-V3 (or Qwen3-MoE) end to end on moe_fp8's layers, checked against bf16.
+"""``moe-fp8 demo``: a small DeepSeek-V3 (or Kimi-K2, Qwen3-MoE, GLM-4.5) end to end on moe_fp8's layers, checked against bf16.
 
 1. write a random DeepSeek-V3 checkpoint in block FP8 (``layers.write_deepseek_v3_checkpoint`` of
    ``tiny_deepseek_v3_config``: MLA attention, 16 routed experts top-4 in grouped routing, a shared
@@ -6,8 +6,10 @@
    ``arch="qwen3_moe"`` a Qwen3-MoE one (``tiny_qwen3_moe_config``: grouped-query attention, 16 experts top-4
    with softmax routing, no shared expert), the format of Qwen's FP8 releases; with ``arch="kimi_k2"`` a Kimi-K2
    one (``tiny_kimi_k2_config``: DeepSeek-V3's modules under ``model_type = "kimi_k2"``, 384 experts top-8 in one
-   group, YaRN), read as DeepSeek-V3;
-2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``) with its MoE blocks, MLPs and attention
+   group, YaRN), read as DeepSeek-V3; with ``arch="glm4_moe"`` a GLM-4.5 one (``tiny_glm4_moe_config``: DeepSeek-V3's
+   MoE block under grouped-query attention with q / k / v biases);
+2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM``) with its
+   MoE blocks, MLPs and attention
    projections replaced by ours (``integrations.transformers.load_model``), and into the same model
    with plain transformers modules and the weights dequantized to bf16 (``load_reference_model``);
 3. compare their logits on a prompt (``compare_logits``: DESIGN §6 ``calc_diff``, end to end and with the
@@ -33,7 +35,7 @@ import torch
 __all__ = ["ARCHS", "DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
 
 # the model types of ``layers.MODEL_FAMILIES`` (Kimi-K2: DeepSeek-V3's modules, 384 experts in one group), named
-FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE"}
+FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4.5"}
 ARCHS = tuple(FAMILY_NAMES)
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
@@ -78,7 +80,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     """Run the demo (see the module docstring) and return its report.
 
     Args:
-        arch: ``"deepseek_v3"``, ``"kimi_k2"`` or ``"qwen3_moe"`` (``ARCHS``).
+        arch: ``"deepseek_v3"``, ``"kimi_k2"``, ``"qwen3_moe"`` or ``"glm4_moe"`` (``ARCHS``).
         layers: decoder layers (the first is dense when there are two or more; the others MoE).
         tokens: new tokens to generate per sequence; batch: sequences; prompt_len: prompt tokens each.
         device: ``"cpu"`` / ``"cuda[:N]"`` (default: the current GPU if one is visible, else CPU).
@@ -93,6 +95,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     from moe_fp8.integrations.transformers import compare_logits, load_model, load_reference_model
     from moe_fp8.layers import (
         tiny_deepseek_v3_config,
+        tiny_glm4_moe_config,
         tiny_kimi_k2_config,
         tiny_qwen3_moe_config,
         write_checkpoint,
@@ -108,8 +111,9 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     dev = _normalize_device(device)
     phase = on_phase or (lambda name: None)
     positions = max(256, prompt_len + tokens)
-    if arch in ("deepseek_v3", "kimi_k2"):
-        tiny = tiny_kimi_k2_config if arch == "kimi_k2" else tiny_deepseek_v3_config
+    if arch in ("deepseek_v3", "kimi_k2", "glm4_moe"):
+        tiny = {"deepseek_v3": tiny_deepseek_v3_config, "kimi_k2": tiny_kimi_k2_config,
+                "glm4_moe": tiny_glm4_moe_config}[arch]
         config = tiny(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
                       max_position_embeddings=positions)
     else:

@@ -1,4 +1,4 @@
-"""One MoE layer of any supported model (its config.json: DeepSeek-V3, Kimi-K2 or Qwen3-MoE) as rank 0 of ``--ep`` holds
+"""One MoE layer of any supported model (its config.json: DeepSeek-V3, Kimi-K2, Qwen3-MoE or GLM-4.5) as rank 0 of ``--ep`` holds
 it, on random block-FP8 experts: ``Fp8FusedMoE``'s forward replayed from a CUDA graph (the path the layer picks
 for the token count) against the usual PyTorch MoE (route, then a bf16 loop over the local experts on the
 dequantized weights), both timed with ``bench_us`` (L2 flushed). Also the rate at which our replay reads the

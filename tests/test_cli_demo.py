@@ -76,6 +76,18 @@ def test_one_layer_is_a_moe_layer(tmp_path, capsys):
     assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND
 
 
+def test_glm4_moe_demo(capsys):
+    """--arch glm4_moe: a GLM-4.5 checkpoint (DeepSeek-V3's MoE block, grouped-query attention with biases)."""
+    assert cli.main(["demo", "--arch", "glm4_moe", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
+                     "--device", "cpu", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model"]
+    assert m["arch"] == "glm4_moe" and m["architecture"].startswith("Glm4MoeForCausalLM")
+    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == (1, 16, 4, 1, 9)
+    assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
+    assert demo.format_report(report).startswith("model     GLM-4.5 architecture, random block-FP8 weights: 2 layers")
+
+
 def test_qwen3_moe_demo(capsys):
     """--arch qwen3_moe: a Qwen3-MoE checkpoint (softmax routing, no shared expert) through the same checks."""
     assert cli.main(["demo", "--arch", "qwen3_moe", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
@@ -139,8 +151,8 @@ def test_errors_are_one_message(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib.util, "find_spec",
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     assert cli.main(["demo", "--no-progress"]) == 1
-    assert ("error: the demo runs a transformers model (DeepseekV3ForCausalLM / Qwen3MoeForCausalLM): "
-            "pip install 'moe-fp8[transformers]'" in capsys.readouterr().err)
+    assert ("error: the demo runs a transformers model (DeepseekV3ForCausalLM / Qwen3MoeForCausalLM / "
+            "Glm4MoeForCausalLM): pip install 'moe-fp8[transformers]'" in capsys.readouterr().err)
     monkeypatch.setattr(cli.importlib.util, "find_spec", real)
 
     def wrong(**kwargs):

@@ -87,6 +87,22 @@ def test_kimi_k2_shapes_per_rank():
         assert shapes["experts.w2"] == (7168, 2048, ("contiguous", "masked"), local)
 
 
+def test_glm4_moe_shapes_per_rank():
+    """GLM-4.5 (scripts/models/glm-4.5.json): fused q/k/v of grouped-query attention, DeepSeek-V3's MoE block (a
+    shared expert, the first three layers dense), 160 experts: 20 per EP-8 rank, I / 8 = 192 per TP-8 rank refused
+    (off the 128-wide scale blocks), as for Qwen3-30B-A3B at TP 4."""
+    glm = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "glm-4.5.json").read_text())
+    tp1 = _shapes(W.model_gemms(glm))
+    assert tp1["qkv_proj"][:2] == (14336, 5120) and tp1["o_proj, mlp.down_proj"][:2] == (5120, 12288)  # one shape
+    assert tp1["mlp.gate_up_proj"][:2] == (24576, 5120) and tp1["shared_experts.gate_up_proj"][:2] == (3072, 5120)
+    assert tp1["experts.w13"] == (3072, 5120, ("contiguous", "masked"), 160)
+    ep8 = _shapes(W.model_gemms(glm, ep=8))
+    assert ep8["experts.w2"] == (5120, 1536, ("contiguous", "masked"), 20)
+    assert _shapes(W.model_gemms(glm, tp=4))["experts.w13"][:2] == (768, 5120)
+    with pytest.raises(W.ModelConfigError, match=r"1536/8 = 192 is not a multiple of 128"):
+        W.model_gemms(glm, tp=8)
+
+
 def test_qwen3_moe_shapes_per_rank():
     """Qwen3-MoE (Qwen3-30B-A3B's sizes): fused q/k/v of grouped-query attention, no shared experts, and a dense MLP
     only where mlp_only_layers / decoder_sparse_step leave one."""

@@ -18,12 +18,14 @@ from moe_fp8.layers import (
     Fp8MLP,
     deepseek_v3_tensor_specs,
     expert_map_for_rank,
+    glm4_moe_tensor_specs,
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
     qwen3_moe_tensor_specs,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_glm4_moe_config,
     tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
@@ -127,6 +129,28 @@ def test_qwen3_moe_writer_and_moe_loader(tmp_path):
     assert torch.equal(moe.w13_weight_scale_inv[9, 1:], up_scale)
     with pytest.raises(ValueError, match="model_type 'llama'"):
         write_checkpoint(tmp_path / "x", {"model_type": "llama"})
+
+
+def test_glm4_moe_writer(tmp_path):
+    """GLM-4.5: grouped-query attention with q / k / v biases (none on o_proj) and per-head norms where
+    ``use_qk_norm``, under DeepSeek-V3's MoE block names (router with its correction bias, shared expert), the first
+    ``first_k_dense_replace`` layers dense; every written tensor is in the specs."""
+    config = tiny_glm4_moe_config()
+    assert model_family(config) == "glm4_moe" and [is_moe_layer(config, i) for i in range(3)] == [False, True, True]
+    specs = glm4_moe_tensor_specs(config)
+    attn = "model.layers.1.self_attn"
+    assert specs[f"{attn}.k_proj.weight"].shape == (128, 256) and specs[f"{attn}.k_proj.bias"].shape == (128,)
+    assert f"{attn}.o_proj.bias" not in specs and specs[f"{attn}.q_norm.weight"].shape == (64,)
+    assert specs["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert specs["model.layers.2.mlp.shared_experts.down_proj.weight"].shape == (256, 128)
+    assert specs["model.layers.0.mlp.gate_proj.weight"].shape == (512, 256) and not any("kv_" in n for n in specs)
+    assert not any(n.endswith("_norm.weight") and "self_attn" in n
+                   for n in glm4_moe_tensor_specs(tiny_glm4_moe_config(use_qk_norm=False)))
+    path = write_checkpoint(tmp_path / "glm", config, seed=3, num_shards=1)
+    with CheckpointReader(path) as reader:
+        assert {n for n in reader if not n.endswith("_scale_inv")} == set(specs)
+        assert f"{attn}.q_proj.weight_scale_inv" in reader and f"{attn}.q_proj.bias_scale_inv" not in reader
+    assert json.loads((path / "config.json").read_text())["model_type"] == "glm4_moe"
 
 
 def test_kimi_k2_is_written_as_deepseek_v3(tmp_path):

@@ -2,8 +2,9 @@
 ``DeepseekV3ForCausalLM`` running on moe_fp8 layers, against transformers' own model with the weights
 dequantized to fp32 (DESIGN §6: ``calc_diff < 2e-3``), plus ``generate``; then the same for Qwen3-MoE
 (``Qwen3MoeForCausalLM``: grouped-query attention, softmax routing, no shared experts), the other family of
-block-FP8 MoE checkpoints in this format, and for Kimi-K2 (DeepSeek-V3 under ``model_type = "kimi_k2"``, 384
-experts in one group).
+block-FP8 MoE checkpoints in this format, for Kimi-K2 (DeepSeek-V3 under ``model_type = "kimi_k2"``, 384
+experts in one group), and for GLM-4.5 (``Glm4MoeForCausalLM``: DeepSeek-V3's MoE block under grouped-query attention
+with q / k / v biases).
 
 Routing and numerics are checked separately, because a quantized model legitimately routes a few
 near-tie tokens differently from the fp32 model (its hidden states differ by the FP8 activation
@@ -33,6 +34,7 @@ from moe_fp8.layers import (
     Fp8Linear,
     Fp8MLP,
     tiny_deepseek_v3_config,
+    tiny_glm4_moe_config,
     tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
@@ -323,7 +325,7 @@ def test_errors(ckpt, tmp_path, monkeypatch):
                                      num_attention_heads=2, vocab_size=64)
     with torch.device("meta"):
         other = transformers.LlamaForCausalLM(llama)
-    with pytest.raises(ValueError, match="'deepseek_v3' and 'qwen3_moe' models"):
+    with pytest.raises(ValueError, match="'deepseek_v3', 'qwen3_moe', 'glm4_moe' models"):
         hf.patch_model(other, ckpt, device="cpu")
     # config fields transformers' DeepseekV3 ignores but our layers would not honour
     for field, value, match in (("hidden_act", "gelu", "SiLU-gated"), ("scoring_func", "softmax", "sigmoid")):
@@ -508,14 +510,15 @@ def test_kimi_k2_logits_match_fp32_transformers_model(kimi_ours, kimi_reference,
 # On Hopper: every family
 # ----------------------------------------------------------------------------------------------
 FAMILY_FIXTURES = {"deepseek_v3": ("ckpt", "reference"), "qwen3_moe": ("qwen3_ckpt", "qwen3_reference"),
-                   "kimi_k2": ("kimi_ckpt", "kimi_reference")}
+                   "kimi_k2": ("kimi_ckpt", "kimi_reference"), "glm4_moe": ("glm_ckpt", "glm_reference")}
 
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("family", list(FAMILY_FIXTURES))
 def test_logits_match_on_hopper(family, request, monkeypatch):
     """The end-to-end check with the model on an sm_90 GPU (Hopper GEMM kernels; the routing kernels: grouped
-    sigmoid, softmax for Qwen3-MoE, 384 experts for Kimi-K2; dispatch and both grouped GEMMs): the prompt on the
+    sigmoid, softmax for Qwen3-MoE, 384 experts for Kimi-K2, one group for GLM-4.5; dispatch and both grouped
+    GEMMs; GLM-4.5's attention biases): the prompt on the
     contiguous path, six tokens on the masked one, then ``generate``."""
     ckpt, reference = (request.getfixturevalue(name) for name in FAMILY_FIXTURES[family])
     ours_gpu = hf.load_model(ckpt, device="cuda", masked_max_tokens=CROSSOVER)
@@ -528,3 +531,54 @@ def test_logits_match_on_hopper(family, request, monkeypatch):
     assert recorder.paths == ["masked"] * len(recorder.moe_layers)
     out = ours_gpu.generate(input_ids[:, :8].cuda(), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 11)
+
+
+# ----------------------------------------------------------------------------------------------
+# GLM-4.5
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def glm_ckpt(tmp_path_factory):
+    # hidden 256, 3 layers (first dense), 16 experts top-4 of one group, a shared expert, 4 query / 2 KV heads of 64
+    return write_checkpoint(tmp_path_factory.mktemp("glm"), tiny_glm4_moe_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def glm_ours(glm_ckpt):
+    return hf.load_model(glm_ckpt, dtype=torch.bfloat16, masked_max_tokens=CROSSOVER)
+
+
+@pytest.fixture(scope="module")
+def glm_reference(glm_ckpt):
+    return hf.load_reference_model(glm_ckpt, dtype=torch.float32)
+
+
+def test_glm4_moe_model_is_patched_with_fp8_layers(glm_ours):
+    layers = glm_ours.model.layers
+    assert isinstance(glm_ours, transformers.Glm4MoeForCausalLM)
+    assert isinstance(layers[0].mlp, Fp8MLP)  # first_k_dense_replace = 1
+    for i in (1, 2):
+        experts = layers[i].mlp.experts
+        assert isinstance(layers[i].mlp, hf.Fp8Glm4MoeMoE) and experts.w13_weight.shape == (16, 256, 256)
+        assert experts.scoring_func == "sigmoid" and experts.n_group is None and experts.routed_scaling_factor == 2.5
+        assert experts.e_score_correction_bias is not None and experts.shared_experts is not None
+    for layer in layers:
+        attn = layer.self_attn
+        assert all(isinstance(getattr(attn, p), Fp8Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        assert attn.q_proj.bias is not None and attn.o_proj.bias is None and not attn.k_norm.weight.is_meta
+    report = glm_ours.moe_fp8_report
+    assert report.moe_layers == ["model.layers.1.mlp", "model.layers.2.mlp"] and len(report.fp8_linears) == 13
+    assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
+
+
+def test_glm4_moe_logits_match_fp32_transformers_model(glm_ours, glm_reference, monkeypatch):
+    reference = glm_reference
+    recorder = RoutingRecorder(glm_ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = check_against_reference(glm_ours, reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous", "contiguous"]
+    report = hf.compare_logits(glm_ours, reference, input_ids)
+    assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
+    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
+    check_against_reference(glm_ours, reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked", "masked"]
+

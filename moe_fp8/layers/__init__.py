@@ -10,7 +10,8 @@
   DeepSeek-V3-format safetensors checkpoint; ``write_deepseek_v3_checkpoint`` /
   ``tiny_deepseek_v3_config`` build a random one (tests, demos), ``write_qwen3_moe_checkpoint`` /
   ``tiny_qwen3_moe_config`` a Qwen3-MoE one in the same block-FP8 format, ``tiny_kimi_k2_config`` a Kimi-K2 one
-  (DeepSeek-V3's modules, 384 experts); ``write_checkpoint`` writes any of them.
+  (DeepSeek-V3's modules, 384 experts), ``tiny_glm4_moe_config`` a GLM-4.5 one; ``write_checkpoint`` writes any of
+  them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from __future__ import annotations
 from moe_fp8.layers.checkpoint import (
     CheckpointReader,
     deepseek_v3_tensor_specs,
+    glm4_moe_tensor_specs,
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
     qwen3_moe_tensor_specs,
     tiny_deepseek_v3_config,
+    tiny_glm4_moe_config,
     tiny_kimi_k2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
@@ -72,6 +75,7 @@ __all__ = [
     "dispatch_contiguous",
     "dispatch_masked",
     "expert_map_for_rank",
+    "glm4_moe_tensor_specs",
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
@@ -82,6 +86,7 @@ __all__ = [
     "shard_fp8_linear",
     "shard_moe_weights",
     "tiny_deepseek_v3_config",
+    "tiny_glm4_moe_config",
     "tiny_kimi_k2_config",
     "tiny_qwen3_moe_config",
     "tp_shard_range",

@@ -28,8 +28,10 @@ exact format, for tests, demos and kernel warm-up; ``tiny_deepseek_v3_config`` g
 Qwen3-MoE's block-FP8 releases (``model_type = "qwen3_moe"``) use the same format (``quantization_config``,
 ``weight`` + ``weight_scale_inv``, per-expert tensors) with their own module names: ``write_qwen3_moe_checkpoint``
 / ``tiny_qwen3_moe_config``. Kimi-K2's (``model_type = "kimi_k2"``, ``architectures = ["DeepseekV3ForCausalLM"]``)
-are DeepSeek-V3 checkpoints with 384 routed experts in one group (``tiny_kimi_k2_config``). ``MODEL_FAMILIES`` maps
-each ``model_type`` to the family whose module names it uses; ``write_checkpoint`` takes any of their configs.
+are DeepSeek-V3 checkpoints with 384 routed experts in one group (``tiny_kimi_k2_config``). GLM-4.5's
+(``model_type = "glm4_moe"``) store DeepSeek-V3's MoE block under grouped-query attention (``tiny_glm4_moe_config``).
+``MODEL_FAMILIES`` maps each ``model_type`` to the family whose module names it uses; ``write_checkpoint`` takes any
+of their configs.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ __all__ = [
     "CheckpointReader",
     "TensorSpec",
     "deepseek_v3_tensor_specs",
+    "glm4_moe_tensor_specs",
     "is_moe_layer",
     "load_fp8_linear",
     "load_fp8_mlp",
@@ -66,6 +69,7 @@ __all__ = [
     "qwen3_moe_tensor_specs",
     "read_block_fp8",
     "tiny_deepseek_v3_config",
+    "tiny_glm4_moe_config",
     "tiny_kimi_k2_config",
     "tiny_qwen3_moe_config",
     "write_checkpoint",
@@ -87,7 +91,8 @@ FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
 }
 # model_type -> the family whose module and tensor names it uses. Kimi-K2's releases are DeepSeek-V3 under their
 # own model_type (with DeepSeek's remote code); vLLM reads them with DeepseekV3Config too.
-MODEL_FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
+MODEL_FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe",
+                  "glm4_moe": "glm4_moe"}
 # quantization_config.scale_fmt values read: absent / None (fp32 scales, DeepSeek-V3) or "ue8m0" (V3.1).
 SCALE_FMTS = (None, "ue8m0")
 
@@ -498,8 +503,39 @@ def tiny_kimi_k2_config(**overrides: Any) -> dict[str, Any]:
     })
 
 
+def tiny_glm4_moe_config(**overrides: Any) -> dict[str, Any]:
+    """A small but complete GLM-4.5 ``config.json`` dict (``model_type = "glm4_moe"``, the format of Zhipu's
+    block-FP8 releases such as GLM-4.5-FP8: DeepSeek-V3's ``quantization_config``, per-expert tensors and MoE block —
+    sigmoid scores with a correction bias, ``routed_scaling_factor``, a shared expert, the first layers dense — under
+    grouped-query attention with q / k / v biases and half-rotary heads).
+
+    3 layers, the first dense; 16 experts top-4 of one group, renormalized, scaled by 2.5; one shared expert; 4 query
+    and 2 key-value heads of 64, per-head q / k norms. Keyword arguments override entries.
+    """
+    return {
+        **_tiny_common(),
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 0,
+        **overrides,
+    }
+
+
 def model_family(config: Mapping[str, Any]) -> str:
-    """The family (``"deepseek_v3"`` or ``"qwen3_moe"``) of a ``config.json`` dict by its ``model_type``
+    """The family (``"deepseek_v3"``, ``"qwen3_moe"`` or ``"glm4_moe"``) of a ``config.json`` dict by its ``model_type``
     (``MODEL_FAMILIES``), or ``ValueError`` for a model type moe_fp8 does not know."""
     model_type = config.get("model_type")
     if model_type not in MODEL_FAMILIES:
@@ -508,8 +544,8 @@ def model_family(config: Mapping[str, Any]) -> str:
 
 
 def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
-    """Whether decoder layer ``layer`` has a routed-expert MLP. DeepSeek-V3: ``layer >= first_k_dense_replace``
-    and ``layer % moe_layer_freq == 0``; Qwen3-MoE (``model_type = "qwen3_moe"``): ``layer`` not in
+    """Whether decoder layer ``layer`` has a routed-expert MLP. DeepSeek-V3 (and GLM-4.5, which has no
+    ``moe_layer_freq``): ``layer >= first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; Qwen3-MoE (``model_type = "qwen3_moe"``): ``layer`` not in
     ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``, as transformers builds them."""
     if config.get("model_type") == "qwen3_moe":
         return (bool(config.get("num_experts")) and layer not in (config.get("mlp_only_layers") or ())
@@ -590,19 +626,24 @@ def deepseek_v3_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]
         b.norm(f"{attn}.kv_a_layernorm", kv_lora)
         b.linear(f"{attn}.kv_b_proj", heads * (nope + v_dim), kv_lora)
         b.linear(f"{attn}.o_proj", h, heads * v_dim, 0.5)
-        if is_moe_layer(config, i):
-            num_experts = int(config["n_routed_experts"])
-            moe_i = int(config["moe_intermediate_size"])
-            b.router(f"{p}.mlp", num_experts)
-            if config.get("topk_method", "noaux_tc") == "noaux_tc":
-                b.specs[f"{p}.mlp.gate.e_score_correction_bias"] = TensorSpec((num_experts,), torch.float32, False,
-                                                                              0.0, 0.05)
-            b.experts(f"{p}.mlp", num_experts, moe_i)
-            if int(config.get("n_shared_experts") or 0) > 0:
-                b.mlp(f"{p}.mlp.shared_experts", moe_i * int(config["n_shared_experts"]))
-        else:
-            b.mlp(f"{p}.mlp", int(config["intermediate_size"]))
+        _deepseek_mlp(b, i, p, bias=config.get("topk_method", "noaux_tc") == "noaux_tc")
     return b.head()
+
+
+def _deepseek_mlp(b: _Specs, i: int, p: str, *, bias: bool) -> None:
+    """Layer ``i``'s MLP as DeepSeek-V3 (and GLM-4.5) store it: the MoE block (``mlp.gate`` with its
+    ``e_score_correction_bias`` if ``bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``) or a dense ``mlp.*``."""
+    config = b.config
+    if not is_moe_layer(config, i):
+        b.mlp(f"{p}.mlp", int(config["intermediate_size"]))
+        return
+    num_experts, moe_i = int(config["n_routed_experts"]), int(config["moe_intermediate_size"])
+    b.router(f"{p}.mlp", num_experts)
+    if bias:
+        b.specs[f"{p}.mlp.gate.e_score_correction_bias"] = TensorSpec((num_experts,), torch.float32, False, 0.0, 0.05)
+    b.experts(f"{p}.mlp", num_experts, moe_i)
+    if int(config.get("n_shared_experts") or 0) > 0:
+        b.mlp(f"{p}.mlp.shared_experts", moe_i * int(config["n_shared_experts"]))
 
 
 def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
@@ -632,23 +673,31 @@ def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
     }
 
 
+def _gqa_attention(b: _Specs, attn: str, *, o_bias: bool, qk_norm: bool) -> None:
+    """Grouped-query attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (biases where
+    ``attention_bias``: on ``o_proj`` too if ``o_bias``), and per-head ``q_norm`` / ``k_norm`` if ``qk_norm``."""
+    config, h = b.config, b.h
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    bias = bool(config.get("attention_bias", False))
+    for proj, n, k, scale in (("q_proj", heads * head_dim, h, 1.0), ("k_proj", kv_heads * head_dim, h, 1.0),
+                              ("v_proj", kv_heads * head_dim, h, 1.0), ("o_proj", h, heads * head_dim, 0.5)):
+        b.linear(f"{attn}.{proj}", n, k, scale)
+        if bias and (o_bias or proj != "o_proj"):
+            b.specs[f"{attn}.{proj}.bias"] = TensorSpec((n,), torch.bfloat16, False, 0.0, 0.02)
+    if qk_norm:
+        b.norm(f"{attn}.q_norm", head_dim)
+        b.norm(f"{attn}.k_norm", head_dim)
+
+
 def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor of a Qwen3-MoE checkpoint for ``config`` (``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``
     with ``q_norm`` / ``k_norm``; ``mlp.gate`` + ``mlp.experts.{e}.*`` or a dense ``mlp.*``), in a stable order,
     with the draws of ``deepseek_v3_tensor_specs`` (attention biases, where configured, ``N(0, 0.02²)``)."""
     b = _Specs(config)
-    h, heads = b.h, int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or h // heads)
-    bias = bool(config.get("attention_bias", False))
     for i, p, attn in b.layers():
-        for proj, n, k, scale in (("q_proj", heads * head_dim, h, 1.0), ("k_proj", kv_heads * head_dim, h, 1.0),
-                                  ("v_proj", kv_heads * head_dim, h, 1.0), ("o_proj", h, heads * head_dim, 0.5)):
-            b.linear(f"{attn}.{proj}", n, k, scale)
-            if bias:
-                b.specs[f"{attn}.{proj}.bias"] = TensorSpec((n,), torch.bfloat16, False, 0.0, 0.02)
-        b.norm(f"{attn}.q_norm", head_dim)
-        b.norm(f"{attn}.k_norm", head_dim)
+        _gqa_attention(b, attn, o_bias=True, qk_norm=True)
         if is_moe_layer(config, i):
             b.router(f"{p}.mlp", int(config["num_experts"]))
             b.experts(f"{p}.mlp", int(config["num_experts"]), int(config["moe_intermediate_size"]))
@@ -657,7 +706,20 @@ def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
     return b.head()
 
 
-TENSOR_SPECS = {"deepseek_v3": deepseek_v3_tensor_specs, "qwen3_moe": qwen3_moe_tensor_specs}
+def glm4_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Every tensor of a GLM-4.5 checkpoint for ``config`` (grouped-query attention, q / k / v biases where
+    ``attention_bias``, ``q_norm`` / ``k_norm`` where ``use_qk_norm``; DeepSeek-V3's MoE block: ``mlp.gate`` with its
+    ``e_score_correction_bias``, ``mlp.experts.{e}.*``, ``mlp.shared_experts.*``; dense ``mlp.*`` before
+    ``first_k_dense_replace``), in a stable order, with the draws of ``deepseek_v3_tensor_specs``."""
+    b = _Specs(config)
+    for i, p, attn in b.layers():
+        _gqa_attention(b, attn, o_bias=False, qk_norm=bool(config.get("use_qk_norm", False)))
+        _deepseek_mlp(b, i, p, bias=True)  # (GLM-4.5's router always has the bias)
+    return b.head()
+
+
+TENSOR_SPECS = {"deepseek_v3": deepseek_v3_tensor_specs, "qwen3_moe": qwen3_moe_tensor_specs,
+                "glm4_moe": glm4_moe_tensor_specs}
 
 
 def write_checkpoint(path: str | os.PathLike, config: Mapping[str, Any], *, seed: int = 0, fp8: bool = True,
