@@ -70,10 +70,10 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int =
     from moe_fp8.layers.checkpoint import model_family
 
     arch = ARCHITECTURES[model_family(cfg)]
-    experts, hidden = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"])
-    if tp < 1 or int(cfg["moe_intermediate_size"]) % tp:
-        raise ValueError(f"tp={tp} must be >= 1 and divide moe_intermediate_size {cfg['moe_intermediate_size']}")
-    inter = int(cfg["moe_intermediate_size"]) // tp
+    experts, hidden, full_inter = int(cfg[arch.num_experts_key]), int(cfg["hidden_size"]), int(cfg[arch.moe_inter_key])
+    if tp < 1 or full_inter % tp:
+        raise ValueError(f"tp={tp} must be >= 1 and divide the experts' {arch.moe_inter_key} {full_inter}")
+    inter = full_inter // tp
     routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
                if k != "num_shared_experts"}
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",

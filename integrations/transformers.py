@@ -1,5 +1,5 @@
-"""Hugging Face transformers: run ``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM`` and ``Glm4MoeForCausalLM`` on
-moe_fp8's block-FP8 layers.
+"""Hugging Face transformers: run ``DeepseekV3ForCausalLM``, ``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM`` and
+``MiniMaxM2ForCausalLM`` on moe_fp8's block-FP8 layers.
 
 Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` (``pip install
 'moe-fp8[transformers]'``), imported only when a function here is called.
@@ -9,18 +9,20 @@ Installed as ``moe_fp8.integrations.transformers``; needs ``transformers >= 5`` 
     out = model.generate(input_ids, max_new_tokens=32)
 
 ``load_model`` builds transformers' own model for the checkpoint's ``model_type`` (``ARCHITECTURES``:
-``deepseek_v3``, ``qwen3_moe``, ``glm4_moe``; Kimi-K2's ``kimi_k2`` is read as ``deepseek_v3``, see
+``deepseek_v3``, ``qwen3_moe``, ``glm4_moe``, ``minimax_m2``; Kimi-K2's ``kimi_k2`` is read as ``deepseek_v3``, see
 ``MODEL_FAMILIES``) on the meta device (no memory), then ``patch_model`` swaps its modules for ours and fills
 everything from the checkpoint:
 
-- each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock`` / ``Glm4MoeMoE``) → ``Fp8DeepseekV3MoE`` /
-  ``Fp8Qwen3MoeSparseMoeBlock`` / ``Fp8Glm4MoeMoE`` (``Fp8MoEBlock``): the router weight (logits in fp32) +
-  ``Fp8FusedMoE`` (routed experts stacked as ``w13`` / ``w2``; DeepSeek-V3 and GLM-4.5: sigmoid grouped top-k,
-  correction bias, shared experts; Qwen3-MoE: softmax top-k, renormalized when ``norm_topk_prob``);
+- each MoE block (``DeepseekV3MoE`` / ``Qwen3MoeSparseMoeBlock`` / ``Glm4MoeMoE`` / ``MiniMaxM2SparseMoeBlock``) →
+  ``Fp8DeepseekV3MoE`` / ``Fp8Qwen3MoeSparseMoeBlock`` / ``Fp8Glm4MoeMoE`` / ``Fp8MiniMaxM2SparseMoeBlock``
+  (``Fp8MoEBlock``): the router weight (logits in fp32) + ``Fp8FusedMoE`` (routed experts stacked as ``w13`` /
+  ``w2``; DeepSeek-V3 and GLM-4.5: sigmoid grouped top-k, correction bias, shared experts; Qwen3-MoE: softmax
+  top-k, renormalized when ``norm_topk_prob``; MiniMax-M2: sigmoid top-k with the correction bias, read from the
+  checkpoint's Mixtral names, ``Architecture.moe_names``);
 - each dense MLP (``DeepseekV3MLP`` / ``Qwen3MoeMLP`` / ``Glm4MoeMLP``) → ``Fp8MLP`` (gate and up fused);
 - each attention projection (DeepSeek-V3: ``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj_with_mqa``,
-  ``kv_b_proj``, ``o_proj``; Qwen3-MoE and GLM-4.5: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, their biases
-  kept) → ``Fp8Linear``;
+  ``kv_b_proj``, ``o_proj``; the others: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, their biases kept) →
+  ``Fp8Linear``;
 - embeddings, norms (the per-head ``q_norm`` / ``k_norm`` too), ``lm_head`` and the rotary tables stay in
   transformers' modules, in ``dtype``.
 
@@ -60,8 +62,10 @@ from torch import nn
 
 from moe_fp8.layers.checkpoint import (
     MODEL_FAMILIES,
+    MOE_NAMES,
     SCALE_SUFFIX,
     CheckpointReader,
+    MoeNames,
     load_fp8_linear,
     load_fp8_mlp,
     read_block_fp8,
@@ -72,9 +76,25 @@ from moe_fp8.layers.moe import Fp8FusedMoE
 from moe_fp8.quant import dequant_per_block
 from moe_fp8.utils import GROUP_K
 
-__all__ = ["ARCHITECTURES", "MOE_BLOCKS", "Architecture", "Fp8DeepseekV3MoE", "Fp8Glm4MoeMoE", "Fp8MoEBlock",
-           "Fp8Qwen3MoeSparseMoeBlock", "LoadReport", "LogitComparison", "architecture", "compare_logits", "load_model", "load_reference_model",
-           "patch_model", "reference_logits"]
+__all__ = [
+    "ARCHITECTURES",
+    "MOE_BLOCKS",
+    "Architecture",
+    "Fp8DeepseekV3MoE",
+    "Fp8Glm4MoeMoE",
+    "Fp8MiniMaxM2SparseMoeBlock",
+    "Fp8MoEBlock",
+    "Fp8Qwen3MoeSparseMoeBlock",
+    "LoadReport",
+    "LogitComparison",
+    "architecture",
+    "compare_logits",
+    "load_model",
+    "load_reference_model",
+    "patch_model",
+    "reference_logits",
+    "reference_route",
+]
 
 logger = logging.getLogger("moe_fp8")
 Tensor = torch.Tensor
@@ -90,14 +110,27 @@ class Architecture:
     model_type: str
     causal_lm: str
     moe_block: str
-    mlp: str
+    mlp: str  # the dense MLP ("": none, every layer MoE)
     router: str
     attention: tuple[str, ...]
     num_experts_key: str
+    moe_inter_key: str = "moe_intermediate_size"
 
     def cls(self, name: str) -> type[nn.Module]:
         module = getattr(_transformers().models, self.model_type)
         return getattr(getattr(module, f"modeling_{self.model_type}"), name)
+
+    @property
+    def moe_names(self) -> MoeNames:
+        """Where the checkpoint keeps a MoE block's tensors (transformers' module is always ``mlp``)."""
+        return MOE_NAMES[self.model_type]
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of transformers' parameter or buffer ``name`` outside the stacked experts: a MoE
+        block's ``.mlp.`` becomes its checkpoint block (MiniMax-M2: ``.block_sparse_moe.``; it has no dense MLP,
+        so every ``.mlp.`` is a MoE block's)."""
+        block = self.moe_names.block
+        return name if block == "mlp" else name.replace(".mlp.", f".{block}.", 1)
 
 
 ARCHITECTURES = {
@@ -109,6 +142,9 @@ ARCHITECTURES = {
                               "Qwen3MoeTopKRouter", ("q_proj", "k_proj", "v_proj", "o_proj"), "num_experts"),
     "glm4_moe": Architecture("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeMoE", "Glm4MoeMLP", "Glm4MoeTopkRouter",
                              ("q_proj", "k_proj", "v_proj", "o_proj"), "n_routed_experts"),
+    "minimax_m2": Architecture("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2SparseMoeBlock", "",
+                               "MiniMaxM2TopKRouter", ("q_proj", "k_proj", "v_proj", "o_proj"), "num_local_experts",
+                               "intermediate_size"),
 }
 
 
@@ -198,7 +234,7 @@ class Fp8MoEBlock(nn.Module, abc.ABC):
         num_experts = int(getattr(config, self.architecture.num_experts_key))
         hidden = int(config.hidden_size)
         self.gate = _router_class(self.architecture)(num_experts, hidden, device)
-        self.experts = Fp8FusedMoE(num_experts, hidden, int(config.moe_intermediate_size),
+        self.experts = Fp8FusedMoE(num_experts, hidden, int(getattr(config, self.architecture.moe_inter_key)),
                                    int(config.num_experts_per_tok), masked_max_tokens=masked_max_tokens,
                                    ue8m0=ue8m0, device=device, **self.routing(config))
         self.path = path
@@ -245,6 +281,20 @@ class Fp8Glm4MoeMoE(Fp8DeepseekV3MoE):
     architecture = ARCHITECTURES["glm4_moe"]
 
 
+class Fp8MiniMaxM2SparseMoeBlock(Fp8MoEBlock):
+    """Drop-in for transformers' ``MiniMaxM2SparseMoeBlock``: sigmoid scores, the correction bias for the choice,
+    top-k of all experts renormalized, no scaling and no shared expert (as transformers' router computes it)."""
+
+    architecture = ARCHITECTURES["minimax_m2"]
+
+    @staticmethod
+    def routing(config: Any) -> dict[str, Any]:
+        if getattr(config, "scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(f"scoring_func {config.scoring_func!r}: transformers' MiniMax-M2 router scores experts "
+                             "with a sigmoid, as moe_fp8's does; another scoring function is not supported")
+        return dict(scoring_func="sigmoid", renormalize=True, use_correction_bias=True)
+
+
 class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
     """Drop-in for transformers' ``Qwen3MoeSparseMoeBlock``: softmax top-k, renormalized when
     ``norm_topk_prob``, no shared experts."""
@@ -258,7 +308,7 @@ class Fp8Qwen3MoeSparseMoeBlock(Fp8MoEBlock):
 
 # model_type -> the block patch_model puts in place of the family's MoE block
 MOE_BLOCKS = {cls.architecture.model_type: cls for cls in (Fp8DeepseekV3MoE, Fp8Qwen3MoeSparseMoeBlock,
-                                                           Fp8Glm4MoeMoE)}
+                                                           Fp8Glm4MoeMoE, Fp8MiniMaxM2SparseMoeBlock)}
 
 
 # ==============================================================================================
@@ -292,8 +342,9 @@ def _check_moe_not_listed(prefix: str, config: Any, arch: Architecture, ignored:
     if not ignored:
         return
     shared = [f"{prefix}.shared_experts.{p}" for p in _MLP_PROJECTIONS] if getattr(config, "n_shared_experts", 0) else []
+    n = arch.moe_names
     names = [f"{prefix}.experts.{e}.{p}" for e in range(int(getattr(config, arch.num_experts_key)))
-             for p in _MLP_PROJECTIONS]
+             for p in (n.gate, n.up, n.down)]
     listed = [n for n in names + shared if _listed(n, ignored)]
     if listed:
         raise ValueError(f"quantization_config.ignored_layers keeps {listed[0]} (and {len(listed) - 1} more) of the "
@@ -425,15 +476,17 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
                 _swap_linear(layer.self_attn, proj, f"{prefix}.self_attn.{proj}", reader, dev, dtype, report)
         kind = type(layer.mlp).__name__
         if kind == arch.moe_block:
-            _check_moe_not_listed(f"{prefix}.mlp", config, arch, reader.ignored_layers)
+            names = arch.moe_names
+            block = f"{prefix}.{names.block}"  # the checkpoint's name of the block (transformers': mlp)
+            _check_moe_not_listed(block, config, arch, reader.ignored_layers)
             moe = MOE_BLOCKS[arch.model_type](config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
                                            path=moe_path, ue8m0=report.ue8m0)
-            _copy_param(moe.gate.weight, reader.get(f"{prefix}.mlp.gate.weight"), f"{prefix}.mlp.gate.weight")
+            _copy_param(moe.gate.weight, reader.get(f"{block}.gate.weight"), f"{block}.gate.weight")
             for e in moe.experts.local_expert_ids():
-                for proj in _MLP_PROJECTIONS:
-                    if f"{prefix}.mlp.experts.{e}.{proj}.weight{SCALE_SUFFIX}" not in reader:
-                        report.quantized_on_load.append(f"{prefix}.mlp.experts.{e}.{proj}.weight")
-            _load_fused_moe(moe.experts, reader, f"{prefix}.mlp")
+                for proj in (names.gate, names.up, names.down):
+                    if f"{block}.experts.{e}.{proj}.weight{SCALE_SUFFIX}" not in reader:
+                        report.quantized_on_load.append(f"{block}.experts.{e}.{proj}.weight")
+            _load_fused_moe(moe.experts, reader, block, names=names)
             layer.mlp = moe
             report.moe_layers.append(f"{prefix}.mlp")
         elif kind == arch.mlp:
@@ -540,25 +593,31 @@ def load_reference_model(path: str | os.PathLike, *, device: torch.device | str 
     model = _build_meta_model(path, dtype, attn_implementation)
     dev = torch.device(device)
     state: dict[str, Tensor] = {}
+    arch = architecture(model.config)
+    names = arch.moe_names
     with CheckpointReader(path) as reader:
         for name, param in model.named_parameters():
             if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
-                block = name.rsplit(".", 1)[0]
+                block = arch.checkpoint_name(name.rsplit(".", 1)[0])  # {layer}.{names.block}.experts
                 num_experts = param.shape[0]
                 if name.endswith("gate_up_proj"):
-                    value = torch.stack([torch.cat([_dequantized(reader, f"{block}.{e}.gate_proj"),
-                                                    _dequantized(reader, f"{block}.{e}.up_proj")])
+                    value = torch.stack([torch.cat([_dequantized(reader, f"{block}.{e}.{names.gate}"),
+                                                    _dequantized(reader, f"{block}.{e}.{names.up}")])
                                          for e in range(num_experts)])
                 else:
-                    value = torch.stack([_dequantized(reader, f"{block}.{e}.down_proj") for e in range(num_experts)])
-            elif name.endswith(".weight") and f"{name}{SCALE_SUFFIX}" in reader:
-                value = _dequantized(reader, name[: -len(".weight")])
+                    value = torch.stack([_dequantized(reader, f"{block}.{e}.{names.down}")
+                                         for e in range(num_experts)])
             else:
-                value = reader.get(name)
+                stored = arch.checkpoint_name(name)
+                if stored.endswith(".weight") and f"{stored}{SCALE_SUFFIX}" in reader:
+                    value = _dequantized(reader, stored[: -len(".weight")])
+                else:
+                    value = reader.get(stored)
             state[name] = value.to(device=dev, dtype=param.dtype)
         for name, _buf in model.named_buffers():
-            if name in reader:  # e_score_correction_bias (transformers keeps it a buffer, fp32)
-                state[name] = reader.get(name).to(device=dev, dtype=torch.float32)
+            stored = arch.checkpoint_name(name)
+            if stored in reader:  # e_score_correction_bias (transformers keeps it a buffer, fp32)
+                state[name] = reader.get(stored).to(device=dev, dtype=torch.float32)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     _rebuild_rotary(model, dev)
@@ -578,6 +637,13 @@ def _reference_moe_blocks(reference: nn.Module) -> list[nn.Module]:
     return [layer.mlp for layer in reference.get_submodule("model").layers if isinstance(layer.mlp, moe_cls)]
 
 
+def reference_route(block: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' router of a reference MoE ``block`` on ``x [T, H]``: ``(logits, weights, ids)`` (MiniMax-M2's
+    takes the block's correction bias as an argument)."""
+    bias = getattr(block, "e_score_correction_bias", None)
+    return block.gate(x) if bias is None else block.gate(x, bias)
+
+
 @torch.no_grad()
 def reference_logits(reference: nn.Module, input_ids: Tensor, routed_ids: list[Tensor] | None = None, *,
                      zero_moe: bool = False) -> Tensor:
@@ -586,18 +652,18 @@ def reference_logits(reference: nn.Module, input_ids: Tensor, routed_ids: list[T
     the combine weights stay transformers' formula on its own router scores) and with ``zero_moe`` every MoE
     block's output zeroed (to show what the MoE layers contribute)."""
     config = reference.config
-    sigmoid = MOE_BLOCKS[architecture(config).model_type].routing(config)["scoring_func"] == "sigmoid"
+    routing = MOE_BLOCKS[architecture(config).model_type].routing(config)
     queue = list(routed_ids) if routed_ids is not None else None
     handles = []
 
     def force(mod: nn.Module, args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         logits, _, _ = out
         ids = queue.pop(0).long().to(logits.device)
-        if sigmoid:  # DeepSeek-V3's and GLM-4.5's routers
-            weights = logits.sigmoid().gather(1, ids)
-            if getattr(config, "norm_topk_prob", True):
+        if routing["scoring_func"] == "sigmoid":  # DeepSeek-V3's, GLM-4.5's and MiniMax-M2's routers
+            weights = logits.float().sigmoid().gather(1, ids)
+            if routing["renormalize"]:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return logits, weights * config.routed_scaling_factor, ids
+            return logits, weights * routing.get("routed_scaling_factor", 1.0), ids
         weights = logits.softmax(-1, dtype=torch.float).gather(1, ids)  # Qwen3MoeTopKRouter's formula
         if config.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -661,7 +727,7 @@ def compare_logits(model: nn.Module, reference: nn.Module, input_ids: Tensor) ->
     for block, ref_block, x in zip(blocks, ref_blocks, inputs, strict=True):
         ids = block.experts.route(block.router_logits(x.contiguous()))[1].long().cpu()
         weight = ref_block.gate.weight
-        disagrees += _not_chosen(ids, ref_block.gate(x.to(weight.device, weight.dtype))[2])
+        disagrees += _not_chosen(ids, reference_route(ref_block, x.to(weight.device, weight.dtype))[2])
         routed.append(ids)
     ref_ids: list[Tensor] = []  # the reference's own choices on its own forward
     handles = [b.gate.register_forward_hook(lambda mod, args, out: ref_ids.append(out[2])) for b in ref_blocks]

@@ -6,7 +6,7 @@ argparse sub-parser, one function to run it, and one entry in the dict.
 - ``info``: the environment the kernels would run in — one paste is a complete bug report. It never
   raises on a machine without a GPU, driver, compiler or half-written package: every probe is
   wrapped and a failure is shown as ``unavailable: <error>`` in its own section.
-- ``demo``: a small DeepSeek-V3, Kimi-K2, Qwen3-MoE or GLM-4.5 (random block-FP8 weights) run through transformers on our layers:
+- ``demo``: a small DeepSeek-V3, Kimi-K2, Qwen3-MoE, GLM-4.5 or MiniMax-M2 (random block-FP8 weights) run through transformers on our layers:
   tokens/s, the backend, and the logit error against the bf16 model (``moe_fp8.demo``).
 - ``bench {gemm,grouped,moe-data,moe,all,plot}``: time our kernels against torch baselines (kinds
   registered in ``moe_fp8.benchmarks.KINDS``); tables, DESIGN §7 JSON, CSV and a roofline plot.
@@ -649,7 +649,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 def _add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", choices=("deepseek_v3", "kimi_k2", "qwen3_moe", "glm4_moe"), default="deepseek_v3",
+    p.add_argument("--arch", choices=("deepseek_v3", "kimi_k2", "qwen3_moe", "glm4_moe", "minimax_m2"),
+                   default="deepseek_v3",
                    help="model type of the random checkpoint (default deepseek_v3)")
     p.add_argument("--layers", type=_positive_int, default=3, metavar="N",
                    help="decoder layers, the first dense and the others MoE (default 3)")
@@ -682,7 +683,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise CliError(f"--save {e}") from None
     if importlib.util.find_spec("transformers") is None:
         raise CliError("the demo runs a transformers model (DeepseekV3ForCausalLM / Qwen3MoeForCausalLM / "
-                       "Glm4MoeForCausalLM): "
+                       "Glm4MoeForCausalLM / MiniMaxM2ForCausalLM): "
                        "pip install 'moe-fp8[transformers]'")
     with Progress(5, "demo", enabled=not args.no_progress) as progress:
         report = demo.run_demo(layers=args.layers, tokens=args.tokens, batch=args.batch, prompt_len=args.prompt_len,
@@ -1119,7 +1120,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "info": Command("versions, GPUs, JIT compilers, cache and backends (paste into bug reports)",
                     _add_info_args, cmd_info),
-    "demo": Command("run a small DeepSeek-V3 (Kimi-K2, Qwen3-MoE, GLM-4.5) on moe_fp8's layers: tokens/s, backend, logit error "
+    "demo": Command("run a small DeepSeek-V3 (Kimi-K2, Qwen3-MoE, GLM-4.5, MiniMax-M2) on moe_fp8's layers: tokens/s, backend, logit error "
                     "vs bf16",
                     _add_demo_args, cmd_demo),
     "bench": Command("time our kernels against torch baselines; tables, JSON / CSV records, plots",

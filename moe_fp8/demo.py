@@ -1,4 +1,4 @@
-"""``moe-fp8 demo``: a small DeepSeek-V3 (or Kimi-K2, Qwen3-MoE, GLM-4.5) end to end on moe_fp8's layers, checked against bf16.
+"""``moe-fp8 demo``: a small DeepSeek-V3 (or Kimi-K2, Qwen3-MoE, GLM-4.5, MiniMax-M2) end to end on moe_fp8's layers, checked against bf16.
 
 1. write a random DeepSeek-V3 checkpoint in block FP8 (``layers.write_deepseek_v3_checkpoint`` of
    ``tiny_deepseek_v3_config``: MLA attention, 16 routed experts top-4 in grouped routing, a shared
@@ -7,8 +7,10 @@
    with softmax routing, no shared expert), the format of Qwen's FP8 releases; with ``arch="kimi_k2"`` a Kimi-K2
    one (``tiny_kimi_k2_config``: DeepSeek-V3's modules under ``model_type = "kimi_k2"``, 384 experts top-8 in one
    group, YaRN), read as DeepSeek-V3; with ``arch="glm4_moe"`` a GLM-4.5 one (``tiny_glm4_moe_config``: DeepSeek-V3's
-   MoE block under grouped-query attention with q / k / v biases);
-2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM``) with its
+   MoE block under grouped-query attention with q / k / v biases); with ``arch="minimax_m2"`` a MiniMax-M2 one
+   (``tiny_minimax_m2_config``: every layer MoE, sigmoid top-k with a correction bias, Mixtral's tensor names);
+2. load it into transformers' ``DeepseekV3ForCausalLM`` (``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM``,
+   ``MiniMaxM2ForCausalLM``) with its
    MoE blocks, MLPs and attention
    projections replaced by ours (``integrations.transformers.load_model``), and into the same model
    with plain transformers modules and the weights dequantized to bf16 (``load_reference_model``);
@@ -35,7 +37,8 @@ import torch
 __all__ = ["ARCHS", "DIFF_BOUND", "DemoError", "check_save_dir", "run_demo"]
 
 # the model types of ``layers.MODEL_FAMILIES`` (Kimi-K2: DeepSeek-V3's modules, 384 experts in one group), named
-FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4.5"}
+FAMILY_NAMES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "qwen3_moe": "Qwen3-MoE", "glm4_moe": "GLM-4.5",
+                "minimax_m2": "MiniMax-M2"}
 ARCHS = tuple(FAMILY_NAMES)
 
 DIFF_BOUND = 2e-3  # DESIGN §6: layer vs bf16 layer on dequantized weights
@@ -80,8 +83,9 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     """Run the demo (see the module docstring) and return its report.
 
     Args:
-        arch: ``"deepseek_v3"``, ``"kimi_k2"``, ``"qwen3_moe"`` or ``"glm4_moe"`` (``ARCHS``).
-        layers: decoder layers (the first is dense when there are two or more; the others MoE).
+        arch: ``"deepseek_v3"``, ``"kimi_k2"``, ``"qwen3_moe"``, ``"glm4_moe"`` or ``"minimax_m2"`` (``ARCHS``).
+        layers: decoder layers (the first is dense when there are two or more, but for MiniMax-M2, whose layers
+            are all MoE; the others MoE).
         tokens: new tokens to generate per sequence; batch: sequences; prompt_len: prompt tokens each.
         device: ``"cpu"`` / ``"cuda[:N]"`` (default: the current GPU if one is visible, else CPU).
         seed: weights and prompt. save: keep the checkpoint in this directory, which must be missing or
@@ -97,6 +101,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
         tiny_deepseek_v3_config,
         tiny_glm4_moe_config,
         tiny_kimi_k2_config,
+        tiny_minimax_m2_config,
         tiny_qwen3_moe_config,
         write_checkpoint,
     )
@@ -116,6 +121,8 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
                 "glm4_moe": tiny_glm4_moe_config}[arch]
         config = tiny(num_hidden_layers=layers, first_k_dense_replace=1 if layers > 1 else 0,
                       max_position_embeddings=positions)
+    elif arch == "minimax_m2":
+        config = tiny_minimax_m2_config(num_hidden_layers=layers, max_position_embeddings=positions)
     else:
         config = tiny_qwen3_moe_config(num_hidden_layers=layers, mlp_only_layers=[0] if layers > 1 else [],
                                        max_position_embeddings=positions)
@@ -143,7 +150,7 @@ def run_demo(*, layers: int = 3, tokens: int = 16, batch: int = 2, prompt_len: i
     report["model"] = {
         "architecture": f"{type(model).__name__} (transformers), random block-FP8 weights", "arch": arch,
         "layers": layers, "moe_layers": len(moe_blocks), "hidden": config["hidden_size"],
-        "routed_experts": config.get("n_routed_experts", config.get("num_experts")),
+        "routed_experts": config.get("n_routed_experts") or config.get("num_experts") or config.get("num_local_experts"),
         "top_k": config["num_experts_per_tok"], "shared_experts": config.get("n_shared_experts", 0),
         "vocab": config["vocab_size"],
         "checkpoint": None if save is None else str(path),

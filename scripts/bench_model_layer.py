@@ -1,4 +1,4 @@
-"""One MoE layer of any supported model (its config.json: DeepSeek-V3, Kimi-K2, Qwen3-MoE or GLM-4.5) as rank 0 of ``--ep`` holds
+"""One MoE layer of any supported model (its config.json: DeepSeek-V3, Kimi-K2, Qwen3-MoE, GLM-4.5 or MiniMax-M2) as rank 0 of ``--ep`` holds
 it, on random block-FP8 experts: ``Fp8FusedMoE``'s forward replayed from a CUDA graph (the path the layer picks
 for the token count) against the usual PyTorch MoE (route, then a bf16 loop over the local experts on the
 dequantized weights), both timed with ``bench_us`` (L2 flushed). Also the rate at which our replay reads the
@@ -39,7 +39,7 @@ def main() -> None:
     per_expert = (layer.w13_weight[0].numel() + layer.w2_weight[0].numel()
                   + 4 * (layer.w13_weight_scale_inv[0].numel() + layer.w2_weight_scale_inv[0].numel()))
     print(f"model {cfg['model_type']} hidden {cfg['hidden_size']}, {local} of {layer.num_experts} experts (ep "
-          f"{args.ep}), I {cfg['moe_intermediate_size']} (tp {args.tp}: {layer.intermediate_size} a rank), "
+          f"{args.ep}), I {layer.intermediate_size * args.tp} (tp {args.tp}: {layer.intermediate_size} a rank), "
           f"top-{layer.top_k}; tables: {tuning.describe_active()}")
     print(f"{'tokens':>6} {'path':>10} {'ours us':>9} {'torch us':>9} {'x':>6} {'touched':>7} {'TB/s':>5}")
     for t in args.tokens:

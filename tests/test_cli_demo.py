@@ -88,6 +88,17 @@ def test_glm4_moe_demo(capsys):
     assert demo.format_report(report).startswith("model     GLM-4.5 architecture, random block-FP8 weights: 2 layers")
 
 
+def test_minimax_m2_demo(capsys):
+    """--arch minimax_m2: a MiniMax-M2 checkpoint (Mixtral's tensor names, every layer MoE, no shared expert)."""
+    assert cli.main(["demo", "--arch", "minimax_m2", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
+                     "--device", "cpu", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model"]
+    assert m["arch"] == "minimax_m2" and m["architecture"].startswith("MiniMaxM2ForCausalLM")
+    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == (2, 16, 4, 0, 8)
+    assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
+
+
 def test_qwen3_moe_demo(capsys):
     """--arch qwen3_moe: a Qwen3-MoE checkpoint (softmax routing, no shared expert) through the same checks."""
     assert cli.main(["demo", "--arch", "qwen3_moe", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
@@ -152,7 +163,7 @@ def test_errors_are_one_message(monkeypatch, capsys):
                         lambda name, *a: None if name == "transformers" else real(name, *a))
     assert cli.main(["demo", "--no-progress"]) == 1
     assert ("error: the demo runs a transformers model (DeepseekV3ForCausalLM / Qwen3MoeForCausalLM / "
-            "Glm4MoeForCausalLM): pip install 'moe-fp8[transformers]'" in capsys.readouterr().err)
+            "Glm4MoeForCausalLM / MiniMaxM2ForCausalLM): pip install 'moe-fp8[transformers]'" in capsys.readouterr().err)
     monkeypatch.setattr(cli.importlib.util, "find_spec", real)
 
     def wrong(**kwargs):

@@ -103,6 +103,19 @@ def test_glm4_moe_shapes_per_rank():
         W.model_gemms(glm, tp=8)
 
 
+def test_minimax_m2_shapes_per_rank():
+    """MiniMax-M2 (scripts/models/minimax-m2.json): every layer MoE (no dense MLP), the experts' size under
+    ``intermediate_size``, 256 experts: 32 per EP-8 rank, I / 8 = 192 per TP-8 rank refused."""
+    mm = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "minimax-m2.json").read_text())
+    tp1 = _shapes(W.model_gemms(mm))
+    assert tp1 == {"qkv_proj": (8192, 3072, ("normal",), 1), "o_proj": (3072, 6144, ("normal",), 1),
+                   "experts.w13": (3072, 3072, ("contiguous", "masked"), 256),
+                   "experts.w2": (3072, 1536, ("contiguous", "masked"), 256)}
+    assert _shapes(W.model_gemms(mm, ep=8))["experts.w2"] == (3072, 1536, ("contiguous", "masked"), 32)
+    with pytest.raises(W.ModelConfigError, match=r"1536/8 = 192 is not a multiple of 128"):
+        W.model_gemms(mm, tp=8)
+
+
 def test_qwen3_moe_shapes_per_rank():
     """Qwen3-MoE (Qwen3-30B-A3B's sizes): fused q/k/v of grouped-query attention, no shared experts, and a dense MLP
     only where mlp_only_layers / decoder_sparse_step leave one."""

@@ -22,17 +22,19 @@ from moe_fp8.layers import (
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
+    minimax_m2_tensor_specs,
     qwen3_moe_tensor_specs,
     shard_moe_weights,
     tiny_deepseek_v3_config,
     tiny_glm4_moe_config,
     tiny_kimi_k2_config,
+    tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
-from moe_fp8.layers.checkpoint import is_moe_layer, model_family
+from moe_fp8.layers.checkpoint import MOE_NAMES, is_moe_layer, model_family
 
 CFG = tiny_deepseek_v3_config(num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                               moe_intermediate_size=256, intermediate_size=384)
@@ -151,6 +153,32 @@ def test_glm4_moe_writer(tmp_path):
         assert {n for n in reader if not n.endswith("_scale_inv")} == set(specs)
         assert f"{attn}.q_proj.weight_scale_inv" in reader and f"{attn}.q_proj.bias_scale_inv" not in reader
     assert json.loads((path / "config.json").read_text())["model_type"] == "glm4_moe"
+
+
+def test_minimax_m2_writer_and_moe_loader(tmp_path):
+    """MiniMax-M2: Mixtral's MoE names (``block_sparse_moe``, experts ``w1`` / ``w3`` / ``w2``, the correction bias on
+    the block, an fp32 router) in every layer, q / k norms over all heads; ``load_fused_moe`` with its
+    ``MOE_NAMES`` reads a block byte for byte (w13 = [w1 | w3])."""
+    config = tiny_minimax_m2_config()
+    assert model_family(config) == "minimax_m2" and [is_moe_layer(config, i) for i in range(2)] == [True, True]
+    specs = minimax_m2_tensor_specs(config)
+    block, attn = "model.layers.1.block_sparse_moe", "model.layers.1.self_attn"
+    assert specs[f"{block}.gate.weight"].dtype == torch.float32 and not specs[f"{block}.gate.weight"].fp8
+    assert specs[f"{block}.e_score_correction_bias"].shape == (16,)
+    assert specs[f"{block}.experts.15.w2.weight"].shape == (256, 128) and specs[f"{block}.experts.0.w3.weight"].fp8
+    assert specs[f"{attn}.q_norm.weight"].shape == (256,) and specs[f"{attn}.k_norm.weight"].shape == (128,)
+    assert not any(".mlp." in n or n.endswith(".bias") for n in specs)
+    path = write_checkpoint(tmp_path / "mm", config, seed=4, num_shards=1)
+    moe = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", use_correction_bias=True)
+    with CheckpointReader(path) as reader:
+        assert {n for n in reader if not n.endswith("_scale_inv")} == set(specs)
+        load_fused_moe(moe, reader, block, names=MOE_NAMES["minimax_m2"])
+        up = reader.get(f"{block}.experts.9.w3.weight")
+        bias = reader.get(f"{block}.e_score_correction_bias")
+        with pytest.raises(KeyError):
+            load_fused_moe(moe, reader, block)  # DeepSeek-V3's names are not there
+    assert torch.equal(_bytes(moe.w13_weight[9, 128:]), _bytes(up))
+    assert torch.equal(moe.e_score_correction_bias, bias)
 
 
 def test_kimi_k2_is_written_as_deepseek_v3(tmp_path):

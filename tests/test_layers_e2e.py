@@ -3,8 +3,8 @@
 dequantized to fp32 (DESIGN §6: ``calc_diff < 2e-3``), plus ``generate``; then the same for Qwen3-MoE
 (``Qwen3MoeForCausalLM``: grouped-query attention, softmax routing, no shared experts), the other family of
 block-FP8 MoE checkpoints in this format, for Kimi-K2 (DeepSeek-V3 under ``model_type = "kimi_k2"``, 384
-experts in one group), and for GLM-4.5 (``Glm4MoeForCausalLM``: DeepSeek-V3's MoE block under grouped-query attention
-with q / k / v biases).
+experts in one group), for GLM-4.5 (``Glm4MoeForCausalLM``: DeepSeek-V3's MoE block under grouped-query attention
+with q / k / v biases) and for MiniMax-M2 (``MiniMaxM2ForCausalLM``: Mixtral's tensor names, every layer MoE).
 
 Routing and numerics are checked separately, because a quantized model legitimately routes a few
 near-tie tokens differently from the fp32 model (its hidden states differ by the FP8 activation
@@ -36,6 +36,7 @@ from moe_fp8.layers import (
     tiny_deepseek_v3_config,
     tiny_glm4_moe_config,
     tiny_kimi_k2_config,
+    tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
@@ -105,7 +106,7 @@ def check_against_reference(ours, reference, input_ids, recorder) -> float:
     assert len(recorder.ids) == len(recorder.moe_layers) and recorder.moe_layers
     # 1. routing: transformers' router on our hidden states picks our experts
     for i, x, ids in zip(recorder.moe_layers, recorder.inputs, recorder.ids, strict=True):
-        _, _, ref_ids = reference.model.layers[i].mlp.gate(x.float().cpu())
+        _, _, ref_ids = hf.reference_route(reference.model.layers[i].mlp, x.float().cpu())
         assert torch.equal(_sorted(ref_ids), _sorted(ids.cpu())), f"layer {i}: routing differs from transformers' router"
     # 2. numerics with the same routing
     ref_logits = hf.reference_logits(reference, input_ids, recorder.ids)
@@ -325,7 +326,7 @@ def test_errors(ckpt, tmp_path, monkeypatch):
                                      num_attention_heads=2, vocab_size=64)
     with torch.device("meta"):
         other = transformers.LlamaForCausalLM(llama)
-    with pytest.raises(ValueError, match="'deepseek_v3', 'qwen3_moe', 'glm4_moe' models"):
+    with pytest.raises(ValueError, match="'deepseek_v3', 'qwen3_moe', 'glm4_moe', 'minimax_m2' models"):
         hf.patch_model(other, ckpt, device="cpu")
     # config fields transformers' DeepseekV3 ignores but our layers would not honour
     for field, value, match in (("hidden_act", "gelu", "SiLU-gated"), ("scoring_func", "softmax", "sigmoid")):
@@ -510,15 +511,16 @@ def test_kimi_k2_logits_match_fp32_transformers_model(kimi_ours, kimi_reference,
 # On Hopper: every family
 # ----------------------------------------------------------------------------------------------
 FAMILY_FIXTURES = {"deepseek_v3": ("ckpt", "reference"), "qwen3_moe": ("qwen3_ckpt", "qwen3_reference"),
-                   "kimi_k2": ("kimi_ckpt", "kimi_reference"), "glm4_moe": ("glm_ckpt", "glm_reference")}
+                   "kimi_k2": ("kimi_ckpt", "kimi_reference"), "glm4_moe": ("glm_ckpt", "glm_reference"),
+                   "minimax_m2": ("minimax_ckpt", "minimax_reference")}
 
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("family", list(FAMILY_FIXTURES))
 def test_logits_match_on_hopper(family, request, monkeypatch):
     """The end-to-end check with the model on an sm_90 GPU (Hopper GEMM kernels; the routing kernels: grouped
-    sigmoid, softmax for Qwen3-MoE, 384 experts for Kimi-K2, one group for GLM-4.5; dispatch and both grouped
-    GEMMs; GLM-4.5's attention biases): the prompt on the
+    sigmoid, softmax for Qwen3-MoE, 384 experts for Kimi-K2, one group for GLM-4.5 and MiniMax-M2; dispatch and
+    both grouped GEMMs; GLM-4.5's attention biases): the prompt on the
     contiguous path, six tokens on the masked one, then ``generate``."""
     ckpt, reference = (request.getfixturevalue(name) for name in FAMILY_FIXTURES[family])
     ours_gpu = hf.load_model(ckpt, device="cuda", masked_max_tokens=CROSSOVER)
@@ -580,5 +582,52 @@ def test_glm4_moe_logits_match_fp32_transformers_model(glm_ours, glm_reference, 
     assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
     assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
     check_against_reference(glm_ours, reference, input_ids[:1, :6], recorder)
+    assert recorder.paths == ["masked", "masked"]
+
+
+# ----------------------------------------------------------------------------------------------
+# MiniMax-M2
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def minimax_ckpt(tmp_path_factory):
+    # hidden 256, 2 layers (both MoE), 16 experts top-4 (sigmoid, correction bias), 4 query / 2 KV heads of 64
+    return write_checkpoint(tmp_path_factory.mktemp("minimax"), tiny_minimax_m2_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def minimax_ours(minimax_ckpt):
+    return hf.load_model(minimax_ckpt, dtype=torch.bfloat16, masked_max_tokens=CROSSOVER)
+
+
+@pytest.fixture(scope="module")
+def minimax_reference(minimax_ckpt):
+    return hf.load_reference_model(minimax_ckpt, dtype=torch.float32)
+
+
+def test_minimax_m2_model_is_patched_with_fp8_layers(minimax_ours):
+    """The checkpoint's ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` and block-level correction bias land in
+    transformers' ``mlp`` as an ``Fp8MiniMaxM2SparseMoeBlock``."""
+    assert isinstance(minimax_ours, transformers.MiniMaxM2ForCausalLM)
+    for layer in minimax_ours.model.layers:
+        block = layer.mlp
+        assert isinstance(block, hf.Fp8MiniMaxM2SparseMoeBlock) and block.experts.w13_weight.shape == (16, 256, 256)
+        assert block.experts.scoring_func == "sigmoid" and block.experts.renormalize
+        assert block.experts.routed_scaling_factor == 1.0 and block.experts.shared_experts is None
+        assert block.experts.e_score_correction_bias.abs().sum() > 0  # loaded from the block, not left zero
+        assert all(isinstance(getattr(layer.self_attn, p), Fp8Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    report = minimax_ours.moe_fp8_report
+    assert report.moe_layers == ["model.layers.0.mlp", "model.layers.1.mlp"] and len(report.fp8_linears) == 8
+    assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
+
+
+def test_minimax_m2_logits_match_fp32_transformers_model(minimax_ours, minimax_reference, monkeypatch):
+    recorder = RoutingRecorder(minimax_ours, monkeypatch)
+    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = check_against_reference(minimax_ours, minimax_reference, input_ids, recorder)
+    assert recorder.paths == ["contiguous", "contiguous"]
+    report = hf.compare_logits(minimax_ours, minimax_reference, input_ids)
+    assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
+    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
+    check_against_reference(minimax_ours, minimax_reference, input_ids[:1, :6], recorder)
     assert recorder.paths == ["masked", "masked"]
 

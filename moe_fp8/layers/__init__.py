@@ -10,8 +10,8 @@
   DeepSeek-V3-format safetensors checkpoint; ``write_deepseek_v3_checkpoint`` /
   ``tiny_deepseek_v3_config`` build a random one (tests, demos), ``write_qwen3_moe_checkpoint`` /
   ``tiny_qwen3_moe_config`` a Qwen3-MoE one in the same block-FP8 format, ``tiny_kimi_k2_config`` a Kimi-K2 one
-  (DeepSeek-V3's modules, 384 experts), ``tiny_glm4_moe_config`` a GLM-4.5 one; ``write_checkpoint`` writes any of
-  them.
+  (DeepSeek-V3's modules, 384 experts), ``tiny_glm4_moe_config`` a GLM-4.5 one, ``tiny_minimax_m2_config`` a MiniMax-M2
+  one; ``write_checkpoint`` writes any of them.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from moe_fp8.layers.checkpoint import (
     load_fp8_linear,
     load_fp8_mlp,
     load_fused_moe,
+    minimax_m2_tensor_specs,
     qwen3_moe_tensor_specs,
     tiny_deepseek_v3_config,
     tiny_glm4_moe_config,
     tiny_kimi_k2_config,
+    tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
@@ -79,6 +81,7 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "minimax_m2_tensor_specs",
     "quant_dispatch_contiguous",
     "quant_dispatch_masked",
     "qwen3_moe_tensor_specs",
@@ -88,6 +91,7 @@ __all__ = [
     "tiny_deepseek_v3_config",
     "tiny_glm4_moe_config",
     "tiny_kimi_k2_config",
+    "tiny_minimax_m2_config",
     "tiny_qwen3_moe_config",
     "tp_shard_range",
     "write_checkpoint",

@@ -55,9 +55,11 @@ from moe_fp8.utils import GROUP_K, ceil_div
 __all__ = [
     "FP8_QUANTIZATION_CONFIG",
     "MODEL_FAMILIES",
+    "MOE_NAMES",
     "SCALE_FMTS",
     "TENSOR_SPECS",
     "CheckpointReader",
+    "MoeNames",
     "TensorSpec",
     "deepseek_v3_tensor_specs",
     "glm4_moe_tensor_specs",
@@ -65,12 +67,14 @@ __all__ = [
     "load_fp8_linear",
     "load_fp8_mlp",
     "load_fused_moe",
+    "minimax_m2_tensor_specs",
     "model_family",
     "qwen3_moe_tensor_specs",
     "read_block_fp8",
     "tiny_deepseek_v3_config",
     "tiny_glm4_moe_config",
     "tiny_kimi_k2_config",
+    "tiny_minimax_m2_config",
     "tiny_qwen3_moe_config",
     "write_checkpoint",
     "write_deepseek_v3_checkpoint",
@@ -92,7 +96,23 @@ FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
 # model_type -> the family whose module and tensor names it uses. Kimi-K2's releases are DeepSeek-V3 under their
 # own model_type (with DeepSeek's remote code); vLLM reads them with DeepseekV3Config too.
 MODEL_FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe",
-                  "glm4_moe": "glm4_moe"}
+                  "glm4_moe": "glm4_moe", "minimax_m2": "minimax_m2"}
+
+
+class MoeNames(NamedTuple):
+    """Where a family's checkpoint keeps a MoE block's tensors: the block under the decoder layer, each expert's
+    gate / up / down projections under ``{block}.experts.{e}``, and the correction bias under the block."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    bias: str = "gate.e_score_correction_bias"
+
+
+# family -> its MoE names (MiniMax-M2 keeps Mixtral's: block_sparse_moe, w1 / w3 / w2, the bias on the block)
+MOE_NAMES = {"deepseek_v3": MoeNames(), "qwen3_moe": MoeNames(), "glm4_moe": MoeNames(),
+             "minimax_m2": MoeNames("block_sparse_moe", "w1", "w3", "w2", "e_score_correction_bias")}
 # quantization_config.scale_fmt values read: absent / None (fp32 scales, DeepSeek-V3) or "ue8m0" (V3.1).
 SCALE_FMTS = (None, "ue8m0")
 
@@ -355,7 +375,7 @@ def load_fp8_mlp(module: Fp8MLP, checkpoint: CheckpointReader | str | os.PathLik
 
 @torch.no_grad()
 def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.PathLike, prefix: str, *,
-                   tp_rank: int = 0, tp_size: int = 1) -> None:
+                   tp_rank: int = 0, tp_size: int = 1, names: MoeNames = MoeNames()) -> None:
     """Fill an ``Fp8FusedMoE`` from a DeepSeek-V3 MoE block ``prefix`` (e.g. ``"model.layers.3.mlp"``).
 
     Reads, for each expert of this rank (``module.local_expert_ids()``, from its ``expert_map``),
@@ -363,7 +383,9 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
     and ``w2_weight[local] = down``; with ``tp_size > 1`` only rows / columns ``[r·I, (r+1)·I)`` of the
     expert intermediate size (``I = module.intermediate_size``). Also ``{prefix}.gate.e_score_correction_bias``
     when the module uses it and ``{prefix}.shared_experts.*`` when it has shared experts (split the same way).
-    The router weight ``{prefix}.gate.weight`` is not part of the module (router logits are an input).
+    The router weight ``{prefix}.gate.weight`` is not part of the module (router logits are an input). ``names``:
+    another family's projection and bias names (``MOE_NAMES``; ``prefix`` is then its block, e.g.
+    ``"model.layers.3.block_sparse_moe"``).
     """
     reader = _as_reader(checkpoint)
     ue8m0 = _check_scale_fmt(reader, module, f"the Fp8FusedMoE for {prefix}")
@@ -372,26 +394,26 @@ def load_fused_moe(module: Fp8FusedMoE, checkpoint: CheckpointReader | str | os.
     dev = module.w13_weight.device
     for local, expert in enumerate(module.local_expert_ids()):
         base = f"{prefix}.experts.{expert}"
-        gate_shape = reader.shape(f"{base}.gate_proj.weight")
+        gate_shape = reader.shape(f"{base}.{names.gate}.weight")
         full_i = gate_shape[0]
         # the shard below takes rows / columns [r·I, (r+1)·I) of each: the three must agree on the full I, or a
         # larger up or down projection would be cut without a word
-        for proj, got, want in (("up_proj", reader.shape(f"{base}.up_proj.weight"), gate_shape),
-                                ("down_proj", reader.shape(f"{base}.down_proj.weight")[1:], (full_i,))):
+        for proj, got, want in ((names.up, reader.shape(f"{base}.{names.up}.weight"), gate_shape),
+                                (names.down, reader.shape(f"{base}.{names.down}.weight")[1:], (full_i,))):
             if tuple(got[:len(want)]) != tuple(want):
                 raise ValueError(f"{base}.{proj}.weight has shape {reader.shape(f'{base}.{proj}.weight')}, which "
-                                 f"disagrees with {base}.gate_proj.weight {gate_shape} (up [I, H], down [H, I])")
+                                 f"disagrees with {base}.{names.gate}.weight {gate_shape} (up [I, H], down [H, I])")
         i_range = tp_shard_range(full_i, tp_rank, tp_size, f"{base} intermediate size")
-        for half, proj in enumerate(("gate_proj", "up_proj")):
+        for half, proj in enumerate((names.gate, names.up)):
             w, s = read_block_fp8(reader, f"{base}.{proj}", rows=i_range, device=dev, ue8m0=ue8m0)
             _copy(module.w13_weight[local, half * inter:(half + 1) * inter], w, f"{base}.{proj}.weight")
             _copy(module.w13_weight_scale_inv[local, half * ib:(half + 1) * ib], s, f"{base}.{proj}.weight{SCALE_SUFFIX}")
-        w, s = read_block_fp8(reader, f"{base}.down_proj", cols=i_range, device=dev, ue8m0=ue8m0)
-        _copy(module.w2_weight[local], w, f"{base}.down_proj.weight")
-        _copy(module.w2_weight_scale_inv[local], s, f"{base}.down_proj.weight{SCALE_SUFFIX}")
+        w, s = read_block_fp8(reader, f"{base}.{names.down}", cols=i_range, device=dev, ue8m0=ue8m0)
+        _copy(module.w2_weight[local], w, f"{base}.{names.down}.weight")
+        _copy(module.w2_weight_scale_inv[local], s, f"{base}.{names.down}.weight{SCALE_SUFFIX}")
     # a checkpoint tensor the module has no place for would be dropped, and the layer would compute something else
     # than the model: routing without the correction bias, an MoE without its shared experts
-    bias_name = f"{prefix}.gate.e_score_correction_bias"
+    bias_name = f"{prefix}.{names.bias}"
     if module.e_score_correction_bias is not None:
         _copy(module.e_score_correction_bias, reader.get(bias_name).to(torch.float32), bias_name)
     elif bias_name in reader:
@@ -545,8 +567,11 @@ def model_family(config: Mapping[str, Any]) -> str:
 
 def is_moe_layer(config: Mapping[str, Any], layer: int) -> bool:
     """Whether decoder layer ``layer`` has a routed-expert MLP. DeepSeek-V3 (and GLM-4.5, which has no
-    ``moe_layer_freq``): ``layer >= first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; Qwen3-MoE (``model_type = "qwen3_moe"``): ``layer`` not in
-    ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``, as transformers builds them."""
+    ``moe_layer_freq``): ``layer >= first_k_dense_replace`` and ``layer % moe_layer_freq == 0``; Qwen3-MoE
+    (``model_type = "qwen3_moe"``): ``layer`` not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step ==
+    0``, as transformers builds them; MiniMax-M2: every layer."""
+    if config.get("model_type") == "minimax_m2":  # every layer
+        return bool(config.get("num_local_experts"))
     if config.get("model_type") == "qwen3_moe":
         return (bool(config.get("num_experts")) and layer not in (config.get("mlp_only_layers") or ())
                 and (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0)
@@ -584,14 +609,16 @@ class _Specs:
         self.linear(f"{name}.up_proj", inter, self.h)
         self.linear(f"{name}.down_proj", self.h, inter, 0.5)
 
-    def router(self, prefix: str, num_experts: int) -> None:
-        """The router weight ``{prefix}.gate.weight`` (bf16, never quantized)."""
-        self.specs[f"{prefix}.gate.weight"] = TensorSpec((num_experts, self.h), torch.bfloat16, False, 0.0,
+    def router(self, prefix: str, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        """The router weight ``{prefix}.gate.weight`` (bf16 unless given, never quantized)."""
+        self.specs[f"{prefix}.gate.weight"] = TensorSpec((num_experts, self.h), dtype, False, 0.0,
                                                          2.0 / math.sqrt(self.h))
 
-    def experts(self, prefix: str, num_experts: int, inter: int) -> None:
+    def experts(self, prefix: str, num_experts: int, inter: int, names: MoeNames = MoeNames()) -> None:
         for e in range(num_experts):
-            self.mlp(f"{prefix}.experts.{e}", inter)
+            self.linear(f"{prefix}.experts.{e}.{names.gate}", inter, self.h)
+            self.linear(f"{prefix}.experts.{e}.{names.up}", inter, self.h)
+            self.linear(f"{prefix}.experts.{e}.{names.down}", self.h, inter, 0.5)
 
     def head(self) -> dict[str, TensorSpec]:
         self.norm("model.norm", self.h)
@@ -673,9 +700,10 @@ def tiny_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
     }
 
 
-def _gqa_attention(b: _Specs, attn: str, *, o_bias: bool, qk_norm: bool) -> None:
+def _gqa_attention(b: _Specs, attn: str, *, o_bias: bool, qk_norm: str | None) -> None:
     """Grouped-query attention's ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` (biases where
-    ``attention_bias``: on ``o_proj`` too if ``o_bias``), and per-head ``q_norm`` / ``k_norm`` if ``qk_norm``."""
+    ``attention_bias``: on ``o_proj`` too if ``o_bias``), and ``q_norm`` / ``k_norm``: per head (``qk_norm`` "head")
+    or over all heads (``"layer"``, MiniMax-M2's)."""
     config, h = b.config, b.h
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -686,9 +714,9 @@ def _gqa_attention(b: _Specs, attn: str, *, o_bias: bool, qk_norm: bool) -> None
         b.linear(f"{attn}.{proj}", n, k, scale)
         if bias and (o_bias or proj != "o_proj"):
             b.specs[f"{attn}.{proj}.bias"] = TensorSpec((n,), torch.bfloat16, False, 0.0, 0.02)
-    if qk_norm:
-        b.norm(f"{attn}.q_norm", head_dim)
-        b.norm(f"{attn}.k_norm", head_dim)
+    if qk_norm is not None:
+        b.norm(f"{attn}.q_norm", head_dim * (heads if qk_norm == "layer" else 1))
+        b.norm(f"{attn}.k_norm", head_dim * (kv_heads if qk_norm == "layer" else 1))
 
 
 def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
@@ -697,7 +725,7 @@ def qwen3_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
     with the draws of ``deepseek_v3_tensor_specs`` (attention biases, where configured, ``N(0, 0.02²)``)."""
     b = _Specs(config)
     for i, p, attn in b.layers():
-        _gqa_attention(b, attn, o_bias=True, qk_norm=True)
+        _gqa_attention(b, attn, o_bias=True, qk_norm="head")
         if is_moe_layer(config, i):
             b.router(f"{p}.mlp", int(config["num_experts"]))
             b.experts(f"{p}.mlp", int(config["num_experts"]), int(config["moe_intermediate_size"]))
@@ -713,13 +741,61 @@ def glm4_moe_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
     ``first_k_dense_replace``), in a stable order, with the draws of ``deepseek_v3_tensor_specs``."""
     b = _Specs(config)
     for i, p, attn in b.layers():
-        _gqa_attention(b, attn, o_bias=False, qk_norm=bool(config.get("use_qk_norm", False)))
+        _gqa_attention(b, attn, o_bias=False, qk_norm="head" if config.get("use_qk_norm", False) else None)
         _deepseek_mlp(b, i, p, bias=True)  # (GLM-4.5's router always has the bias)
     return b.head()
 
 
+def tiny_minimax_m2_config(**overrides: Any) -> dict[str, Any]:
+    """A small but complete MiniMax-M2 ``config.json`` dict (``model_type = "minimax_m2"``, the format of its
+    block-FP8 release: DeepSeek-V3's ``quantization_config`` and ``weight`` + ``weight_scale_inv``, under Mixtral's
+    MoE names: ``block_sparse_moe.gate`` (fp32), ``block_sparse_moe.e_score_correction_bias``,
+    ``block_sparse_moe.experts.{e}.w1 / w3 / w2``). Every layer MoE, sigmoid scores with the correction bias, top-k
+    renormalized, no shared expert, no scaling; grouped-query attention with q / k norms over all heads and partial
+    rotary (``rotary_dim``).
+
+    2 layers; 16 experts of I = 128 (``intermediate_size``) top-4; 4 query and 2 key-value heads of 64. Keyword
+    arguments override entries.
+    """
+    common = {k: v for k, v in _tiny_common().items() if k != "moe_intermediate_size"}
+    return {
+        **common,
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rotary_dim": 32,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        **overrides,
+    }
+
+
+def minimax_m2_tensor_specs(config: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """Every tensor of a MiniMax-M2 checkpoint for ``config`` (grouped-query attention without biases, ``q_norm`` /
+    ``k_norm`` over all heads; in every layer the MoE block under ``MOE_NAMES["minimax_m2"]``: the fp32 router
+    ``block_sparse_moe.gate``, ``block_sparse_moe.e_score_correction_bias``, ``block_sparse_moe.experts.{e}.w1 / w3 /
+    w2``), in a stable order, with the draws of ``deepseek_v3_tensor_specs``."""
+    b = _Specs(config)
+    names = MOE_NAMES["minimax_m2"]
+    num_experts = int(config["num_local_experts"])
+    for _, p, attn in b.layers():
+        _gqa_attention(b, attn, o_bias=False, qk_norm="layer" if config.get("use_qk_norm", True) else None)
+        block = f"{p}.{names.block}"
+        b.router(block, num_experts, torch.float32)
+        b.specs[f"{block}.{names.bias}"] = TensorSpec((num_experts,), torch.float32, False, 0.0, 0.05)
+        b.experts(block, num_experts, int(config["intermediate_size"]), names)
+    return b.head()
+
+
 TENSOR_SPECS = {"deepseek_v3": deepseek_v3_tensor_specs, "qwen3_moe": qwen3_moe_tensor_specs,
-                "glm4_moe": glm4_moe_tensor_specs}
+                "glm4_moe": glm4_moe_tensor_specs, "minimax_m2": minimax_m2_tensor_specs}
 
 
 def write_checkpoint(path: str | os.PathLike, config: Mapping[str, Any], *, seed: int = 0, fp8: bool = True,
