@@ -87,6 +87,7 @@ CASES = [  # T, E, top_k, renormalize, n_group, topk_group, bias dtype, scale, l
     (9, 160, 6, True, 8, 3, F32, 16.0, F32),  # 5 experts per lane
     (257, 384, 8, True, 1, 1, F32, 2.827, BF16),  # Kimi K2 (DeepSeek-V3's format): 12 experts per lane, one group
     (333, 160, 8, True, None, None, F32, 2.5, BF16),  # GLM-4.5 as its layer routes (one group: plain top-k), V = 5
+    (200, 256, 8, True, None, None, F32, 1.0, BF16),  # MiniMax-M2: top-8 of all with the bias, no scaling
     (5, 32, 4, False, 32, 16, F32, 1.0, F32),  # one expert per group
     (5, 32, 32, True, None, None, None, 1.0, F32),  # every expert picked
     (3, 512, 32, True, 2, 1, BF16, 1.0, BF16),  # 16 per lane, picks from one group of 256
