@@ -604,10 +604,11 @@ class _Specs:
     def norm(self, name: str, size: int) -> None:
         self.specs[f"{name}.weight"] = TensorSpec((size,), torch.bfloat16, False, 1.0, 0.1)
 
-    def mlp(self, name: str, inter: int) -> None:
-        self.linear(f"{name}.gate_proj", inter, self.h)
-        self.linear(f"{name}.up_proj", inter, self.h)
-        self.linear(f"{name}.down_proj", self.h, inter, 0.5)
+    def mlp(self, name: str, inter: int, names: MoeNames = MoeNames()) -> None:
+        """A gated MLP's gate / up / down projections (``names``: an expert's in another family's names)."""
+        self.linear(f"{name}.{names.gate}", inter, self.h)
+        self.linear(f"{name}.{names.up}", inter, self.h)
+        self.linear(f"{name}.{names.down}", self.h, inter, 0.5)
 
     def router(self, prefix: str, num_experts: int, dtype: torch.dtype = torch.bfloat16) -> None:
         """The router weight ``{prefix}.gate.weight`` (bf16 unless given, never quantized)."""
@@ -616,9 +617,7 @@ class _Specs:
 
     def experts(self, prefix: str, num_experts: int, inter: int, names: MoeNames = MoeNames()) -> None:
         for e in range(num_experts):
-            self.linear(f"{prefix}.experts.{e}.{names.gate}", inter, self.h)
-            self.linear(f"{prefix}.experts.{e}.{names.up}", inter, self.h)
-            self.linear(f"{prefix}.experts.{e}.{names.down}", self.h, inter, 0.5)
+            self.mlp(f"{prefix}.experts.{e}", inter, names)
 
     def head(self) -> dict[str, TensorSpec]:
         self.norm("model.norm", self.h)
