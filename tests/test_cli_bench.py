@@ -74,7 +74,7 @@ def test_model_layer_refuses_a_tp_that_does_not_divide_the_experts(tp):
     from moe_fp8.benchmarks.moe import build_model_layer
 
     cfg = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "deepseek-v3.json").read_text())
-    with pytest.raises(ValueError, match=f"tp={tp} must be >= 1 and divide moe_intermediate_size 2048"):
+    with pytest.raises(ValueError, match=f"tp={tp} must be >= 1 and divide the experts' moe_intermediate_size 2048"):
         build_model_layer(cfg, tp=tp)
 
 

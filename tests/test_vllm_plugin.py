@@ -55,13 +55,15 @@ from moe_fp8.layers import (  # noqa: E402
     Fp8Linear,
     shard_fp8_linear,
     shard_moe_weights,
+    tiny_glm4_moe_config,
     tiny_kimi_k2_config,
+    tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
-from moe_fp8.layers.checkpoint import CheckpointReader, load_fused_moe, read_block_fp8  # noqa: E402
+from moe_fp8.layers.checkpoint import MOE_NAMES, CheckpointReader, load_fused_moe, read_block_fp8  # noqa: E402
 from moe_fp8.testing import randn  # noqa: E402
 from moe_fp8.utils import rel_error  # noqa: E402
 
@@ -329,19 +331,21 @@ def _make_moe(quant_config: MoeFp8Config, *, num_experts: int = E, inter: int = 
 
 
 def load_experts_through_vllm(runner: torch.nn.Module, tensors: dict[str, torch.Tensor], layer: int,
-                              num_experts: int) -> set[str]:
+                              num_experts: int, family: str = "deepseek_v3") -> set[str]:
     """Load experts through vLLM's own path, as ``DeepseekV2ForCausalLM.load_weights`` and
     ``Qwen3MoeModel.load_weights`` do: the model's expert params mapping, then each parameter's ``weight_loader``
-    with ``shard_id`` / ``expert_id``. Returns the checkpoint names loaded."""
+    with ``shard_id`` / ``expert_id``; ``family``'s checkpoint names (``MOE_NAMES``). Returns the checkpoint names
+    loaded."""
+    names = MOE_NAMES[family]
     model = torch.nn.Module()
     model.experts = runner
-    mapping = fused_moe_make_expert_params_mapping(model, ckpt_gate_proj_name="gate_proj",
-                                                   ckpt_down_proj_name="down_proj",
-                                                   ckpt_up_proj_name="up_proj", num_experts=num_experts)
+    mapping = fused_moe_make_expert_params_mapping(model, ckpt_gate_proj_name=names.gate,
+                                                   ckpt_down_proj_name=names.down,
+                                                   ckpt_up_proj_name=names.up, num_experts=num_experts)
     params = dict(model.named_parameters())
     loaded = set()
     for ckpt_name, tensor in tensors.items():
-        name = ckpt_name.removeprefix(f"model.layers.{layer}.mlp.")  # the model's own prefix
+        name = ckpt_name.removeprefix(f"model.layers.{layer}.{names.block}.")  # the model's own prefix
         for param_name, weight_name, expert_id, shard_id in mapping:
             if weight_name not in name:
                 continue
@@ -561,6 +565,108 @@ def test_kimi_k2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_pa
         h = (torch.nn.functional.silu(gate_up[:, :128]) * gate_up[:, 128:]).to(torch.bfloat16)
         assert torch.equal(shared_out, ours.shared_experts.down_proj(h))
         assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < 1e-4
+
+
+def _block_through_vllm(tmp_path, config: dict, build) -> tuple[VllmConfig, CheckpointReader, torch.nn.Module]:
+    """A random checkpoint of ``config`` read by vLLM under ``--quantization moe_fp8``, and ``build(hf_config,
+    vllm_config, quant_config)``'s MoE block of its layer 1, on the default dtype vLLM's loader sets."""
+    from vllm.config import ModelConfig
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    path = write_checkpoint(tmp_path / config["model_type"], config, seed=5, num_shards=1)
+    model_config = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
+                               quantization="moe_fp8", dtype="bfloat16")
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config)
+    assert isinstance(cfg.quant_config, MoeFp8Config)
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
+        block = build(model_config.hf_config, cfg, cfg.quant_config)
+    assert isinstance(block.experts.routed_experts.quant_method, MoeFp8MoEMethod)
+    return cfg, CheckpointReader(path), block
+
+
+def _process_after_loading(block: torch.nn.Module) -> None:
+    for module in block.modules():
+        if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def test_glm4_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_path) -> None:
+    """vLLM's own GLM-4.5 MoE block (``Glm4MoE``: sigmoid top-4 of one group with the gate's correction bias,
+    ``routed_scaling_factor`` 2.5, a shared expert on our linear method) on a GLM-4.5 checkpoint under
+    ``--quantization moe_fp8``, loaded as vLLM's loader does, gives ``Fp8FusedMoE``'s output."""
+    from vllm.model_executor.models.glm4_moe import Glm4MoE
+
+    prefix = "model.layers.1.mlp"  # the tiny model's first MoE layer
+    cfg, reader, block = _block_through_vllm(tmp_path, tiny_glm4_moe_config(),
+                                             lambda hf, _cfg, qc: Glm4MoE(hf, quant_config=qc, prefix=prefix))
+    assert isinstance(block.shared_experts.gate_up_proj.quant_method, MoeFp8LinearMethod)
+    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
+    assert load_experts_through_vllm(block.experts, tensors, 1, 16) == set(tensors)
+    _load_merged(block.shared_experts.gate_up_proj, [read_block_fp8(reader, f"{prefix}.shared_experts.{proj}")
+                                                     for proj in ("gate_proj", "up_proj")])
+    for name in ("weight", "weight_scale_inv"):
+        param = getattr(block.shared_experts.down_proj, name)
+        param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
+    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
+    block.gate.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias"))
+    _process_after_loading(block)
+
+    ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
+                       use_correction_bias=True, num_shared_experts=1)
+    load_fused_moe(ours, reader, prefix)
+    for t in (3, 40):  # vLLM's decode-sized and prefill-sized calls
+        x = randn((t, 256), seed=t)
+        with set_forward_context(None, cfg):
+            out = block(x)
+        logits = block.gate(x)[0]
+        # (vLLM's shared MLP rounds SiLU·mul to bf16 before its down projection: within 1e-4, as for Kimi-K2)
+        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < 1e-4
+
+
+def _torch_topk_sigmoid(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_expert_indices: torch.Tensor,
+                        gating_output: torch.Tensor, renormalize: bool = False,
+                        e_score_correction_bias: torch.Tensor | None = None,
+                        routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """vLLM's ``topk_sigmoid`` (a CUDA op of ``vllm._moe_C``) in torch, for CPU: sigmoid scores in fp32, the top-k
+    of score + bias, their scores optionally renormalized, scaled, written into the caller's buffers."""
+    scores = gating_output.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    ids = torch.topk(choice, topk_weights.shape[1]).indices
+    weights = scores.gather(1, ids)
+    topk_weights.copy_((weights / weights.sum(-1, keepdim=True) if renormalize else weights) * routed_scaling_factor)
+    topk_ids.copy_(ids)
+    return topk_weights, topk_ids
+
+
+def test_minimax_m2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own MiniMax-M2 MoE block (``MiniMaxM2MoE``: sigmoid top-4 of all experts with the block's correction
+    bias, renormalized, its checkpoint's ``w1`` / ``w3`` / ``w2`` names) on a MiniMax-M2 checkpoint under
+    ``--quantization moe_fp8`` gives ``Fp8FusedMoE``'s output (loaded with ``MOE_NAMES["minimax_m2"]``). vLLM's
+    sigmoid top-k is a CUDA op: on CPU the test runs its torch equivalent in its place."""
+    from vllm.model_executor.layers.fused_moe.router import fused_topk_bias_router
+    from vllm.model_executor.models.minimax_m2 import MiniMaxM2MoE
+
+    monkeypatch.setattr(fused_topk_bias_router, "vllm_topk_sigmoid", _torch_topk_sigmoid)
+
+    names = MOE_NAMES["minimax_m2"]
+    prefix = f"model.layers.1.{names.block}"
+    cfg, reader, block = _block_through_vllm(tmp_path, tiny_minimax_m2_config(),
+                                             lambda hf, _cfg, qc: MiniMaxM2MoE(hf, quant_config=qc, prefix=prefix))
+    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
+    assert load_experts_through_vllm(block.experts, tensors, 1, 16, family="minimax_m2") == set(tensors)
+    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
+    block.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.{names.bias}"))
+    _process_after_loading(block)
+
+    ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, use_correction_bias=True)
+    load_fused_moe(ours, reader, prefix, names=names)
+    for t in (3, 40):
+        x = randn((t, 256), seed=t)
+        with set_forward_context(None, cfg):
+            out = block(x)
+        logits = block.gate(x)[0]
+        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < SAME_INPUT_DIFF
 
 
 def test_moe_unloaded_scales_are_refused(vllm_config: VllmConfig, quant_config: MoeFp8Config) -> None:
