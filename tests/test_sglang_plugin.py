@@ -35,12 +35,15 @@ from moe_fp8.layers import (  # noqa: E402
     shard_fp8_linear,
     shard_moe_weights,
     tiny_deepseek_v3_config,
+    tiny_glm4_moe_config,
     tiny_kimi_k2_config,
+    tiny_minimax_m2_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
     write_deepseek_v3_checkpoint,
     write_qwen3_moe_checkpoint,
 )
+from moe_fp8.layers.checkpoint import MOE_NAMES  # noqa: E402
 from moe_fp8.quant import dequant_per_block, per_block  # noqa: E402
 
 DEEPSEEK_V3 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -562,19 +565,22 @@ def _deepseek_moe_block(config, cfg: dict, path, fused_shared: int):
     return _load_moe_block(block, path, cfg["n_routed_experts"], fused_shared)
 
 
-def _load_moe_block(block, path, num_experts: int, fused_shared: int = 0):
-    """Fill a SGLang MoE block from the checkpoint's layer ``MOE_PREFIX`` as SGLang's loaders do: experts through
-    ``FusedMoE.make_expert_params_mapping``, the shared MLP's gate / up into its merged ``gate_up_proj``, anything
-    else (the router) by its own loader; then each method's ``process_weights_after_loading``."""
+def _load_moe_block(block, path, num_experts: int, fused_shared: int = 0, family: str = "deepseek_v3"):
+    """Fill a SGLang MoE block from the checkpoint's layer-1 MoE block (``MOE_PREFIX``, or ``family``'s
+    ``MOE_NAMES``) as SGLang's loaders do: experts through ``FusedMoE.make_expert_params_mapping``, the shared MLP's
+    gate / up into its merged ``gate_up_proj``, anything else (the router, the correction bias) by its own loader;
+    then each method's ``process_weights_after_loading``."""
     from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
 
-    expert_mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj",
-                                                         ckpt_down_proj_name="down_proj", ckpt_up_proj_name="up_proj",
+    names = MOE_NAMES[family]
+    prefix = f"model.layers.1.{names.block}"
+    expert_mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name=names.gate,
+                                                         ckpt_down_proj_name=names.down, ckpt_up_proj_name=names.up,
                                                          num_experts=num_experts + fused_shared)
-    params = dict(block.named_parameters(prefix=MOE_PREFIX))
+    params = dict(block.named_parameters(prefix=prefix))
     with CheckpointReader(path) as reader:
         for name in reader:
-            if not name.startswith(f"{MOE_PREFIX}."):
+            if not name.startswith(f"{prefix}."):
                 continue
             tensor = reader.get(name)
             if fused_shared:
@@ -646,6 +652,56 @@ def test_qwen3_moe_block_through_sglang_matches_ours(config, tmp_path):
         x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
         with torch.inference_mode():
             logits, _ = block.gate(x)
+            out = block(x)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-5
+
+
+def test_glm4_moe_block_through_sglang_matches_ours(config, tmp_path):
+    """SGLang's own GLM-4.5 MoE block (``Glm4MoeSparseMoeBlock``: fp32 gate with the correction bias, DeepSeek-V3's
+    top-k of one group, ``routed_scaling_factor`` 2.5, a shared expert on our linear method), loaded as SGLang's
+    loaders do, gives ``Fp8FusedMoE``'s output."""
+    from sglang.srt.models.glm4_moe import Glm4MoeSparseMoeBlock
+    from transformers import Glm4MoeConfig
+
+    cfg = tiny_glm4_moe_config()
+    path = write_checkpoint(tmp_path / "glm", cfg, seed=6, num_shards=1)
+    hf_config = Glm4MoeConfig(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    block = _load_moe_block(Glm4MoeSparseMoeBlock(hf_config, layer_id=1, quant_config=config, prefix=MOE_PREFIX),
+                            path, cfg["n_routed_experts"])
+    assert type(block.experts.quant_method).__module__.startswith("moe_fp8.")
+    assert block.experts.quant_method.applies_routed_scaling is False  # SGLang's block applies it off CUDA
+    ours = _reference_moe(cfg, path, with_shared=True)
+    g = torch.Generator().manual_seed(13)
+    for t in (1, 9, 70):
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            logits = block.gate(x)
+            out = block(x)
+        assert out.shape == x.shape and torch.isfinite(out).all()
+        assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-4  # (bf16 sum of routed and shared, as above)
+
+
+def test_minimax_m2_block_through_sglang_matches_ours(config, tmp_path):
+    """SGLang's own MiniMax-M2 MoE block (``MiniMaxM2MoE``: fp32 gate, sigmoid top-k of all experts with the block's
+    correction bias, renormalized, the checkpoint's ``w1`` / ``w3`` / ``w2``), loaded as SGLang's loaders do, gives
+    ``Fp8FusedMoE``'s output (loaded with ``MOE_NAMES["minimax_m2"]``)."""
+    from sglang.srt.models.minimax_m2 import MiniMaxM2MoE
+    from transformers import MiniMaxM2Config
+
+    cfg, names = tiny_minimax_m2_config(), MOE_NAMES["minimax_m2"]
+    path = write_checkpoint(tmp_path / "minimax", cfg, seed=7, num_shards=1)
+    hf_config = MiniMaxM2Config(**{k: v for k, v in cfg.items() if k != "quantization_config"})
+    block = MiniMaxM2MoE(hf_config, layer_id=1, quant_config=config, prefix=f"model.layers.1.{names.block}")
+    _load_moe_block(block, path, cfg["num_local_experts"], family="minimax_m2")
+    assert type(block.experts.quant_method).__module__.startswith("moe_fp8.")
+    ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, use_correction_bias=True)
+    load_fused_moe(ours, path, f"model.layers.1.{names.block}", names=names)
+    g = torch.Generator().manual_seed(14)
+    for t in (1, 9, 70):
+        x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+        with torch.inference_mode():
+            logits, _ = block.gate(x.float())
             out = block(x)
         assert out.shape == x.shape and torch.isfinite(out).all()
         assert moe_fp8.calc_diff(out, ours(x, logits.float())) < 1e-5
