@@ -519,38 +519,16 @@ def test_kimi_k2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_pa
     moe_fp8``: vLLM reads ``model_type = "kimi_k2"`` as DeepSeek-V3's config, and the block (384 experts, sigmoid
     top-8 of one group with correction bias, ``routed_scaling_factor`` 2.827, a shared expert on our linear method),
     loaded as vLLM's DeepSeek loader does, gives ``Fp8FusedMoE``'s output."""
-    from vllm.config import ModelConfig
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    path = write_checkpoint(tmp_path / "kimi", tiny_kimi_k2_config(), seed=4, num_shards=1)
-    model_config = ModelConfig(model=str(path), tokenizer=str(path), skip_tokenizer_init=True,
-                               quantization="moe_fp8", dtype="bfloat16")
-    hf_config = model_config.hf_config
-    assert type(hf_config).__name__ == "DeepseekV3Config" and hf_config.n_routed_experts == 384
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config)
-    assert isinstance(cfg.quant_config, MoeFp8Config)
     prefix = "model.layers.1.mlp"  # the tiny model's MoE layer
-    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.bfloat16):
-        block = DeepseekV2MoE(hf_config, cfg.parallel_config, quant_config=cfg.quant_config, prefix=prefix)
-    experts = block.experts.routed_experts
-    assert isinstance(experts.quant_method, MoeFp8MoEMethod)
-    assert isinstance(block.shared_experts.gate_up_proj.quant_method, MoeFp8LinearMethod)
-    reader = CheckpointReader(path)
-    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
-    assert load_experts_through_vllm(block.experts, tensors, 1, 384) == set(tensors)
-    shared = block.shared_experts
-    _load_merged(shared.gate_up_proj, [read_block_fp8(reader, f"{prefix}.shared_experts.{proj}")
-                                       for proj in ("gate_proj", "up_proj")])  # as DeepseekV2's loader stacks them
-    for name in ("weight", "weight_scale_inv"):
-        param = getattr(shared.down_proj, name)
-        param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
-    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
-    block.gate.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias"))
-    for module in block.modules():
-        if hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
-            module.quant_method.process_weights_after_loading(module)
 
+    def build(hf_config, cfg, quant_config):
+        assert type(hf_config).__name__ == "DeepseekV3Config" and hf_config.n_routed_experts == 384
+        return DeepseekV2MoE(hf_config, cfg.parallel_config, quant_config=quant_config, prefix=prefix)
+
+    cfg, reader, block = _block_through_vllm(tmp_path, tiny_kimi_k2_config(), build)
+    _load_deepseek_style_block(block, reader, prefix, 384)
     ours = Fp8FusedMoE(384, 256, 128, 8, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.827,
                        use_correction_bias=True, num_shared_experts=1)
     load_fused_moe(ours, reader, prefix)
@@ -590,6 +568,23 @@ def _process_after_loading(block: torch.nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def _load_deepseek_style_block(block: torch.nn.Module, reader: CheckpointReader, prefix: str, num_experts: int) -> None:
+    """Fill a DeepSeek-style vLLM MoE block (``DeepseekV2MoE``, ``Glm4MoE``) as vLLM's loaders do: the experts, the
+    shared MLP (gate / up stacked into ``gate_up_proj``), the gate and its correction bias; then process them."""
+    assert isinstance(block.shared_experts.gate_up_proj.quant_method, MoeFp8LinearMethod)
+    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
+    assert load_experts_through_vllm(block.experts, tensors, 1, num_experts) == set(tensors)
+    shared = block.shared_experts
+    _load_merged(shared.gate_up_proj, [read_block_fp8(reader, f"{prefix}.shared_experts.{proj}")
+                                       for proj in ("gate_proj", "up_proj")])
+    for name in ("weight", "weight_scale_inv"):
+        param = getattr(shared.down_proj, name)
+        param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
+    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
+    block.gate.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias"))
+    _process_after_loading(block)
+
+
 def test_glm4_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_path) -> None:
     """vLLM's own GLM-4.5 MoE block (``Glm4MoE``: sigmoid top-4 of one group with the gate's correction bias,
     ``routed_scaling_factor`` 2.5, a shared expert on our linear method) on a GLM-4.5 checkpoint under
@@ -599,17 +594,7 @@ def test_glm4_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_p
     prefix = "model.layers.1.mlp"  # the tiny model's first MoE layer
     cfg, reader, block = _block_through_vllm(tmp_path, tiny_glm4_moe_config(),
                                              lambda hf, _cfg, qc: Glm4MoE(hf, quant_config=qc, prefix=prefix))
-    assert isinstance(block.shared_experts.gate_up_proj.quant_method, MoeFp8LinearMethod)
-    tensors = {n: reader.get(n) for n in reader if n.startswith(f"{prefix}.experts.")}
-    assert load_experts_through_vllm(block.experts, tensors, 1, 16) == set(tensors)
-    _load_merged(block.shared_experts.gate_up_proj, [read_block_fp8(reader, f"{prefix}.shared_experts.{proj}")
-                                                     for proj in ("gate_proj", "up_proj")])
-    for name in ("weight", "weight_scale_inv"):
-        param = getattr(block.shared_experts.down_proj, name)
-        param.weight_loader(param, reader.get(f"{prefix}.shared_experts.down_proj.{name}"))
-    block.gate.weight.data.copy_(reader.get(f"{prefix}.gate.weight"))
-    block.gate.e_score_correction_bias.data.copy_(reader.get(f"{prefix}.gate.e_score_correction_bias"))
-    _process_after_loading(block)
+    _load_deepseek_style_block(block, reader, prefix, 16)
 
     ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
                        use_correction_bias=True, num_shared_experts=1)
