@@ -387,18 +387,6 @@ def test_qwen3_model_is_patched_with_fp8_layers(qwen3_ours):
     assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
 
 
-def test_qwen3_logits_match_fp32_transformers_model(qwen3_ours, qwen3_reference, monkeypatch):
-    recorder = RoutingRecorder(qwen3_ours, monkeypatch)
-    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    want = check_against_reference(qwen3_ours, qwen3_reference, input_ids, recorder)
-    assert recorder.paths == ["contiguous", "contiguous"]
-    report = hf.compare_logits(qwen3_ours, qwen3_reference, input_ids)
-    assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
-    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
-    check_against_reference(qwen3_ours, qwen3_reference, input_ids[:1, :6], recorder)
-    assert recorder.paths == ["masked", "masked"]
-
-
 @torch.no_grad()
 def test_qwen3_generate_and_router_logits(qwen3_ours, monkeypatch):
     recorder = RoutingRecorder(qwen3_ours, monkeypatch)
@@ -572,19 +560,6 @@ def test_glm4_moe_model_is_patched_with_fp8_layers(glm_ours):
     assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
 
 
-def test_glm4_moe_logits_match_fp32_transformers_model(glm_ours, glm_reference, monkeypatch):
-    reference = glm_reference
-    recorder = RoutingRecorder(glm_ours, monkeypatch)
-    input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    want = check_against_reference(glm_ours, reference, input_ids, recorder)
-    assert recorder.paths == ["contiguous", "contiguous"]
-    report = hf.compare_logits(glm_ours, reference, input_ids)
-    assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
-    assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
-    check_against_reference(glm_ours, reference, input_ids[:1, :6], recorder)
-    assert recorder.paths == ["masked", "masked"]
-
-
 # ----------------------------------------------------------------------------------------------
 # MiniMax-M2
 # ----------------------------------------------------------------------------------------------
@@ -620,14 +595,18 @@ def test_minimax_m2_model_is_patched_with_fp8_layers(minimax_ours):
     assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
 
 
-def test_minimax_m2_logits_match_fp32_transformers_model(minimax_ours, minimax_reference, monkeypatch):
-    recorder = RoutingRecorder(minimax_ours, monkeypatch)
+@pytest.mark.parametrize("family", ["qwen3", "glm", "minimax"])
+def test_gqa_family_logits_match_fp32_transformers_model(family, request, monkeypatch):
+    """Qwen3-MoE, GLM-4.5 and MiniMax-M2 (grouped-query attention, two MoE layers of 16 experts top-4): transformers'
+    router picks our experts, and the logits are within the bound, on the contiguous path (2 × 16 tokens) and the
+    masked one (6 tokens); ``compare_logits`` agrees with the step-by-step check."""
+    ours, reference = (request.getfixturevalue(f"{family}_{kind}") for kind in ("ours", "reference"))
+    recorder = RoutingRecorder(ours, monkeypatch)
     input_ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
-    want = check_against_reference(minimax_ours, minimax_reference, input_ids, recorder)
+    want = check_against_reference(ours, reference, input_ids, recorder)
     assert recorder.paths == ["contiguous", "contiguous"]
-    report = hf.compare_logits(minimax_ours, minimax_reference, input_ids)
+    report = hf.compare_logits(ours, reference, input_ids)
     assert report.routing_choices == 2 * 16 * 4 * 2 and report.router_disagrees == 0
     assert report.diff_same_routing == pytest.approx(want, rel=1e-6)
-    check_against_reference(minimax_ours, minimax_reference, input_ids[:1, :6], recorder)
+    check_against_reference(ours, reference, input_ids[:1, :6], recorder)
     assert recorder.paths == ["masked", "masked"]
-
