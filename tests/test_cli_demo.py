@@ -76,27 +76,22 @@ def test_one_layer_is_a_moe_layer(tmp_path, capsys):
     assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND
 
 
-def test_glm4_moe_demo(capsys):
-    """--arch glm4_moe: a GLM-4.5 checkpoint (DeepSeek-V3's MoE block, grouped-query attention with biases)."""
-    assert cli.main(["demo", "--arch", "glm4_moe", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
+@pytest.mark.parametrize("arch,name,counts", [("glm4_moe", "GLM-4.5", (1, 16, 4, 1, 9)),
+                                             ("minimax_m2", "MiniMax-M2", (2, 16, 4, 0, 8))])
+def test_more_families_demo(arch, name, counts, capsys):
+    """--arch glm4_moe (DeepSeek-V3's MoE block, grouped-query attention with biases) and --arch minimax_m2
+    (Mixtral's tensor names, every layer MoE, no shared expert) through the same checks; ``counts``: MoE layers,
+    routed experts, top-k, shared experts, FP8 linears."""
+    from moe_fp8.integrations.transformers import ARCHITECTURES
+
+    assert cli.main(["demo", "--arch", arch, "--layers", "2", "--tokens", "2", "--prompt-len", "5",
                      "--device", "cpu", "--no-progress", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     m = report["model"]
-    assert m["arch"] == "glm4_moe" and m["architecture"].startswith("Glm4MoeForCausalLM")
-    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == (1, 16, 4, 1, 9)
+    assert m["arch"] == arch and m["architecture"].startswith(ARCHITECTURES[arch].causal_lm)
+    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == counts
     assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
-    assert demo.format_report(report).startswith("model     GLM-4.5 architecture, random block-FP8 weights: 2 layers")
-
-
-def test_minimax_m2_demo(capsys):
-    """--arch minimax_m2: a MiniMax-M2 checkpoint (Mixtral's tensor names, every layer MoE, no shared expert)."""
-    assert cli.main(["demo", "--arch", "minimax_m2", "--layers", "2", "--tokens", "2", "--prompt-len", "5",
-                     "--device", "cpu", "--no-progress", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    m = report["model"]
-    assert m["arch"] == "minimax_m2" and m["architecture"].startswith("MiniMaxM2ForCausalLM")
-    assert (m["moe_layers"], m["routed_experts"], m["top_k"], m["shared_experts"], m["fp8_linears"]) == (2, 16, 4, 0, 8)
-    assert report["logits"]["diff_same_routing"] < demo.DIFF_BOUND and report["logits"]["router_disagrees"] == 0
+    assert demo.format_report(report).startswith(f"model     {name} architecture, random block-FP8 weights: 2 layers")
 
 
 def test_qwen3_moe_demo(capsys):

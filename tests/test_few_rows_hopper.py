@@ -181,28 +181,11 @@ def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, k: int, ue
     _check_act(inp, act, scale, valid, ue8m0, masked_m=inp.masked_m)
 
 
-def test_cuda_graph_replays() -> None:
-    """Captured once, replayed with other counts (none, one expert, all full) and data: every replay right."""
-    groups, max_m, n, k = 32, 8, 7168, 2048
-    buf = _clone_operands(make_masked_inputs(groups, max_m, 1, n, k, seed=1, device="cuda",
-                                             masked_m=_counts("ragged", groups, max_m)))
-    out = torch.empty((groups, max_m, n), dtype=torch.bfloat16, device="cuda")
-
-    def run() -> None:
-        fp8_grouped_gemm_masked_hopper(buf.x_fp8, buf.x_scale, buf.w_fp8, buf.w_scale, buf.masked_m, 1, out)
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed, pattern in [(2, "one"), (3, "full"), (4, "empty"), (5, "ragged")]:
-        _replay_masked(graph, buf, out, make_masked_inputs(groups, max_m, 1, n, k, seed=seed, device="cuda",
-                                                           masked_m=_counts(pattern, groups, max_m)))
-
-
-def test_cuda_graph_replays_chunks(launches: list[int]) -> None:
-    """The chunked path (an engine's batched layout: max_m the capacity, a few rows expected) captured once and
-    replayed with other counts: a hot group of every row, all full, none, ragged."""
-    groups, max_m, n, k = 64, 96, 7168, 256
+@pytest.mark.parametrize("groups,max_m,n,k", [(32, 8, 7168, 2048), (64, 96, 7168, 256)])
+def test_cuda_graph_replays(groups: int, max_m: int, n: int, k: int, launches: list[int]) -> None:
+    """Captured once, replayed with other counts (one expert holding every row, all full, none, ragged) and data:
+    every replay right. 8 rows: one token tile; 96 rows of small groups expected to hold one each: the chunked
+    path (an engine's batched layout: max_m the capacity)."""
     buf = _clone_operands(make_masked_inputs(groups, max_m, 1, n, k, seed=1, device="cuda",
                                              masked_m=_counts("ragged", groups, max_m)))
     out = torch.empty((groups, max_m, n), dtype=torch.bfloat16, device="cuda")

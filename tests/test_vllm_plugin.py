@@ -599,13 +599,18 @@ def test_glm4_moe_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp_p
     ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
                        use_correction_bias=True, num_shared_experts=1)
     load_fused_moe(ours, reader, prefix)
-    for t in (3, 40):  # vLLM's decode-sized and prefill-sized calls
+    # (vLLM's shared MLP rounds SiLU·mul to bf16 before its down projection: within 1e-4, as for Kimi-K2)
+    _assert_block_matches(block, ours, cfg, 1e-4)
+
+
+def _assert_block_matches(block: torch.nn.Module, ours: Fp8FusedMoE, cfg: VllmConfig, bound: float) -> None:
+    """vLLM's block and ``ours`` on the block's own router logits, at vLLM's decode- and prefill-sized calls."""
+    for t in (3, 40):
         x = randn((t, 256), seed=t)
         with set_forward_context(None, cfg):
             out = block(x)
         logits = block.gate(x)[0]
-        # (vLLM's shared MLP rounds SiLU·mul to bf16 before its down projection: within 1e-4, as for Kimi-K2)
-        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < 1e-4
+        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < bound
 
 
 def _torch_topk_sigmoid(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_expert_indices: torch.Tensor,
@@ -646,12 +651,7 @@ def test_minimax_m2_block_through_vllm_matches_ours(vllm_config: VllmConfig, tmp
 
     ours = Fp8FusedMoE(16, 256, 128, 4, scoring_func="sigmoid", renormalize=True, use_correction_bias=True)
     load_fused_moe(ours, reader, prefix, names=names)
-    for t in (3, 40):
-        x = randn((t, 256), seed=t)
-        with set_forward_context(None, cfg):
-            out = block(x)
-        logits = block.gate(x)[0]
-        assert out.shape == (t, 256) and calc_diff(out, ours(x, logits.float())) < SAME_INPUT_DIFF
+    _assert_block_matches(block, ours, cfg, SAME_INPUT_DIFF)
 
 
 def test_moe_unloaded_scales_are_refused(vllm_config: VllmConfig, quant_config: MoeFp8Config) -> None:
