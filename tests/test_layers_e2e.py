@@ -595,6 +595,16 @@ def test_minimax_m2_model_is_patched_with_fp8_layers(minimax_ours):
     assert report.unused == [] and report.kept_unquantized == [] and report.quantized_on_load == []
 
 
+def test_minimax_m2_refuses_another_scoring_function(minimax_ckpt):
+    """transformers' MiniMax-M2 router always scores with a sigmoid; a config naming another would run a different
+    model under our layers, so patching refuses it."""
+    changed = transformers.AutoConfig.from_pretrained(minimax_ckpt, scoring_func="softmax")
+    with torch.device("meta"):
+        model = transformers.MiniMaxM2ForCausalLM(changed)
+    with pytest.raises(ValueError, match=r"scoring_func 'softmax'.*MiniMax-M2 router scores experts with a sigmoid"):
+        hf.patch_model(model, minimax_ckpt, device="cpu")
+
+
 @pytest.mark.parametrize("family", ["qwen3", "glm", "minimax"])
 def test_gqa_family_logits_match_fp32_transformers_model(family, request, monkeypatch):
     """Qwen3-MoE, GLM-4.5 and MiniMax-M2 (grouped-query attention, two MoE layers of 16 experts top-4): transformers'
