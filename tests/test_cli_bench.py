@@ -63,6 +63,47 @@ def test_grouped_shapes_by_arity():
     assert kind.parse_shape("32x256x8x4096x7168") == (32, 256, 8, 4096, 7168)
 
 
+def test_torch_grouped_baselines_take_each_group_as_its_segment():
+    """The bf16 grouped baseline computes group g's rows with expert g's weights, empty groups included (the FP8
+    one, ``_scaled_grouped_mm``, has no CPU kernel: its GPU run checks the same offsets)."""
+    from moe_fp8.benchmarks.grouped import BASELINES, _torch_grouped
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(21, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4, 32, 64, generator=gen).to(torch.bfloat16)
+    segments = [5, 0, 16, 0]
+    fns = _torch_grouped(x.to(torch.float8_e4m3fn), x, w.to(torch.float8_e4m3fn), w, segments)
+    assert set(fns) | {"torch_blockwise_loop"} == set(BASELINES)
+    out = fns["torch_bf16_grouped"]()
+    assert out.shape == (21, 32)
+    torch.testing.assert_close(out[:5], x[:5] @ w[0].t())
+    torch.testing.assert_close(out[5:], x[5:] @ w[2].t())
+
+
+def test_grouped_bench_records_a_missing_baseline_and_checks_ours(monkeypatch):
+    """A baseline this torch build or GPU lacks becomes a note, not a failed bench; ours is checked against the bf16
+    product first, and a wrong result is named in the notes (it is still timed: the record shows both)."""
+    from moe_fp8.benchmarks import grouped
+
+    monkeypatch.setattr(grouped, "bench_us", lambda fn: 10.0)
+    monkeypatch.setattr(grouped, "bench_chilled_us", lambda fn: 8.0)
+
+    def missing():
+        raise NotImplementedError("Could not run 'aten::_scaled_grouped_mm' with arguments from the 'CPU' backend")
+    notes: list[str] = []
+    fns = {"moe_fp8": lambda: torch.ones(4), "torch_blockwise_loop": lambda: None,
+           "torch_fp8_rowwise_grouped": missing, "torch_bf16_grouped": lambda: torch.ones(4)}
+    rows = grouped._time("grouped_masked", {"groups": 1, "n": 8}, fns, 100, 10, lambda res: float(res[0] - 1), notes)
+    assert [r["impl"] for r in rows] == ["moe_fp8", "torch_blockwise_loop", "torch_bf16_grouped"]
+    assert rows[0]["us"] == 10.0 and rows[0]["chilled_us"] == 8.0
+    assert notes == ["torch_fp8_rowwise_grouped grouped_masked 1x8: NotImplementedError: Could not run "
+                     "'aten::_scaled_grouped_mm' with arguments from the 'CPU' backend"]
+    fns["moe_fp8"] = lambda: torch.full((4,), 2.0)
+    notes.clear()
+    grouped._time("grouped_masked", {"groups": 1, "n": 8}, fns, 100, 10, lambda res: float(res[0] - 1), notes)
+    assert notes[0] == "moe_fp8 grouped_masked 1x8: diff vs the bf16 product 1.00e+00 (> 1e-3)"
+
+
 # --------------------------------------------------------------------------------------------
 # records: ratios, CSV, roofline class, plots
 # --------------------------------------------------------------------------------------------
