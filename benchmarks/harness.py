@@ -18,13 +18,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .report import device_slug
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,12 +212,6 @@ def git_commit() -> str:
         return sha.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def device_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100' (file names of docs/benchmarks)."""
-    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
-    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
 
 
 def row(kind: str, shape: dict[str, int], impl: str, us: float, flops: float, nbytes: float,

@@ -8,10 +8,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OURS", "chilled_view", "geomean", "group_by_shape", "load_record", "memory_bound", "merge_records",
+__all__ = ["OURS", "chilled_view", "device_slug", "geomean", "group_by_shape", "load_record", "memory_bound", "merge_records",
            "shape_label", "speedups", "write_csv"]
 
 OURS = "moe_fp8"
@@ -33,6 +34,12 @@ def load_record(path: Path) -> dict[str, Any]:
             raise ValueError(f"{path}: row {i} lacks kind / shape / impl / us")
     record.setdefault("ceilings", {})
     return record
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200' (file names of docs/benchmarks)."""
+    m = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower())).lower()
 
 
 def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -13,9 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs" / "benchmarks"
+
+
+sys.path.insert(0, str(REPO))  # benchmarks/report.py: pure Python, no install needed
+from benchmarks.report import device_slug  # noqa: E402
 
 
 def _device(run: Path) -> str:
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"plots need moe_fp8 and matplotlib ({e}): pip install -e '.[plots]', "
                              "or pass --no-plots") from None
     device = _device(run)
-    slug = "h100" if "H100" in device else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    slug = device_slug(device)  # as the benches name their records
     docs.mkdir(parents=True, exist_ok=True)
     date = "unknown"
     titles = {"gemm": "FP8 block-scaled GEMM", "grouped": "Grouped FP8 GEMMs (contiguous, masked)",

@@ -486,7 +486,9 @@ def test_plot_panel_log_axis_and_shapes_without_throughput():
 # --------------------------------------------------------------------------------------------
 
 @needs_matplotlib
-def test_record_gpu_check_writes_json_md_and_png(tmp_path):
+@pytest.mark.parametrize("device,slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200")])
+def test_record_gpu_check_writes_json_md_and_png(tmp_path, device, slug):
+    """Records named as the benches name them (``report.device_slug``): an H200 run's ``h200-*.json`` too."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("record_gpu_check",
@@ -495,23 +497,23 @@ def test_record_gpu_check_writes_json_md_and_png(tmp_path):
     spec.loader.exec_module(script)
     run = tmp_path / "gpu_check"
     run.mkdir()
-    (run / "info.txt").write_text("# commit deadbeef\nname, driver_version\nNVIDIA H100 80GB HBM3, 570.1\n")
+    (run / "info.txt").write_text(f"# commit deadbeef\nname, driver_version\n{device}, 570.1\n")
     rows = [harness.row("quant", {"m": m, "k": 7168}, impl, us, 0, m * 7168 * 3)
             for m in (128, 4096) for impl, us in (("moe_fp8", 20.0), ("torch_copy", 10.0))]
-    (run / "h100-moe-data.json").write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "commit": "x",
+    (run / f"{slug}-moe-data.json").write_text(json.dumps({"device": device, "commit": "x",
                                                         "date": "2026-11-23", "ceilings": {"copy_gbps": 3000.0},
                                                         "rows": rows}))
     (run / "bench_moe-data.txt").write_text("[1/2] bench: ceilings\n## quant\n| table |\n")
     docs = tmp_path / "docs"
     script.main([str(run), "--commit", "abc1234", "--docs", str(docs)])
-    assert json.loads((docs / "h100-moe-data.json").read_text())["commit"] == "abc1234"
-    md = (docs / "h100-moe-data.md").read_text()
-    assert "](h100-moe-data.png)" in md and "## quant\n| table |" in md and "[1/2]" not in md
-    _png(docs / "h100-moe-data.png")
-    assert (docs / "h100-gpu-check.md").exists()
-    (docs / "h100-moe-data.png").unlink()
+    assert json.loads((docs / f"{slug}-moe-data.json").read_text())["commit"] == "abc1234"
+    md = (docs / f"{slug}-moe-data.md").read_text()
+    assert f"]({slug}-moe-data.png)" in md and "## quant\n| table |" in md and "[1/2]" not in md
+    _png(docs / f"{slug}-moe-data.png")
+    assert (docs / f"{slug}-gpu-check.md").exists()
+    (docs / f"{slug}-moe-data.png").unlink()
     script.main([str(run), "--commit", "abc1234", "--docs", str(docs), "--no-plots"])
-    assert not (docs / "h100-moe-data.png").exists() and ".png)" not in (docs / "h100-moe-data.md").read_text()
+    assert not (docs / f"{slug}-moe-data.png").exists() and ".png)" not in (docs / f"{slug}-moe-data.md").read_text()
 
 
 def test_chilled_timing_sums_each_calls_kernels() -> None:
