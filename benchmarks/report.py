@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OURS", "chilled_view", "device_slug", "geomean", "group_by_shape", "load_record", "memory_bound", "merge_records",
-           "shape_label", "speedups", "write_csv"]
+__all__ = ["OURS", "chilled_view", "device_slug", "geomean", "group_by_shape", "load_record", "memory_bound",
+           "merge_records", "shape_label", "speedups", "write_csv"]
 
 OURS = "moe_fp8"
 Row = dict[str, Any]

@@ -500,9 +500,8 @@ def test_record_gpu_check_writes_json_md_and_png(tmp_path, device, slug):
     (run / "info.txt").write_text(f"# commit deadbeef\nname, driver_version\n{device}, 570.1\n")
     rows = [harness.row("quant", {"m": m, "k": 7168}, impl, us, 0, m * 7168 * 3)
             for m in (128, 4096) for impl, us in (("moe_fp8", 20.0), ("torch_copy", 10.0))]
-    (run / f"{slug}-moe-data.json").write_text(json.dumps({"device": device, "commit": "x",
-                                                        "date": "2026-11-23", "ceilings": {"copy_gbps": 3000.0},
-                                                        "rows": rows}))
+    (run / f"{slug}-moe-data.json").write_text(json.dumps({"device": device, "commit": "x", "date": "2026-11-23",
+                                                          "ceilings": {"copy_gbps": 3000.0}, "rows": rows}))
     (run / "bench_moe-data.txt").write_text("[1/2] bench: ceilings\n## quant\n| table |\n")
     docs = tmp_path / "docs"
     script.main([str(run), "--commit", "abc1234", "--docs", str(docs)])
