@@ -4,7 +4,8 @@ Each function states the op's meaning in the plainest PyTorch we could write; sp
 All arithmetic is float32 after dequantization (real = fp8 · scale), tensors may live on CPU or CUDA.
 Transcendentals (SiLU, softmax, sigmoid) are evaluated in float64 and rounded once to float32, and
 every division is tensor / tensor (correctly rounded), so quantization, routing and dispatch give
-the same bits on CPU and CUDA; matmuls are true FP32 (never TF32) and agree to FP32 summation order.
+the same bits on CPU and CUDA; matmuls are true FP32 on CUDA (never TF32) and float64 sums rounded once to
+float32 on the CPU (the same bits whatever the shape or batch).
 
 Conventions (DESIGN.md §2):
 - FP8 is ``torch.float8_e4m3fn`` (max 448); scales are FP32 multipliers.
@@ -226,12 +227,16 @@ def dequant_per_block(
 # 3. GEMMs
 # ----------------------------------------------------------------------------------------------
 def _matmul_nt_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.transpose(-1, -2)`` with true FP32 precision.
+    """``a @ b.transpose(-1, -2)`` with at least FP32 precision.
 
-    If the process allows TF32 for FP32 CUDA matmuls (``torch.set_float32_matmul_precision`` other
-    than "highest"), compute in float64 instead: the oracle must never silently lose precision.
+    On the CPU, and where the process allows TF32 for FP32 CUDA matmuls (``torch.set_float32_matmul_precision``
+    other than "highest"), the sums are float64, rounded once to float32: the oracle must never silently lose
+    precision, and a CPU float32 sum's order follows the BLAS kernel a shape picks (MKL on AVX-512 gave a group's
+    rows different last bits as 4 rows of a contiguous segment and as 9 of a masked one), whereas the products of
+    two float32 are exact in float64 and the order of its sums shows at float32 only for a sum within ~2^-50 of a
+    rounding midpoint.
     """
-    if a.is_cuda and torch.get_float32_matmul_precision() != "highest":
+    if not a.is_cuda or torch.get_float32_matmul_precision() != "highest":
         return (a.double() @ b.double().transpose(-1, -2)).float()
     return a @ b.transpose(-1, -2)
 

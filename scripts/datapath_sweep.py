@@ -154,7 +154,7 @@ def quant_cases() -> list[Case]:
         x = randn((m, k), seed=m + k, device=DEV)
         cands = []
         for knobs in QUANT_KNOBS:
-            cfg = C.quant_config(m, -(-k // 128), 128, 1, False, **knobs)
+            cfg = C.quant_config(m, -(-k // 128), 128, 1, False, wide=C.quant_wide(DEV, None), **knobs)
             cands.append((knobs, cfg, lambda x=x, cfg=cfg: Q.per_token_group_quant(x, 128, False, 1e-10, config=cfg)))
         cases.append(Case("quant", {"m": m, "k": k}, m * k * 3 + _scale_bytes(m, k),
                           lambda x=x: ref.per_token_group_quant(x), exact(), _dedup(cands)))
@@ -184,7 +184,8 @@ def silu_cases() -> list[Case]:
             check, knob_list = _silu_close({0: valid}), SILU_MASKED_KNOBS
         cands = []
         for knobs in knob_list:
-            cfg = C.quant_config(max_m, INTER // 128, 128, groups, masked_m is not None, None, silu=True, **knobs)
+            cfg = C.quant_config(max_m, INTER // 128, 128, groups, masked_m is not None, None, silu=True,
+                                 wide=C.quant_wide(DEV, None), **knobs)  # (default): as the op picks it
             cands.append((knobs, cfg, lambda h=h, mm=masked_m, cfg=cfg: Q.silu_mul_per_token_group_quant(
                 h, 128, False, mm, 1e-10, config=cfg)))
         cases.append(Case("silu_mul_quant", {"m": rows, "two_i": two_i, "groups": groups, "max_m": max_m},

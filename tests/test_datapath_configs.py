@@ -52,6 +52,25 @@ def test_quant_config_small_inputs_use_more_smaller_tiles():
         assert (cfg.block_r, cfg.block_g, cfg.num_warps) == (1, 8, 2)
 
 
+def test_quant_config_wide_tiles_on_the_devices_measured():
+    """``QUANT_WIDE_DEVICES`` (the H200): 32 loads a thread at prefill sizes, quant tiles of 2048 elements; the H100's
+    picks, masked layouts and grids under ``QUANT_WIDE_MIN_TILES_PER_SM`` tiles an SM unchanged."""
+    assert C.is_quant_wide("NVIDIA H200")
+    assert not any(map(C.is_quant_wide, ("NVIDIA H100 80GB HBM3", "NVIDIA H20", "NVIDIA H200 NVL")))  # not measured
+    assert not C.quant_wide("cpu", None)  # the interpreter: no device name to read
+    for rows, k_groups in [(16384, 56), (4096, 56), (1024, 56), (16384, 16)]:
+        cfg = C.quant_config(rows, k_groups, 128, num_sms=132, wide=True)
+        assert (cfg.block_r, cfg.block_g, cfg.num_warps) == (2, 8, 2)
+        assert cfg.row_programs == -(-rows // 2)
+    for rows in (16384, 4096):
+        cfg = C.quant_config(rows, 16, 128, num_sms=132, silu=True, wide=True)
+        assert (cfg.block_r, cfg.block_g, cfg.num_warps) == (1, 8, 2)  # gate and up: 32 loads a thread
+    unchanged = [((128, 56, 128), {}), ((1024, 16, 128), {"silu": True}), ((128, 16, 128, 256, True), {"silu": True}),
+                 ((4096, 16, 128, 32, True), {"silu": True}), ((16384, 56, 128), {"tile_elems": 4096, "num_warps": 8})]
+    for args, knobs in unchanged:
+        assert C.quant_config(*args, num_sms=132, wide=True, **knobs) == C.quant_config(*args, num_sms=132, **knobs)
+
+
 @pytest.mark.parametrize(("t", "e", "k", "n_group"), [(1, 256, 8, 8), (128, 256, 8, 8), (16384, 256, 8, 8),
                                                       (5, 12, 3, 4), (3, 512, 8, None), (1000, 1024, 8, None)])
 def test_routing_config(t, e, k, n_group):

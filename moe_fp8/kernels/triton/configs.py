@@ -38,6 +38,17 @@ QUANT_MIN_TILES_PER_SM = 8
 # (128×7168: 1024/4 warps 7.3 us vs 1024/2 warps 7.7).
 QUANT_LOADS_PER_THREAD = 16
 QUANT_SMALL_LOADS_PER_THREAD = 8
+# GPUs whose memory outruns those tiles (docs/kernels/datapath.md, session 54): twice
+# the loads per thread, and quant tiles of 2048 elements (2 warps). H200, CUDA-graph replays alternated, default ->
+# wide (docs/benchmarks/calibration/s54-quant-wide-ab-h200.txt): quant 16384×7168 142.3 -> 116.9 µs (2.50 -> 3.05
+# TB/s), 4096×7168 39.2 -> 34.6, 1024×7168 13.9 -> 13.7, 16384×2048 44.2 -> 38.1; SiLU·mul+quant (1024-element tiles,
+# 4 -> 2 warps) 16384 rows 62.2 -> 54.8, 4096 rows 20.1 -> 18.8. Not measured on the H100 (whose picks above stay),
+# so only the device names listed here take it; nor masked layouts, nor grids of fewer than
+# QUANT_WIDE_MIN_TILES_PER_SM default tiles an SM (SiLU·mul+quant of 1024 rows: 9.6 -> 10.0 µs in the sweep).
+QUANT_WIDE_DEVICES = ("NVIDIA H200",)  # torch.cuda.get_device_name, exactly (the SXM part)
+QUANT_WIDE_MIN_TILES_PER_SM = 32
+QUANT_WIDE_TILE_ELEMS = 2048
+QUANT_WIDE_LOADS_PER_THREAD = 32
 # Scale groups side by side in one tile row (8 × 128 = 1024 columns): the rest of the tile is rows.
 QUANT_MAX_BLOCK_G = 8
 # Masked layouts: the valid rows of all groups are one flat list of row blocks (prefix of masked_m
@@ -186,7 +197,8 @@ class QuantConfig:
 def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
                  masked: bool = False, num_sms: int | None = None, *, silu: bool = False,
                  tile_elems: int | None = None, num_warps: int | None = None,
-                 max_block_g: int | None = None, programs_per_sm: int | None = None) -> QuantConfig:
+                 max_block_g: int | None = None, programs_per_sm: int | None = None,
+                 wide: bool = False) -> QuantConfig:
     """Config of ``per_token_group_quant`` / ``silu_mul_per_token_group_quant``.
 
     ``rows`` per leading group (``M`` or ``max_m``), ``k_groups`` scale groups per row, ``num_groups``
@@ -195,11 +207,15 @@ def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
     the flat list of valid rows of all groups (the kernel finds a row's group from the prefix of
     ``masked_m``), so a mostly empty ``[G, max_m, ·]`` buffer costs no idle programs and a hot group
     no serial tail; more groups: ``row_programs`` per (column block, group) loop over that group.
-    Keyword knobs override the module constants (``scripts/datapath_sweep.py``).
+    Keyword knobs override the module constants (``scripts/datapath_sweep.py``); ``wide``: the tiles of
+    ``QUANT_WIDE_DEVICES`` (``quant_wide``).
     """
-    tile = tile_elems or (QUANT_SILU_TILE_ELEMS if silu else QUANT_TILE_ELEMS)
     sms = num_sms or get_num_sms()
     gs_p2 = _pow2_ceil(group_size)
+    if wide and (masked or tile_elems is not None or max(rows, 1) * -(-k_groups // min(
+            _pow2_ceil(k_groups), QUANT_MAX_BLOCK_G)) < QUANT_WIDE_MIN_TILES_PER_SM * sms):
+        wide = False  # one-row default tiles of 8 groups: fewer than the bound an SM
+    tile = tile_elems or (QUANT_SILU_TILE_ELEMS if silu else QUANT_WIDE_TILE_ELEMS if wide else QUANT_TILE_ELEMS)
     per_row = max(tile // gs_p2, 1)
     block_g = min(_pow2_ceil(k_groups), per_row, max_block_g or QUANT_MAX_BLOCK_G)
     block_r = max(min(per_row // block_g, _pow2_ceil(rows)), 1)
@@ -221,9 +237,25 @@ def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
     else:
         row_programs = row_blocks
     loads = block_r * block_g * gs_p2 * (2 if silu else 1)
-    per_thread = QUANT_SMALL_LOADS_PER_THREAD if small else QUANT_LOADS_PER_THREAD
+    per_thread = (QUANT_SMALL_LOADS_PER_THREAD if small else
+                  QUANT_WIDE_LOADS_PER_THREAD if wide else QUANT_LOADS_PER_THREAD)
     warps = num_warps or min(max(_pow2_floor(loads // (per_thread * 32)), 1), 8)
     return QuantConfig(block_r, block_g, gs_p2, warps, row_programs)
+
+
+def is_quant_wide(device_name: str) -> bool:
+    """Whether a GPU of this name takes the quantization kernels' wide tiles (``QUANT_WIDE_DEVICES``)."""
+    return device_name in QUANT_WIDE_DEVICES
+
+
+@functools.cache
+def quant_wide(device_type: str, index: int | None) -> bool:
+    """``is_quant_wide`` of a device, looked up once (an eager launch must not pay for the name)."""
+    if device_type != "cuda":  # the interpreter on the CPU (tests)
+        return False
+    import torch
+
+    return is_quant_wide(torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index))
 
 
 @dataclasses.dataclass(frozen=True)

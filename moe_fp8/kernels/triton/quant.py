@@ -44,7 +44,13 @@ from moe_fp8.kernels.triton.common import (
     pdl_start,
     quantize_groups,
 )
-from moe_fp8.kernels.triton.configs import MAX_GRID_YZ, QUANT_FLAT_MAX_GROUPS, QuantConfig, quant_config
+from moe_fp8.kernels.triton.configs import (
+    MAX_GRID_YZ,
+    QUANT_FLAT_MAX_GROUPS,
+    QuantConfig,
+    quant_config,
+    quant_wide,
+)
 from moe_fp8.utils import (
     FP8_DTYPE,
     ceil_div,
@@ -190,7 +196,7 @@ def _launch(inp: torch.Tensor, n_out: int, group_size: int, ue8m0: bool, eps: fl
         return out, out_scale
     masked = masked_m is not None
     cfg = config or quant_config(rows, kg, group_size, groups, masked, get_num_sms() if masked else None,
-                                 silu=silu)
+                                 silu=silu, wide=quant_wide(device.type, device.index))
     col_blocks = ceil_div(kg, cfg.block_g)
     if groups > MAX_GRID_YZ or col_blocks > MAX_GRID_YZ:
         raise ValueError(f"too many groups ({groups}) or column blocks ({col_blocks}) for one launch")
