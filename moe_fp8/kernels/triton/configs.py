@@ -212,9 +212,8 @@ def quant_config(rows: int, k_groups: int, group_size: int, num_groups: int = 1,
     """
     sms = num_sms or get_num_sms()
     gs_p2 = _pow2_ceil(group_size)
-    if wide and (masked or tile_elems is not None or max(rows, 1) * -(-k_groups // min(
-            _pow2_ceil(k_groups), QUANT_MAX_BLOCK_G)) < QUANT_WIDE_MIN_TILES_PER_SM * sms):
-        wide = False  # one-row default tiles of 8 groups: fewer than the bound an SM
+    default_tiles = max(rows, 1) * -(-k_groups // min(_pow2_ceil(k_groups), QUANT_MAX_BLOCK_G))  # one-row tiles
+    wide = wide and not masked and tile_elems is None and default_tiles >= QUANT_WIDE_MIN_TILES_PER_SM * sms
     tile = tile_elems or (QUANT_SILU_TILE_ELEMS if silu else QUANT_WIDE_TILE_ELEMS if wide else QUANT_TILE_ELEMS)
     per_row = max(tile // gs_p2, 1)
     block_g = min(_pow2_ceil(k_groups), per_row, max_block_g or QUANT_MAX_BLOCK_G)
