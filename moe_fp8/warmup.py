@@ -321,12 +321,12 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
             for cfg in dict.fromkeys(c for c in configs if c is not None):
                 add(g, *kernel_variant(desc, cfg), layout, cfg, lo, hi)
     for g in gemms:
-        for layout, lo, hi, name, source in _few_rows_variants(g, max_tokens):
+        for layout, lo, hi, name, source in _few_rows_variants(g, max_tokens, num_sms):
             add(g, name, source, layout, None, lo, hi)
     return list(found.values())
 
 
-def _few_rows_variants(g: GemmShape, max_tokens: int) -> list[tuple[Layout, int, int, str, str]]:
+def _few_rows_variants(g: GemmShape, max_tokens: int, num_sms: int) -> list[tuple[Layout, int, int, str, str]]:
     """``(layout, first, last, name, source)``: the few-rows GEMM of each token tile that decode batches of
     ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs at long K, masked ones (FP32 out under the
     fused GEMM1's SiLU·mul + quant), chunked past 16 rows for small groups (the batches whose expected rows per
@@ -344,7 +344,8 @@ def _few_rows_variants(g: GemmShape, max_tokens: int) -> list[tuple[Layout, int,
             if few_rows.applies(hi, g.n, g.k, g.num_groups):
                 out.append(("masked", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi, out_f32=bool(g.act_quant))))
         # past that, small groups expected to hold few rows each (chunks: one variant for every max_m)
-        if max_tokens > top and few_rows.applies(top + 1, g.n, g.k, g.num_groups, expected_m=1):
+        if max_tokens > top and few_rows.applies(top + 1, g.n, g.k, g.num_groups, expected_m=1,
+                                                 fused=bool(g.act_quant), num_sms=num_sms):
             out.append(("masked", top + 1, max_tokens,
                         *few_rows.kernel_variant(g.n, g.k, top + 1, out_f32=bool(g.act_quant))))
     return out

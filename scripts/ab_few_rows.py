@@ -7,10 +7,11 @@ which kernel it takes when on (``wgmma``: the same kernel both times). Layers: o
 CUDA graph with the path off (``few_rows.MAX_ROWS = 0``, ``CHUNKED_MAX_EXPECTED = 0``) and on, the replays
 timed alternately. Normal: the linears of decode batches (M = tokens), ``fp8_gemm_hopper`` against the few-rows
 kernel. ``--chunked``: past 16 tokens the path on takes every small group's GEMM whatever its expected rows (the
-chunked regime, to measure where it pays), once per ``--chunk-tiles`` value.
+chunked regime, to measure where it pays), once per ``--chunk-tiles`` value. ``--fused-waves``: each path on once
+per value of ``few_rows.CHUNKED_FUSED_MAX_WAVES`` (where the fused gate-up GEMM takes the chunked regime too).
 
     python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
-                                  [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2]
+                                  [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2] [--fused-waves none 2.5 0]
 """
 
 from __future__ import annotations
@@ -31,16 +32,20 @@ from moe_fp8.testing import make_masked_inputs
 from moe_fp8.utils import ceil_div
 
 MODELS = Path(__file__).resolve().parent / "models"
-# (name, config, ep, tp): DeepSeek-V3 and Kimi-K2 at EP 8 and TP 8, Qwen3-235B-A22B at EP 8
+# (name, config, ep, tp): DeepSeek-V3 and Kimi-K2 at EP 8 and TP 8, Qwen3-235B-A22B at EP 8 (the default set);
+# --ranks also takes Qwen3-30B-A3B, GLM-4.5 and MiniMax-M2 at EP 8
 RANKS = [("DeepSeek-V3 EP8", "deepseek-v3.json", 8, 1), ("Kimi-K2 EP8", "kimi-k2.json", 8, 1),
          ("DeepSeek-V3 TP8", "deepseek-v3.json", 1, 8), ("Qwen3-235B EP8", "qwen3-235b-a22b.json", 8, 1)]
+MORE_RANKS = [("Qwen3-30B EP8", "qwen3-30b-a3b.json", 8, 1), ("GLM-4.5 EP8", "glm-4.5.json", 8, 1),
+              ("MiniMax-M2 EP8", "minimax-m2.json", 8, 1)]
 
 
 def rank_shapes(cfg: dict, ep: int, tp: int) -> tuple[int, int, int, int, int]:
     """(global experts, local experts, top-k, hidden, intermediate per rank)."""
-    experts = int(cfg.get("n_routed_experts") or cfg["num_experts"])
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg["num_local_experts"])
     top_k = int(cfg.get("num_experts_per_tok"))
-    return experts, experts // ep, top_k, int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"]) // tp
+    inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])  # (MiniMax-M2: intermediate_size)
+    return experts, experts // ep, top_k, int(cfg["hidden_size"]), inter // tp
 
 
 def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list[int]:
@@ -51,14 +56,16 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
     return hits[:local].tolist()
 
 
-Setting = tuple[int, int, int]  # few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES
-SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES)
-OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES)
+# few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES
+Setting = tuple[int, int, int, float | None]
+SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES,
+                    few_rows.CHUNKED_FUSED_MAX_WAVES)
+OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES)
 ON: dict[str, Setting] = {"on": SHIPPED}  # the path's settings timed against OFF (main() may change them)
 
 
 def set_path(setting: Setting) -> None:
-    few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES = setting
+    few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES = setting
 
 
 def with_path(setting: Setting, call: Callable[[], None]) -> None:
@@ -146,17 +153,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--parts", nargs="+", choices=("gemms", "layers", "normal"), default=["gemms", "layers"])
     p.add_argument("--ctas-per-sm", type=int, default=few_rows.CTAS_PER_SM, help="the few-rows kernel's grid")
-    p.add_argument("--ranks", nargs="+", choices=[r[0] for r in RANKS], help="only these ranks (default: all)")
+    p.add_argument("--ranks", nargs="+", choices=[r[0] for r in RANKS + MORE_RANKS],
+                   help="these ranks (default: the first four)")
     p.add_argument("--chunked", action="store_true", help="the path on takes small groups whatever their expected rows")
     p.add_argument("--chunk-tiles", type=int, nargs="+", choices=(1, 2), default=[few_rows.CHUNK_TOKEN_TILES])
+    p.add_argument("--fused-waves", nargs="+", type=lambda v: None if v == "none" else float(v),
+                   help="each path on once per value of few_rows.CHUNKED_FUSED_MAX_WAVES ('none': the fused gate-up "
+                        "GEMM chunked wherever the unfused one is; 0: never)")
     args = p.parse_args()
     few_rows.CTAS_PER_SM = args.ctas_per_sm
     if args.ranks:
-        RANKS[:] = [r for r in RANKS if r[0] in args.ranks]
+        RANKS[:] = [r for r in RANKS + MORE_RANKS if r[0] in args.ranks]
     if args.chunked or args.chunk_tiles != [few_rows.CHUNK_TOKEN_TILES]:
         ON.clear()
         chunked = 1 << 30 if args.chunked else few_rows.CHUNKED_MAX_EXPECTED
-        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t) for t in args.chunk_tiles})
+        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t, few_rows.CHUNKED_FUSED_MAX_WAVES)
+                   for t in args.chunk_tiles})
+    if args.fused_waves:
+        base = dict(ON)
+        ON.clear()
+        ON.update({f"{label} w{waves}": (*setting[:3], waves) for label, setting in base.items()
+                   for waves in args.fused_waves})
     print(f"device: {torch.cuda.get_device_name()}")
     for part in args.parts:
         {"gemms": gemm_rows, "layers": layer_rows, "normal": normal_rows}[part](args.rounds, args.tokens)

@@ -170,7 +170,7 @@ def test_silu_mul_quant_on_few_rows(max_m: int, pattern: str, n: int, k: int, ue
     """The fused GEMM1 op at decode (48 rows of Qwen3-30B-A3B's experts: in chunks): the few-rows GEMM's FP32 h,
     then SiLU·mul + quant; checked as the fused epilogue is, rows past masked_m untouched."""
     groups = 32
-    assert few_rows.applies(max_m, n, k, groups, 1)
+    assert few_rows.applies(max_m, n, k, groups, 1, fused=True)
     inp = make_masked_inputs(groups, max_m, 1, n, k, seed=max_m, device="cuda",
                              masked_m=_counts(pattern, groups, max_m))
     act, scale = _poisoned_act((groups, max_m, n // 2), groups=groups)

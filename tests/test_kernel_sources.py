@@ -6,6 +6,7 @@ shared memory. Also the routing kernel's launch of its dependents, per variant."
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -155,7 +156,7 @@ def test_few_rows_variant_compiles(compiler, n, k, max_m, out_f32, tmp_path) -> 
     assert fn.get("spill_stores", 0) == 0 and fn.get("stack", 0) == 0 and fn["registers"] <= 128, fn
 
 
-def test_few_rows_host_rules() -> None:
+def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     from moe_fp8.kernels import few_rows
     from moe_fp8.utils import ceil_div
 
@@ -180,6 +181,19 @@ def test_few_rows_host_rules() -> None:
     assert not few_rows.applies(64, 7168, 256, 256, few + 1) and not few_rows.applies(64, 7168, 256, 256)
     assert not few_rows.applies(64, 4096, 7168, 32, 1) and not few_rows.applies(64, 7168, 2048, 32, 1)
     assert not few_rows.applies(64, 7168, 256, 1025, 1)
+    # the fused gate-up GEMM in chunks only where the wgmma kernel's 256-wide tiles over the groups expected to be
+    # touched (1 - exp(-expected_m) of them) fill at most CHUNKED_FUSED_MAX_WAVES waves; within max_rows always
+    waves = few_rows.fused_waves(3072, 32, 4, 132)
+    assert abs(waves - 32 * (1 - math.exp(-4)) * 12 / 132) < 1e-12 and waves > few_rows.CHUNKED_FUSED_MAX_WAVES
+    assert few_rows.applies(64, 1536, 2048, 16, few, fused=True, num_sms=132)  # Qwen3-30B-A3B EP 8: 0.7 waves
+    assert few_rows.applies(64, 3072, 3072, 32, 2, fused=True, num_sms=132)  # MiniMax-M2 EP 8, 2.5
+    assert not few_rows.applies(128, 3072, 3072, 32, 4, fused=True, num_sms=132)  # 2.9
+    assert few_rows.applies(128, 3072, 3072, 32, 4)  # (the same call unfused)
+    assert not few_rows.applies(64, 512, 7168, 256, 2, fused=True, num_sms=132)  # DeepSeek-V3 TP 8, 3.4
+    assert few_rows.applies(64, 512, 7168, 256, 2, fused=True, num_sms=264)  # (on twice the SMs, 1.7)
+    assert few_rows.applies(16, 512, 7168, 256, 4, fused=True, num_sms=132)  # max_rows
+    monkeypatch.setattr(few_rows, "CHUNKED_FUSED_MAX_WAVES", None)  # as unfused
+    assert few_rows.applies(128, 3072, 3072, 32, 4, fused=True, num_sms=132)
     assert few_rows.token_tiles(16) == 2 and few_rows.token_tiles(17) == few_rows.CHUNK_TOKEN_TILES
     name, source = few_rows.kernel_variant(7168, 256, 64)
     assert name.endswith("_c") and "/*kChunked=*/true" in source

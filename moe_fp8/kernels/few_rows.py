@@ -11,6 +11,7 @@ Arguments are validated by the public API before they get here; ``applies`` says
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -49,6 +50,19 @@ SMALL_GROUP_BYTES = 13 << 20
 # expected it lost, and chunks of 16 rows were no faster at 1-4 (docs/kernels/gemm.md, session 53).
 CHUNKED_MAX_EXPECTED = 4
 CHUNK_TOKEN_TILES = 1
+# The gate-up GEMM with the fused SiLU·mul + quant epilogue takes the chunked regime only where the wgmma kernel's
+# 256-wide tiles over the experts expected to be touched fill at most CHUNKED_FUSED_MAX_WAVES waves
+# (``fused_waves``): here it writes an FP32 h of [G, max_m, 2I] and runs SiLU·mul + quant apart, where the wgmma
+# kernel does both in one pass and, with enough tiles, streams the weights as fast. H200, one rank's layer
+# replayed, chunked gate-up GEMM on / off (the down projection chunked in both; docs/kernels/gemm.md, session 55):
+# on paid where the tiles fill few waves (Qwen3-30B-A3B EP 8, 0.7 waves: 1.10-1.18x against 1.06-1.08x at 24-64
+# tokens; Qwen3-235B-A22B, <= 1.5: 1.03-1.11x against 1.01-1.05x; MiniMax-M2 EP 8 at 24-48 tokens, 1.8-2.5:
+# 1.09-1.16x against 1.02-1.05x) and lost past them (DeepSeek-V3 TP 8 at 48-128 tokens, 3.4-3.9 waves: 1.04-1.12x
+# against 1.12-1.15x; MiniMax-M2 at 96-128, 2.8: 0.98-0.99x against 1.00-1.01x); DeepSeek-V3 TP 8 at 24-32
+# tokens (2.45) was even. With the bound, that rank 4-7% faster at 48-128 tokens, MiniMax-M2's 1-3% at 96-128, the
+# others unchanged. None: the fused GEMM takes it wherever the unfused one would (A/B runs).
+CHUNKED_FUSED_MAX_WAVES: float | None = 2.6
+FUSED_TILE_N = 256  # the wgmma kernel's gate-up tiles under the fused epilogue (a gate and an up block)
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
@@ -64,13 +78,29 @@ def max_rows(n: int, k: int) -> int:
     return MAX_ROWS if n * k <= SMALL_GROUP_BYTES else min(MAX_ROWS, WIDE_MAX_ROWS)
 
 
-def applies(max_m: int, n: int, k: int, num_groups: int, expected_m: int | None = None) -> bool:
+def fused_waves(n: int, num_groups: int, expected_m: int, num_sms: int) -> float:
+    """Waves of the wgmma kernel's ``FUSED_TILE_N``-wide gate-up tiles (one 64-row block a group) over the groups
+    a masked batch is expected to touch, each group's rows taken as Poisson(``expected_m``): a fraction
+    ``1 - exp(-expected_m)`` of the groups hold any."""
+    touched = num_groups * -math.expm1(-expected_m)
+    return touched * ceil_div(n, FUSED_TILE_N) / num_sms
+
+
+def applies(max_m: int, n: int, k: int, num_groups: int, expected_m: int | None = None, *,
+            fused: bool = False, num_sms: int | None = None) -> bool:
     """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here: groups of at
-    most ``max_rows``, or small groups expected (``expected_m``, a hint) to hold at most ``CHUNKED_MAX_EXPECTED``."""
+    most ``max_rows``, or small groups expected (``expected_m``, a hint) to hold at most ``CHUNKED_MAX_EXPECTED``.
+    ``fused``: the gate-up GEMM of the fused SiLU·mul + quant epilogue, chunked only where the wgmma kernel's
+    tiles would fill at most ``CHUNKED_FUSED_MAX_WAVES`` waves of ``num_sms`` (default ``get_num_sms()``)."""
     if not (max_m > 0 and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS):
         return False
-    return max_m <= max_rows(n, k) or (expected_m is not None and 0 < expected_m <= CHUNKED_MAX_EXPECTED
-                                       and n * k <= SMALL_GROUP_BYTES and max_m < 1 << 24)
+    if max_m <= max_rows(n, k):
+        return True
+    if not (expected_m is not None and 0 < expected_m <= CHUNKED_MAX_EXPECTED and n * k <= SMALL_GROUP_BYTES
+            and max_m < 1 << 24):
+        return False
+    return (not fused or CHUNKED_FUSED_MAX_WAVES is None
+            or fused_waves(n, num_groups, expected_m, num_sms or get_num_sms()) <= CHUNKED_FUSED_MAX_WAVES)
 
 
 def token_tiles(max_m: int) -> int:
