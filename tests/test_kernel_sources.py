@@ -192,6 +192,9 @@ def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not few_rows.applies(64, 512, 7168, 256, 2, fused=True, num_sms=132)  # DeepSeek-V3 TP 8, 3.4
     assert few_rows.applies(64, 512, 7168, 256, 2, fused=True, num_sms=264)  # (on twice the SMs, 1.7)
     assert few_rows.applies(16, 512, 7168, 256, 4, fused=True, num_sms=132)  # max_rows
+    # never where the fused GEMM's FP32 h would pass FUSED_H_MAX_BYTES (an engine's batched layout: max_m its capacity)
+    assert few_rows.applies(768, 512, 7168, 256, 1) and not few_rows.applies(768, 512, 7168, 256, 1, fused=True)
+    assert 256 * 128 * 512 * 4 <= few_rows.FUSED_H_MAX_BYTES < 256 * 768 * 512 * 4
     monkeypatch.setattr(few_rows, "CHUNKED_FUSED_MAX_WAVES", None)  # as unfused
     assert few_rows.applies(128, 3072, 3072, 32, 4, fused=True, num_sms=132)
     assert few_rows.token_tiles(16) == 2 and few_rows.token_tiles(17) == few_rows.CHUNK_TOKEN_TILES

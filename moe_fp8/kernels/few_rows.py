@@ -63,6 +63,11 @@ CHUNK_TOKEN_TILES = 1
 # others unchanged. None: the fused GEMM takes it wherever the unfused one would (A/B runs).
 CHUNKED_FUSED_MAX_WAVES: float | None = 2.6
 FUSED_TILE_N = 256  # the wgmma kernel's gate-up tiles under the fused epilogue (a gate and an up block)
+# ... and never where that FP32 h would pass FUSED_H_MAX_BYTES: an engine's batched layout sizes max_m by its
+# dispatch capacity (DeepSeek-V3 at TP 8, 256 experts x 768 rows x 512 columns: a 403 MB transient per call, which an
+# engine's memory profile would reserve). The wgmma kernel needs no h; decode batches of our own layer (max_m = the
+# tokens) stay far under it (DeepSeek-V3 TP 8 at 32 tokens: 17 MB).
+FUSED_H_MAX_BYTES = 64 << 20
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
@@ -90,9 +95,12 @@ def applies(max_m: int, n: int, k: int, num_groups: int, expected_m: int | None 
             fused: bool = False, num_sms: int | None = None) -> bool:
     """Whether a masked GEMM of ``num_groups`` groups of up to ``max_m`` rows at N × K runs here: groups of at
     most ``max_rows``, or small groups expected (``expected_m``, a hint) to hold at most ``CHUNKED_MAX_EXPECTED``.
-    ``fused``: the gate-up GEMM of the fused SiLU·mul + quant epilogue, chunked only where the wgmma kernel's
-    tiles would fill at most ``CHUNKED_FUSED_MAX_WAVES`` waves of ``num_sms`` (default ``get_num_sms()``)."""
+    ``fused``: the gate-up GEMM of the fused SiLU·mul + quant epilogue, whose FP32 h must fit
+    ``FUSED_H_MAX_BYTES``, chunked only where the wgmma kernel's tiles would fill at most
+    ``CHUNKED_FUSED_MAX_WAVES`` waves of ``num_sms`` (default ``get_num_sms()``)."""
     if not (max_m > 0 and n % 8 == 0 and k % 16 == 0 and 0 < num_groups <= MAX_GROUPS):
+        return False
+    if fused and num_groups * max_m * n * 4 > FUSED_H_MAX_BYTES:
         return False
     if max_m <= max_rows(n, k):
         return True
