@@ -364,7 +364,7 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
                             out_scale=out_scale, m_rows=m_total)
     elif x_fp8.shape[0] and x_fp8.shape[1]:
         if config is None and few_rows.applies(x_fp8.shape[1], w13.shape[1], w13.shape[2], x_fp8.shape[0],
-                                                expected_m, fused=True, num_sms=get_num_sms()):
+                                                expected_m, fused=True):
             # few rows a group (decode): the few-rows GEMM's FP32 h, then SiLU·mul + quant on it (as the fused
             # epilogue, h is not rounded to bf16); only h's rows below masked_m are written and read
             from ..ops import silu_mul_per_token_group_quant
