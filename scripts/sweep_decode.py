@@ -9,7 +9,8 @@ F=1 runs the fused gate-up GEMM (SiLU·mul + quant epilogue: N = 2I, 256-wide ti
 tail split. Prints, per shape, the heuristic's config and each config's kernel time (``bench_chilled_us``: kernel
 durations after an 8 GB memset) with the weights' TB/s (every touched expert's N x K bytes / time); ``--spans``: the
 kernel's time after do_bench's flush, whose dirty lines the kernel writes back, and after a clean L2
-(``flushed_spans_us``), "dirty/clean".
+(``flushed_spans_us``), "dirty/clean". (``scripts/sweep_grouped.py``: block shapes of compute-bound grouped GEMMs,
+in TFLOPS.)
 """
 
 from __future__ import annotations
