@@ -30,6 +30,7 @@ from moe_fp8.kernels import few_rows
 from moe_fp8.kernels.gemm import fp8_grouped_gemm_masked_hopper
 from moe_fp8.testing import make_masked_inputs
 from moe_fp8.utils import ceil_div
+from moe_fp8.warmup import model_gemms
 
 MODELS = Path(__file__).resolve().parent / "models"
 # (name, config, ep, tp): DeepSeek-V3 and Kimi-K2 at EP 8 and TP 8, Qwen3-235B-A22B at EP 8 (the default set);
@@ -41,11 +42,10 @@ MORE_RANKS = [("Qwen3-30B EP8", "qwen3-30b-a3b.json", 8, 1), ("GLM-4.5 EP8", "gl
 
 
 def rank_shapes(cfg: dict, ep: int, tp: int) -> tuple[int, int, int, int, int]:
-    """(global experts, local experts, top-k, hidden, intermediate per rank)."""
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg["num_local_experts"])
-    top_k = int(cfg.get("num_experts_per_tok"))
-    inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])  # (MiniMax-M2: intermediate_size)
-    return experts, experts // ep, top_k, int(cfg["hidden_size"]), inter // tp
+    """(global experts, local experts, top-k, hidden, intermediate per rank), from the rank's expert GEMMs as
+    ``moe-fp8 warmup`` derives them."""
+    w13 = next(g for g in model_gemms(cfg, tp=tp, ep=ep) if g.name == "experts.w13")
+    return w13.num_groups * ep, w13.num_groups, int(cfg["num_experts_per_tok"]), w13.k, w13.n // 2
 
 
 def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list[int]:
@@ -103,14 +103,13 @@ def normal_rows(rounds: int, token_counts: list[int]) -> None:
     """DeepSeek-V3's linears at TP 1 and TP 8 (and Qwen3-235B-A22B's attention at TP 4) at M = decode tokens:
     the wgmma kernel with the config ``get_config`` picks (this GPU's tuned table included) against the few-rows
     kernel, and which of them ``fp8_gemm`` takes."""
-    from moe_fp8 import warmup as W
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
     from moe_fp8.kernels.heuristics import GemmDesc, get_config
     from moe_fp8.utils import get_num_sms
 
     shapes: dict[tuple[int, int], str] = {}
     for file, tp in (("deepseek-v3.json", 1), ("deepseek-v3.json", 8), ("qwen3-235b-a22b.json", 4)):
-        for g in W.model_gemms(json.loads((MODELS / file).read_text()), tp=tp):
+        for g in model_gemms(json.loads((MODELS / file).read_text()), tp=tp):
             if "normal" in g.layouts:
                 shapes.setdefault((g.n, g.k), f"{g.name} tp{tp}")
     print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9} {'few us':>8} {'x':>6} {'few TB/s':>8} {'takes':>5}")
