@@ -751,13 +751,14 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     variants = W.enumerate_variants(gemms, args.max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1),
                                     tables=tables)
     routing = W.routing_variants(cfg)
+    quant = W.quant_variants(cfg)
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
     if tables:
         print(f"tuned     with the picks of the tables shipped for {', '.join(t.device for t in tables)} (no GPU "
               f"visible to choose one; $MOE_FP8_TUNED_CONFIGS names one)")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
-          f"{f', + {len(routing)} routing kernels' if routing else ''}")
+          f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernel")
     if args.dry_run:
         def state(v) -> str:
             return "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
@@ -772,8 +773,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                   f"{state(v):<10}  {', '.join(v.users)}")
         for r in routing:
             print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")
+        for q in quant:
+            print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  activations")
         return 0
-    variants = [*variants, *routing]
+    variants = [*variants, *routing, *quant]
 
     with Progress(len(variants), "warmup", enabled=not args.no_progress) as progress:
         def cached(n: int) -> None:

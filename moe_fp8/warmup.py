@@ -1,5 +1,6 @@
-"""Precompile every GEMM kernel variant a model needs, and its router's Hopper routing kernels
-(``routing_variants``), into the JIT disk cache (``moe-fp8 warmup``).
+"""Precompile every GEMM kernel variant a model needs, its router's Hopper routing kernels
+(``routing_variants``) and its activations' quantization kernel (``quant_variants``), into the JIT disk cache
+(``moe-fp8 warmup``).
 
 A variant bakes N, K and the tile configuration (STYLE practice 4); M and the grouped counts are
 run-time values. So the variants of a model are: for each weight shape (after the tensor- and
@@ -56,6 +57,7 @@ from moe_fp8.utils import ALIGN_M, GROUP_K, align
 __all__ = [
     "GemmShape",
     "ModelConfigError",
+    "QuantVariant",
     "RoutingVariant",
     "Variant",
     "WarmupResult",
@@ -65,6 +67,7 @@ __all__ = [
     "fp8_lm_head_in_checkpoint",
     "load_model_config",
     "model_gemms",
+    "quant_variants",
     "routing_variants",
     "shape_descs",
     "warmup",
@@ -381,6 +384,26 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
     return out
 
 
+@dataclasses.dataclass
+class QuantVariant:
+    """One compiled Hopper activation-quantization kernel (``kernels/quant.py``): its cache ``name``, ``source``,
+    and its scales' format."""
+    name: str
+    source: str
+    scales: str
+
+
+def quant_variants(cfg: dict[str, Any]) -> list[QuantVariant]:
+    """The Hopper ``per_token_group_quant`` kernel of the model's bf16 activations (every Fp8Linear's input), with
+    UE8M0 scales where the checkpoint's ``scale_fmt`` says so (DeepSeek-V3.1)."""
+    import torch
+
+    from moe_fp8.kernels.quant import kernel_variant
+
+    ue8m0 = (cfg.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
+    return [QuantVariant(*kernel_variant(torch.bfloat16, ue8m0), "ue8m0" if ue8m0 else "float32")]
+
+
 def describe_rows(v: Variant) -> str:
     """The row counts that select ``v``: M (normal), M_total (contiguous), expected M per expert (masked)."""
     what = "tokens" if v.config is None else {"normal": "M", "contiguous": "M_total", "masked": "expected M"}[v.layout]
@@ -407,7 +430,7 @@ def _compile_worker(name: str, source: str, compiler: str) -> tuple[str, float, 
     return name, time.perf_counter() - t0, None
 
 
-def compile_variants(variants: list[Variant | RoutingVariant], jobs: int | None = None, compiler: str | None = None,
+def compile_variants(variants: list[Variant | RoutingVariant | QuantVariant], jobs: int | None = None, compiler: str | None = None,
                      on_done: Callable[[str, str | None], None] | None = None,
                      on_cached: Callable[[int], None] | None = None) -> WarmupResult:
     """Compile the variants not yet in the disk cache, ``jobs`` at a time in separate processes.
@@ -450,8 +473,8 @@ def compile_variants(variants: list[Variant | RoutingVariant], jobs: int | None 
 
 def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, jobs: int | None = None,
            num_sms: int | None = None, compiler: str | None = None) -> WarmupResult:
-    """Python API of ``moe-fp8 warmup``: enumerate the model's variants (GEMMs and routing) and compile the
-    missing ones.
+    """Python API of ``moe-fp8 warmup``: enumerate the model's variants (GEMMs, routing, quantization) and compile
+    the missing ones.
 
     ``num_sms`` defaults to ``moe_fp8.get_num_sms()`` (the visible GPU's, else ``$MOE_FP8_NUM_SMS``,
     else 132): it must be what the serving process will use, as it changes the chosen configs.
@@ -462,5 +485,5 @@ def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, 
     gemms = model_gemms(cfg, tp, ep, fp8_lm_head=fp8_lm_head_in_checkpoint(Path(model)))
     variants = enumerate_variants(gemms, max_tokens, num_sms or get_num_sms(),
                                   top_k=int(cfg.get("num_experts_per_tok") or 1))
-    return compile_variants([*variants, *routing_variants(cfg)], jobs, compiler)
+    return compile_variants([*variants, *routing_variants(cfg), *quant_variants(cfg)], jobs, compiler)
 

@@ -991,8 +991,6 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     and never reads ``x_fp8`` back; otherwise the two ops run one after the other.
     ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; ``out`` / ``out_scale`` as ``dispatch_masked``.
     """
-    from moe_fp8.kernels.triton.quant import per_token_group_quant
-
     device = check_launch_device(x, topk_ids, expert_map, out, out_scale)
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
@@ -1000,7 +998,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     top_k = topk_ids.shape[1]
     cfg = config or dispatch_config(num_tokens, top_k, k, num_experts, has_map=expert_map is not None)
     if not cfg.fused or num_tokens == 0:
-        x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
+        x_fp8, x_scale = _quantize(x, ue8m0, eps)
         return (x_fp8, x_scale, *dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
                                                  out=out, out_scale=out_scale, config=cfg))
     kg = ceil_div(k, 128)
@@ -1188,8 +1186,6 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     ``M_total`` (int32 ``[1]``, device). ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
     ``dispatch_contiguous``.
     """
-    from moe_fp8.kernels.triton.quant import per_token_group_quant
-
     device = check_launch_device(x, topk_ids, expert_map)
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
@@ -1198,7 +1194,7 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map, quant=True)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
     if has_map and not cfg.sparse:
-        x_fp8, x_scale = per_token_group_quant(x, 128, ue8m0, eps)
+        x_fp8, x_scale = _quantize(x, ue8m0, eps)
         routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
         if not return_x:
             x_fp8 = x_scale = None
@@ -1208,6 +1204,18 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
         quant = _Quant(ue8m0, eps, x_fp8, x_scale)
         routed = _dispatch_contiguous(x, None, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan, quant)
     return (x_fp8, x_scale, *routed, *((_m_total(plan),) if return_m_total else ()))
+
+
+def _quantize(x: torch.Tensor, ue8m0: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``per_token_group_quant(x, 128, ue8m0, eps)`` where the dispatch does not fuse it: on a GPU by the backend
+    the op itself takes there (on Hopper the CUDA kernel, kernels/quant.py), else by the Triton kernel."""
+    from moe_fp8.kernels.triton.quant import per_token_group_quant
+
+    if x.is_cuda:
+        from moe_fp8 import backends
+
+        return backends.select("per_token_group_quant", x.device)[1](x, 128, ue8m0, eps)
+    return per_token_group_quant(x, 128, ue8m0, eps)
 
 
 def combine(y: torch.Tensor, row_map: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,0 +1,118 @@
+"""Launch wrapper of the Hopper ``per_token_group_quant`` kernel (impls/token_group_quant.cuh): 16-bit
+activations in groups of 128 columns, one persistent grid whose warps keep their next groups' loads in flight.
+
+It covers bf16 / fp16 inputs, contiguous, 16-byte aligned, with K a multiple of 128 and ``eps`` of at least
+``MIN_EPS``, on the GPUs it was measured faster on (``DEVICES``); every other call goes to the Triton kernel, which
+computes the same function bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..utils import FP8_DTYPE, ceil_div, empty_scale_tma, get_num_sms, get_tma_aligned_m, is_scale_tma_layout
+from .gemm import _pdl  # (MOE_FP8_PDL: the GEMMs' switch)
+from .jit import build
+
+KERNEL_TEMPLATE = """#include "moe_fp8/impls/token_group_quant.cuh"
+
+__attribute__((unused)) static void instantiate() {{
+    (void)&moe_fp8::quant::per_token_group_quant_kernel</*kBf16=*/{bf16}, /*kUe8m0=*/{ue8m0},
+                                                        /*kLanesPerGroup=*/{lanes}, /*kThreads=*/{threads}>;
+}}
+"""
+GROUP_SIZE = 128
+# The kernel's exact division needs every residual that decides a code to be a normal float: scales of at
+# least 2^-93, i.e. eps >= 2^-84 (the default is 1e-10).
+MIN_EPS = 2.0**-84
+# Lanes a group (a lane loads 256 / LANES_PER_GROUP bytes of it), threads a block, blocks an SM: the best of 22
+# launches on the H200 at 7168-16384 columns (scripts/ab_quant.py; docs/benchmarks/calibration/s56-quant-h200.txt).
+LANES_PER_GROUP = 8
+THREADS = 1024
+BLOCKS_PER_SM = 1
+# GPUs (torch.cuda.get_device_name, exactly) where the kernel was measured faster than the Triton one; elsewhere the
+# Triton kernel runs (the H100's own picks, QUANT_TILE_ELEMS, came from its sweep; this kernel was not timed there).
+DEVICES = ("NVIDIA H200",)
+
+
+def kernel_variant(dtype: torch.dtype, ue8m0: bool, lanes: int = LANES_PER_GROUP,
+                   threads: int = THREADS) -> tuple[str, str]:
+    """``(name, source)`` of one specialization, as ``build`` takes them (``moe-fp8 warmup`` too)."""
+    bf16 = dtype == torch.bfloat16
+    source = KERNEL_TEMPLATE.format(bf16=str(bf16).lower(), ue8m0=str(bool(ue8m0)).lower(), lanes=lanes,
+                                    threads=threads)
+    return f"token_group_quant_{'bf16' if bf16 else 'f16'}{'_ue8m0' if ue8m0 else ''}_l{lanes}_t{threads}", source
+
+
+@functools.cache
+def get_kernel(dtype: torch.dtype, ue8m0: bool, lanes: int = LANES_PER_GROUP, threads: int = THREADS):
+    return build(*kernel_variant(dtype, ue8m0, lanes, threads))
+
+
+def covers(shape: tuple[int, ...], dtype: torch.dtype, group_size: int, eps: float) -> bool:
+    """Whether the kernel computes this call's function: 16-bit ``[M, K]`` / ``[G, M, K]`` inputs, whole groups of
+    128, ``eps >= MIN_EPS``, fewer than 2^31 groups."""
+    return (dtype in (torch.bfloat16, torch.float16) and group_size == GROUP_SIZE and len(shape) in (2, 3)
+            and shape[-1] % GROUP_SIZE == 0 and shape[-1] > 0 and eps >= MIN_EPS
+            and torch.Size(shape).numel() // GROUP_SIZE < 2**31)
+
+
+@functools.cache
+def measured_here(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) is one of ``DEVICES``, looked up once."""
+    return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index) in DEVICES
+
+
+def applies(x: torch.Tensor, group_size: int, eps: float, force: bool = False) -> bool:
+    """Whether the CUDA kernel takes the call (else the Triton kernel does): ``covers`` it, ``x`` is contiguous and
+    16-byte aligned (the kernel loads 16-byte vectors), on one of ``DEVICES`` unless ``force``."""
+    return (covers(tuple(x.shape), x.dtype, group_size, eps) and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and (force or measured_here(x.device.index)))
+
+
+def grid(num_groups: int, lanes: int = LANES_PER_GROUP, threads: int = THREADS,
+         blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[int, int]:
+    """``(blocks, threads)``: up to ``blocks_per_sm`` blocks an SM; fewer warps a block where the units would
+    not reach every SM (small inputs are latency-bound: one unit a warp, spread)."""
+    units = ceil_div(num_groups, 32 // lanes)
+    sms = get_num_sms()
+    warps = max(1, min(threads // 32, ceil_div(units, sms)))
+    return max(1, min(sms * blocks_per_sm, ceil_div(units, warps))), 32 * warps
+
+
+def per_token_group_quant_hopper(x: torch.Tensor, group_size: int, ue8m0: bool, eps: float, *,
+                                 out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+                                 lanes: int = LANES_PER_GROUP, threads: int = THREADS,
+                                 blocks_per_sm: int = BLOCKS_PER_SM, force: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backend entry of ``moe_fp8::per_token_group_quant`` on Hopper (see ``moe_fp8.ops``): the CUDA kernel where
+    ``applies``, else the Triton one. ``out`` / ``out_scale``: written in place (``out_scale`` in the TMA layout);
+    ``lanes`` / ``threads`` / ``blocks_per_sm`` / ``force`` (on any Hopper GPU): for tests and sweeps."""
+    from .triton.quant import per_token_group_quant
+
+    if not x.is_cuda:
+        raise ValueError(f"per_token_group_quant_hopper: x must be a CUDA tensor, got one on {x.device}")
+    if not applies(x, group_size, eps, force):
+        return per_token_group_quant(x, group_size, ue8m0, eps, out=out, out_scale=out_scale)
+    rows = x.shape[-2]
+    kg = x.shape[-1] // GROUP_SIZE
+    if out is None:
+        out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if out_scale is None:
+        out_scale = empty_scale_tma(rows, kg, groups=x.shape[0] if x.dim() == 3 else None, device=x.device)
+    if (out.shape != x.shape or out.dtype != FP8_DTYPE or not out.is_contiguous() or out.device != x.device
+            or tuple(out_scale.shape) != (*x.shape[:-1], kg) or out_scale.dtype != torch.float32
+            or not is_scale_tma_layout(out_scale) or out_scale.device != x.device):
+        raise ValueError(f"out / out_scale must be a contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
+                         f"{(*x.shape[:-1], kg)} in the TMA layout (empty_scale_tma) on {x.device}")
+    num_groups = x.numel() // GROUP_SIZE
+    if num_groups == 0:
+        return out, out_scale
+    blocks, block_threads = grid(num_groups, lanes, threads, blocks_per_sm)
+    get_kernel(x.dtype, ue8m0, lanes, threads).launch(
+        blocks, block_threads,
+        [x.view(torch.uint8), out.view(torch.uint8), out_scale, num_groups, kg, max(rows, 1),
+         get_tma_aligned_m(rows), float(eps)], pdl=_pdl())
+    return out, out_scale

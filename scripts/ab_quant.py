@@ -1,0 +1,105 @@
+"""A/B of ``per_token_group_quant`` on the GPU: the CUDA kernel (kernels/quant.py) by launch knobs against the
+Triton kernel (its default tiles and the H200's wide ones), each checked bit for bit against the Triton kernel's
+output, and a copy of the same bytes in the same process. CUDA-graph replays, L2 flushed (``do_bench``), rounds
+alternated; µs and the copy's time over ours.
+
+    python3 scripts/ab_quant.py [--shapes 16384x7168 ...] [--knobs 4,512,2 8,512,2 ...] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_fp8.kernels import quant as cuda_quant
+from moe_fp8.kernels.triton import quant as triton_quant
+from moe_fp8.kernels.triton.configs import quant_config
+from moe_fp8.utils import get_num_sms
+
+SHAPES = ["16384x7168", "4096x7168", "1024x7168", "128x7168", "16384x2048", "8192x16384", "4096x1536"]
+KNOBS = ["8,1024,1", "8,512,2", "8,1024,2", "4,1024,1", "4,512,2", "16,1024,1", "16,512,2"]
+
+
+def graph_us(fn) -> float:
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return float(do_bench(graph.replay, warmup=5, rep=40, return_mode="median")) * 1e3
+
+
+def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    qa, sa = a
+    qb, sb = b
+    codes = torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+    scales = torch.equal(sa.view(torch.int32), sb.view(torch.int32)) or bool(
+        ((sa == sb) | (sa.isnan() & sb.isnan())).all())
+    return codes and scales
+
+
+def run_shape(shape: str, dtype: torch.dtype, ue8m0: bool, knobs: list[str], rounds: int) -> None:
+    m, k = (int(v) for v in shape.split("x"))
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    x[0, :7] = float("nan") if m > 2 else 0.0
+    x[min(1, m - 1), 200:203] = float("inf")
+    x[-1, 130:140] = -0.0
+    kg = k // 128
+    default = quant_config(m, kg, 128, wide=False)
+    wide = quant_config(m, kg, 128, wide=True)
+    cands = {
+        "triton": lambda: triton_quant.per_token_group_quant(x, 128, ue8m0, 1e-10, config=default),
+        "triton_wide": lambda: triton_quant.per_token_group_quant(x, 128, ue8m0, 1e-10, config=wide),
+    }
+    for knob in knobs:
+        lanes, threads, bps = (int(v) for v in knob.split(","))
+        cands[f"cuda l{lanes} t{threads} b{bps}"] = (
+            lambda kw=dict(lanes=lanes, threads=threads, blocks_per_sm=bps):
+            cuda_quant.per_token_group_quant_hopper(x, 128, ue8m0, 1e-10, force=True, **kw))
+    want = cands["triton"]()
+    for name, fn in cands.items():
+        if not same(fn(), want):
+            print(f"{shape} {name}: OUTPUT DIFFERS from the Triton kernel's")
+    src = torch.empty(m * k * 3 // 2 // 2, device="cuda", dtype=torch.float16)  # the same bytes moved
+    dst = torch.empty_like(src)
+    cands["copy"] = lambda: dst.copy_(src)
+    times: dict[str, list[float]] = {n: [] for n in cands}
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            times[name].append(graph_us(fn))
+    copy = min(times["copy"])
+    nbytes = m * k * dtype.itemsize + m * k + m * kg * 4
+    print(f"\n## {shape}: {nbytes / 1e6:.1f} MB, copy {copy:.2f} us ({nbytes / copy / 1e3:.0f} GB/s)")
+    for name, ts in times.items():
+        best = min(ts)
+        print(f"{name:34s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
+              f"  of copy {copy / best:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=SHAPES)
+    ap.add_argument("--knobs", nargs="*", default=KNOBS, help="lanes,threads,blocks_per_sm")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ue8m0", action="store_true")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    print(f"# {torch.cuda.get_device_name()}, {get_num_sms()} SMs, {args.dtype}, ue8m0={args.ue8m0}")
+    for shape in args.shapes:
+        run_shape(shape, dtype, args.ue8m0, args.knobs, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
