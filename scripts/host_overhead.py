@@ -24,6 +24,8 @@ import torch
 import moe_fp8
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.gemm import fp8_gemm_hopper
+from moe_fp8.kernels.quant import per_token_group_quant_hopper
+from moe_fp8.kernels.triton import quant as triton_quant
 
 
 def host_us(fn: Callable[[], object], calls: int) -> float:
@@ -66,6 +68,8 @@ def cases() -> list[tuple[str, Callable[[], object]]]:
             logits, 8, scoring_func="sigmoid", n_group=8, topk_group=4, e_score_correction_bias=bias,
             routed_scaling_factor=2.5)),
         ("quant.per_token_group (512×7168)", lambda: moe_fp8.quant.per_token_group(h)),
+        ("  its CUDA kernel's wrapper, forced", lambda: per_token_group_quant_hopper(h, 128, False, 1e-10, force=True)),
+        ("  its Triton kernel's wrapper", lambda: triton_quant.per_token_group_quant(h, 128, False, 1e-10)),
         ("quant.silu_mul_per_token_group (512×4096)", lambda: moe_fp8.quant.silu_mul_per_token_group(act)),
         ("layers.quant_dispatch_contiguous (512 tokens, 32 of 256 local, no sync)", lambda: moe_fp8.layers.quant_dispatch_contiguous(
             h, ids, local, expert_map, sync=False, return_x=False, return_m_total=True)),

@@ -90,29 +90,31 @@ def per_token_group_quant_hopper(x: torch.Tensor, group_size: int, ue8m0: bool, 
     """Backend entry of ``moe_fp8::per_token_group_quant`` on Hopper (see ``moe_fp8.ops``): the CUDA kernel where
     ``applies``, else the Triton one. ``out`` / ``out_scale``: written in place (``out_scale`` in the TMA layout);
     ``lanes`` / ``threads`` / ``blocks_per_sm`` / ``force`` (on any Hopper GPU): for tests and sweeps."""
-    from .triton.quant import per_token_group_quant
-
     if not x.is_cuda:
         raise ValueError(f"per_token_group_quant_hopper: x must be a CUDA tensor, got one on {x.device}")
     if not applies(x, group_size, eps, force):
+        from .triton.quant import per_token_group_quant
+
         return per_token_group_quant(x, group_size, ue8m0, eps, out=out, out_scale=out_scale)
     rows = x.shape[-2]
     kg = x.shape[-1] // GROUP_SIZE
     if out is None:
         out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    elif out.shape != x.shape or out.dtype != FP8_DTYPE or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous float8_e4m3fn {tuple(x.shape)} on {x.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
     if out_scale is None:
         out_scale = empty_scale_tma(rows, kg, groups=x.shape[0] if x.dim() == 3 else None, device=x.device)
-    if (out.shape != x.shape or out.dtype != FP8_DTYPE or not out.is_contiguous() or out.device != x.device
-            or tuple(out_scale.shape) != (*x.shape[:-1], kg) or out_scale.dtype != torch.float32
+    elif (tuple(out_scale.shape) != (*x.shape[:-1], kg) or out_scale.dtype != torch.float32
             or not is_scale_tma_layout(out_scale) or out_scale.device != x.device):
-        raise ValueError(f"out / out_scale must be a contiguous float8_e4m3fn {tuple(x.shape)} and float32 "
-                         f"{(*x.shape[:-1], kg)} in the TMA layout (empty_scale_tma) on {x.device}")
+        raise ValueError(f"out_scale must be float32 {(*x.shape[:-1], kg)} in the TMA layout (empty_scale_tma) on "
+                         f"{x.device}, got {out_scale.dtype} {tuple(out_scale.shape)} strides {out_scale.stride()}")
     num_groups = x.numel() // GROUP_SIZE
     if num_groups == 0:
         return out, out_scale
     blocks, block_threads = grid(num_groups, lanes, threads, blocks_per_sm)
+    # (the tensors go as their pointers: the kernel reads x's and writes out's bytes)
     get_kernel(x.dtype, ue8m0, lanes, threads).launch(
-        blocks, block_threads,
-        [x.view(torch.uint8), out.view(torch.uint8), out_scale, num_groups, kg, max(rows, 1),
-         get_tma_aligned_m(rows), float(eps)], pdl=_pdl())
+        blocks, block_threads, [x, out, out_scale, num_groups, kg, max(rows, 1), get_tma_aligned_m(rows), float(eps)],
+        pdl=_pdl())
     return out, out_scale
