@@ -758,7 +758,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         print(f"tuned     with the picks of the tables shipped for {', '.join(t.device for t in tables)} (no GPU "
               f"visible to choose one; $MOE_FP8_TUNED_CONFIGS names one)")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
-          f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernel")
+          f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernels")
     if args.dry_run:
         def state(v) -> str:
             return "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
@@ -774,7 +774,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         for r in routing:
             print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")
         for q in quant:
-            print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  activations")
+            print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  {q.users}")
         return 0
     variants = [*variants, *routing, *quant]
 

@@ -277,6 +277,7 @@ _HOPPER_IMPLS = {
     "dispatch_contiguous": "moe_fp8.kernels.dispatch:dispatch_contiguous_hopper",  # (Triton routing + a CUDA mover)
     "dispatch_masked": "moe_fp8.kernels.dispatch:dispatch_masked_hopper",
     "per_token_group_quant": "moe_fp8.kernels.quant:per_token_group_quant_hopper",  # (Triton outside its cases)
+    "silu_mul_per_token_group_quant": "moe_fp8.kernels.quant:silu_mul_per_token_group_quant_hopper",  # (the same)
 }
 # Triton kernels of the MoE data path (moe_fp8.kernels.triton): the portable backend's implementation
 # and, on Hopper, the hopper backend's too where it has no CUDA-C kernel (these memory-bound ops reach

@@ -387,21 +387,26 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
 @dataclasses.dataclass
 class QuantVariant:
     """One compiled Hopper activation-quantization kernel (``kernels/quant.py``): its cache ``name``, ``source``,
-    and its scales' format."""
+    its scales' format and the layers that call it."""
     name: str
     source: str
     scales: str
+    users: str
 
 
 def quant_variants(cfg: dict[str, Any]) -> list[QuantVariant]:
-    """The Hopper ``per_token_group_quant`` kernel of the model's bf16 activations (every Fp8Linear's input), with
-    UE8M0 scales where the checkpoint's ``scale_fmt`` says so (DeepSeek-V3.1)."""
+    """The Hopper quantization kernels of the model's bf16 activations: ``per_token_group_quant`` (every Fp8Linear's
+    input) and its SiLU·mul form (Fp8MLP's), with UE8M0 scales where the checkpoint's ``scale_fmt`` says so
+    (DeepSeek-V3.1)."""
     import torch
 
-    from moe_fp8.kernels.quant import kernel_variant
+    from moe_fp8.kernels import quant
 
     ue8m0 = (cfg.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
-    return [QuantVariant(*kernel_variant(torch.bfloat16, ue8m0), "ue8m0" if ue8m0 else "float32")]
+    scales = "ue8m0" if ue8m0 else "float32"
+    return [QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0), scales, "Fp8Linear inputs"),
+            QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS,
+                                               silu=True), scales, "Fp8MLP SiLU·mul")]
 
 
 def describe_rows(v: Variant) -> str:

@@ -250,21 +250,26 @@ def test_routing_variants_are_what_select_experts_builds(tmp_path, capsys, monke
     model = _model(tmp_path, DEEPSEEK_V3)
     assert cli.main(["warmup", "--model", str(model), "--tp", "8", "--max-tokens", "64", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "+ 2 routing kernels, + 1 quantization kernel" in out
+    assert "+ 2 routing kernels, + 2 quantization kernels" in out
     assert f"  {got[1].name:<48} bfloat16 logits" in out
 
 
-def test_quant_variant_is_what_the_quantization_builds():
-    """Every model's bf16 activations: the kernel kernels/quant.py builds, with UE8M0 scales for DeepSeek-V3.1."""
+def test_quant_variants_are_what_the_quantization_builds():
+    """Every model's bf16 activations: the kernels kernels/quant.py builds (plain, and SiLU·mul for Fp8MLP), with
+    UE8M0 scales for DeepSeek-V3.1."""
     import torch
 
     from moe_fp8.kernels import quant
 
-    (v,) = W.quant_variants(DEEPSEEK_V3)
-    assert (v.name, v.source) == quant.kernel_variant(torch.bfloat16, False) and v.scales == "float32"
+    def built(ue8m0: bool) -> list[tuple[str, str]]:
+        return [quant.kernel_variant(torch.bfloat16, ue8m0),
+                quant.kernel_variant(torch.bfloat16, ue8m0, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS, True)]
+
+    got = W.quant_variants(DEEPSEEK_V3)
+    assert [(v.name, v.source) for v in got] == built(False) and {v.scales for v in got} == {"float32"}
     v31 = {**DEEPSEEK_V3, "quantization_config": {**DEEPSEEK_V3["quantization_config"], "scale_fmt": "ue8m0"}}
-    (v,) = W.quant_variants(v31)
-    assert (v.name, v.source) == quant.kernel_variant(torch.bfloat16, True) and v.scales == "ue8m0"
+    got = W.quant_variants(v31)
+    assert [(v.name, v.source) for v in got] == built(True) and {v.scales for v in got} == {"ue8m0"}
 
 
 @pytest.mark.skipif(not COMPILERS, reason="no JIT compiler")
@@ -276,17 +281,17 @@ def test_warmup_compiles_once_then_hits(tmp_path, capsys, monkeypatch):
     argv = ["warmup", "--model", str(model), "--max-tokens", "8", "--jobs", "2", "--compiler", compiler]
     assert cli.main(argv) == 0
     first = capsys.readouterr()
-    assert "3 GEMM shapes per rank → 3 kernel variants, + 1 quantization kernel" in first.out
-    assert "compiled  4 in" in first.out and "0 already cached; 0 failed" in first.out
-    assert "cache     " + str(cache) + ": 4 entries" in first.out
-    assert "[4/4] warmup: " in first.err  # plain progress lines: stderr is not a TTY
-    assert "warmup: fp8_gemm_normal_n" in first.err and "warmup: token_group_quant_bf16_l8" in first.err
+    assert "3 GEMM shapes per rank → 3 kernel variants, + 2 quantization kernels" in first.out
+    assert "compiled  5 in" in first.out and "0 already cached; 0 failed" in first.out
+    assert "cache     " + str(cache) + ": 5 entries" in first.out
+    assert "[5/5] warmup: " in first.err  # plain progress lines: stderr is not a TTY
+    assert "warmup: fp8_gemm_normal_n" in first.err and "warmup: token_group_quant_silu_bf16_l8" in first.err
     assert cli.main(argv) == 0
     second = capsys.readouterr()
-    assert "compiled  0 in" in second.out and "4 already cached; 0 failed" in second.out
-    assert "[4/4] warmup: 4 already cached" in second.err
+    assert "compiled  0 in" in second.out and "5 already cached; 0 failed" in second.out
+    assert "[5/5] warmup: 5 already cached" in second.err
     journal = (cache / "compile-journal.log").read_text().splitlines()
-    assert len(journal) == 4  # the second run compiled nothing
+    assert len(journal) == 5  # the second run compiled nothing
 
 
 def test_compile_failure_names_the_log(tmp_path, capsys, monkeypatch):
@@ -305,7 +310,7 @@ def test_compile_failure_names_the_log(tmp_path, capsys, monkeypatch):
     assert cli.main(["warmup", "--model", str(model), "--max-tokens", "8", "--jobs", "1"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert "moe-fp8 warmup: error: 1 of 2 variants failed to compile" in err  # (the quantization kernel compiled)
+    assert "moe-fp8 warmup: error: 1 of 3 variants failed to compile" in err  # (the quantization kernels compiled)
     assert "JitCompileError:" in err and str(tmp_path / "cache" / "failed") in err
 
 

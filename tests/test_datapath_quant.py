@@ -317,13 +317,13 @@ def test_public_quant_ops_run_the_gpu_kernels(monkeypatch):
     from moe_fp8 import backends
 
     monkeypatch.setenv("MOE_FP8_STRICT", "1")  # a fallback to the reference would raise
-    from moe_fp8.kernels.quant import per_token_group_quant_hopper
+    from moe_fp8.kernels import quant as hopper_quant
 
     for op, fn in [("per_token_group_quant", quant.per_token_group_quant),
                    ("silu_mul_per_token_group_quant", quant.silu_mul_per_token_group_quant)]:
         name, impl = backends.select(op, torch.device("cuda", torch.cuda.current_device()))
-        if name == "hopper" and op == "per_token_group_quant":  # its CUDA kernel (tests/test_quant_hopper.py)
-            fn = per_token_group_quant_hopper
+        if name == "hopper":  # the CUDA kernels' wrappers (tests/test_quant_hopper.py), Triton outside their cases
+            fn = getattr(hopper_quant, f"{op}_hopper")
         assert name in ("hopper", "portable") and impl is fn, (op, name, impl)
     x = randn((64, 7168), seed=0, device="cuda")
     check_quant(moe_fp8.quant.per_token_group(x), ref.per_token_group_quant(x))

@@ -1,8 +1,10 @@
-"""Hopper ``per_token_group_quant`` kernel (impls/token_group_quant.cuh) vs the reference, and which calls it covers.
+"""Hopper ``per_token_group_quant`` kernel (impls/token_group_quant.cuh), plain and fused with SiLU·mul, vs the
+reference, and which calls it covers.
 
-The GPU tests run only on an sm_90 GPU: FP8 bytes and FP32 scales identical to the reference (NaN = NaN), outputs
-poisoned before each launch. The CPU ones check which calls the kernel takes (the rest go to the Triton kernel) and
-that every variant compiles without local memory.
+The GPU tests run only on an sm_90 GPU, outputs poisoned before each launch: the quantization's FP8 bytes and FP32
+scales identical to the reference (NaN = NaN); SiLU·mul + quant within the FP32 path's tolerance
+(``check_silu_close``, as the Triton kernel's). The CPU ones check which calls the kernel takes (the rest go to the
+Triton kernel) and that every variant compiles without local memory.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datapath_util import assert_same_bits
+from datapath_util import assert_same_bits, check_silu_close
 
 from moe_fp8 import reference as ref
 from moe_fp8.kernels import quant
@@ -39,6 +41,12 @@ def test_grid_spreads_small_inputs_and_caps_large_ones(monkeypatch):
     assert quant.grid(16384 * 56, lanes=4, threads=512, blocks_per_sm=2) == (264, 512)
 
 
+def test_silu_takes_many_rows_of_groups_not_a_power_of_two():
+    assert quant.silu_takes(4096, 12) and quant.silu_takes(16384, 144)  # GLM-4.5's shared expert, a dense MLP
+    assert not quant.silu_takes(16384, 16)  # DeepSeek-V3's shared expert: the Triton kernel is as fast
+    assert not quant.silu_takes(4095, 18)  # fewer rows: the Triton kernel's
+
+
 def test_runs_only_on_the_gpus_it_was_measured_on(monkeypatch):
     """The H100 keeps the Triton kernel (its tiles were swept there; this kernel was timed on the H200 only)."""
     names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
@@ -51,8 +59,10 @@ def test_runs_only_on_the_gpus_it_was_measured_on(monkeypatch):
         quant.measured_here.cache_clear()
 
 
-@pytest.mark.parametrize(("dtype", "ue8m0", "lanes"), [(BF16, False, 4), (F16, True, 8), (BF16, True, 16)])
-def test_kernel_compiles_without_local_memory(dtype, ue8m0, lanes, tmp_path: Path):
+@pytest.mark.parametrize(("dtype", "ue8m0", "lanes", "threads", "silu"), [
+    (BF16, False, quant.LANES_PER_GROUP, quant.THREADS, False), (F16, True, 4, 1024, False), (BF16, True, 16, 512, False),
+    (BF16, False, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS, True), (BF16, True, 16, 1024, True)])
+def test_kernel_compiles_without_local_memory(dtype, ue8m0, lanes, threads, silu, tmp_path: Path):
     from moe_fp8.kernels.jit import get_compiler
     from moe_fp8.kernels.jit.cache import include_dir
     from moe_fp8.kernels.jit.compiler import find_compilers
@@ -62,16 +72,18 @@ def test_kernel_compiles_without_local_memory(dtype, ue8m0, lanes, tmp_path: Pat
     if not compilers:
         pytest.skip("no CUDA compiler (nvcc or NVRTC) here")
     for compiler in compilers:
-        name, source = quant.kernel_variant(dtype, ue8m0, lanes)
+        name, source = quant.kernel_variant(dtype, ue8m0, lanes, threads, silu)
         sass = dump_sass(get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path / compiler).cubin)
         assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, "local memory"
         assert count_instructions(sass, "F2FP") > 0  # the packed e4m3 conversions
 
 
-def test_refuses_to_write_into_wrong_buffers_before_any_launch():
+def test_refuses_host_tensors_before_any_launch():
     x = torch.zeros(4, 256, dtype=BF16)
     with pytest.raises(ValueError, match="CUDA tensor"):
         quant.per_token_group_quant_hopper(x, 128, False, 1e-10)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        quant.silu_mul_per_token_group_quant_hopper(x, 128, False, None, 1e-10)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,3 +177,82 @@ def test_public_op_runs_it_and_checks_buffers():
         quant.per_token_group_quant_hopper(x, 128, False, 1e-10, out_scale=torch.empty(64, 56, device="cuda"))
     q, s = quant.per_token_group_quant_hopper(x[:0], 128, False, 1e-10)
     assert q.shape == (0, 7168) and s.shape == (0, 56)
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU·mul + quant
+# ----------------------------------------------------------------------------------------------
+def check_silu(h: torch.Tensor, ue8m0: bool, eps: float = 1e-10, **knobs) -> None:
+    shape = (*h.shape[:-1], h.shape[-1] // 2)
+    out, out_scale = poisoned(shape, shape[-1] // 128)
+    q, s = quant.silu_mul_per_token_group_quant_hopper(h, 128, ue8m0, None, eps, out=out, out_scale=out_scale,
+                                                       force=True, **knobs)
+    assert q.data_ptr() == out.data_ptr() and s.data_ptr() == out_scale.data_ptr()
+    check_silu_close((q, s), ref.silu_mul_per_token_group_quant(h, 128, ue8m0, eps=eps))
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("shape", [(1, 256), (127, 4096), (4099, 2 * 2048), (2, 33, 2 * 768), (1000, 2 * 1408 + 128),
+                                   (4096, 2 * 1536)])
+def test_silu_matches_reference(shape, dtype, ue8m0):
+    if shape[-1] % 256 or dtype == F16:  # the Triton kernel's (checked against the reference too)
+        h = randn(shape, seed=1, device="cuda", dtype=F32).to(dtype)
+        got = quant.silu_mul_per_token_group_quant_hopper(h, 128, ue8m0, None, 1e-10)
+        check_silu_close(got, ref.silu_mul_per_token_group_quant(h, 128, ue8m0))
+        return
+    h = randn(shape, seed=sum(shape), device="cuda", dtype=F32).mul(2.5).to(dtype)
+    check_silu(h, ue8m0)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("knobs", [dict(lanes=8, threads=512, blocks_per_sm=1), dict(lanes=16, threads=32,
+                                   blocks_per_sm=1)])
+def test_silu_every_launch_shape_covers_every_group(knobs):
+    check_silu(randn((777, 2 * 2176), seed=3, device="cuda", dtype=F32).mul(2).to(BF16), False, **knobs)
+
+
+@pytest.mark.hopper
+def test_silu_non_finite_zero_and_extreme_groups():
+    h = randn((8, 2 * 512), seed=4, device="cuda", dtype=F32).to(BF16)
+    h[0, 5] = float("nan")  # a NaN gate: NaN group
+    h[1, 512 + 130] = float("inf")  # an Inf up: Inf group
+    h[2, 300] = -float("inf")  # silu(-inf) · u = NaN, as the reference
+    h[3, :128] = 0.0  # zero gates: zero codes, scale eps / 448
+    h[4, 512:640] = -0.0  # negative-zero ups: codes keep their sign bit
+    h[5, 128:256] = -100.0  # silu underflows: tiny values below eps
+    h[6, 256:384] = 60.0  # silu(g) = g
+    h[7, 512 + 384:] *= 1e30  # huge ups
+    for ue8m0 in (False, True):
+        check_silu(h, ue8m0)
+        check_silu(h, ue8m0, eps=1.0)
+
+
+@pytest.mark.hopper
+def test_silu_masked_and_precise_calls_take_the_triton_kernel():
+    from moe_fp8.kernels.triton import quant as triton_quant
+
+    h = randn((3, 8, 2 * 256), seed=5, device="cuda", dtype=BF16)
+    mm = torch.tensor([8, 0, 5], dtype=torch.int32, device="cuda")
+    for kwargs in (dict(masked_m=mm), dict(masked_m=None, precise=True)):
+        got = quant.silu_mul_per_token_group_quant_hopper(h, 128, False, eps=1e-10, force=True, **kwargs)
+        want = triton_quant.silu_mul_per_token_group_quant(h, 128, False, eps=1e-10, **kwargs)
+        valid = (torch.arange(8, device="cuda")[None, :] < mm[:, None] if kwargs["masked_m"] is not None
+                 else torch.ones(3, 8, dtype=torch.bool, device="cuda"))
+        assert_same_bits(got[0][valid], want[0][valid], "fp8 bytes")
+        assert_same_bits(got[1][valid], want[1][valid], "scales")
+
+
+@pytest.mark.hopper
+def test_silu_runs_the_kernel_where_silu_takes_the_rows(monkeypatch):
+    launched = []
+    real = quant._launch
+    monkeypatch.setattr(quant, "_launch", lambda *args: launched.append(args[0].shape) or real(*args))
+    monkeypatch.setattr(quant, "measured_here", lambda index: True)  # as on the H200, whatever this GPU is
+    for shape, dtype in [((4096, 2 * 1536), BF16), ((4096, 2 * 2048), BF16), ((4096, 2 * 1536), F16),
+                         ((1024, 2 * 1536), BF16)]:
+        h = randn(shape, seed=6, device="cuda", dtype=F32).to(dtype)
+        check_silu_close(quant.silu_mul_per_token_group_quant_hopper(h, 128, False, None, 1e-10),
+                         ref.silu_mul_per_token_group_quant(h, 128, False))
+    assert launched == [(4096, 2 * 1536)]

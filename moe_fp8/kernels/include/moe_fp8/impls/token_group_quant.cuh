@@ -13,7 +13,7 @@
 #pragma once
 
 #include "../common/types.cuh"
-#include "../epilogue/act_quant.cuh"  // epi::round_up_pow2, epi::pack_e4m3x2, epi::kFp8Max
+#include "../epilogue/act_quant.cuh"  // epi::round_up_pow2, pack_e4m3x2, exp2_approx, rcp_approx, kFp8Max
 #include "../ptx/misc.cuh"
 
 namespace moe_fp8::quant {
@@ -80,60 +80,121 @@ __device__ __forceinline__ uint2 codes_x8(const uint4& w, float s, float inv, bo
     return make_uint2(out[0], out[1]);
 }
 
-// One warp's unit: 32 / kLanesPerGroup consecutive groups of the flat [R·KG] list of groups, kLanesPerGroup lanes
-// each, a lane kVecs 16-byte vectors of its group: vector v of lane q covers the group's bytes [v·16·L + q·16, +16),
-// so each load instruction reads 16·L contiguous bytes of every group.
-template <uint32_t kLanesPerGroup>
+// One warp's unit: 32 / kLanesPerGroup consecutive groups of the flat [R·KG] list of output groups, kLanesPerGroup
+// lanes each, a lane kVecs 16-byte vectors of its group's input: vector v of lane q covers the group's bytes
+// [v·16·L + q·16, +16), so each load instruction reads 16·L contiguous bytes of every group. kSilu: the input rows
+// are [gate | up], 2·KG groups wide, and a lane loads its group's gate vectors, then its up vectors.
+template <uint32_t kLanesPerGroup, bool kSilu = false>
 struct Unit {
     static constexpr uint32_t kGroups = 32 / kLanesPerGroup;
     static constexpr uint32_t kVecs = kGroupSize * 2 / 16 / kLanesPerGroup;
+    static constexpr uint32_t kBufVecs = kVecs * (kSilu ? 2 : 1);
 };
 
 // Plain loads: with an evict-first L2 policy on them (as routing's) 16384 x 7168 took 107 against 98.5 us on the
 // H200 (docs/kernels/datapath.md, session 56).
-template <uint32_t kLanesPerGroup>
-__device__ __forceinline__ void load_unit(const uint8_t* x, uint64_t group, uint64_t num_groups,
-                                          uint4 (&buf)[Unit<kLanesPerGroup>::kVecs]) {
+template <uint32_t kLanesPerGroup, bool kSilu>
+__device__ __forceinline__ void load_unit(const uint8_t* x, uint64_t group, uint64_t num_groups, uint32_t kg,
+                                          uint4 (&buf)[Unit<kLanesPerGroup, kSilu>::kBufVecs]) {
+    using U = Unit<kLanesPerGroup, kSilu>;
     const uint32_t lane = threadIdx.x % 32;
     if (group >= num_groups) return;
-    const uint8_t* src = x + group * (kGroupSize * 2) + (lane % kLanesPerGroup) * 16;
+    // the input group: the same one, or (SiLU) the gate block of row r's group k, r·2KG + k (groups < 2^31)
+    const uint64_t in_group = kSilu ? group + static_cast<uint32_t>(group) / kg * kg : group;
+    const uint8_t* src = x + in_group * (kGroupSize * 2) + (lane % kLanesPerGroup) * 16;
 #pragma unroll
-    for (uint32_t v = 0; v < Unit<kLanesPerGroup>::kVecs; ++v) {
-        buf[v] = *reinterpret_cast<const uint4*>(src + v * 16 * kLanesPerGroup);
+    for (uint32_t v = 0; v < U::kVecs; ++v) buf[v] = *reinterpret_cast<const uint4*>(src + v * 16 * kLanesPerGroup);
+    if constexpr (kSilu) {
+        const uint8_t* up = src + static_cast<uint64_t>(kg) * (kGroupSize * 2);
+#pragma unroll
+        for (uint32_t v = 0; v < U::kVecs; ++v) {
+            buf[U::kVecs + v] = *reinterpret_cast<const uint4*>(up + v * 16 * kLanesPerGroup);
+        }
     }
 }
 
-// `group`: this lane's group in the flat list; rows of `rows_per_lead` (M) each lead to the scale layout.
-template <bool kBf16, bool kUe8m0, uint32_t kLanesPerGroup>
-__device__ __forceinline__ void quantize_unit(const uint4 (&buf)[Unit<kLanesPerGroup>::kVecs], uint64_t group,
-                                              uint64_t num_groups, uint8_t* out, float* out_scale, uint32_t kg,
-                                              uint32_t rows_per_lead, uint32_t m_pad, float eps) {
-    constexpr uint32_t kVecs = Unit<kLanesPerGroup>::kVecs;
-    const uint32_t lane = threadIdx.x % 32, q = lane % kLanesPerGroup;
-    // amax of |x| on the packed halves (exact: a maximum is one of the inputs), then over the group's lanes
-    uint32_t m2 = 0;
+// act = silu(gate) · up of 16-bit inputs, from the MUFU exp2 / reciprocal as the fused GEMM epilogue computes it
+// (epilogue/act_quant.cuh; within a few FP32 ulps of the reference's float64 value, as the Triton kernel's)
+template <bool kBf16>
+__device__ __forceinline__ void silu_mul_x8(const uint4& gate, const uint4& up, float (&act)[8]) {
+    const uint32_t g[4] = {gate.x, gate.y, gate.z, gate.w}, u[4] = {up.x, up.y, up.z, up.w};
 #pragma unroll
-    for (uint32_t v = 0; v < kVecs; ++v) {
-        m2 = max_abs_nan_x2<kBf16>(m2, buf[v].x);
-        m2 = max_abs_nan_x2<kBf16>(m2, buf[v].y);
-        m2 = max_abs_nan_x2<kBf16>(m2, buf[v].z);
-        m2 = max_abs_nan_x2<kBf16>(m2, buf[v].w);
+    for (uint32_t i = 0; i < 4; ++i) {
+        float g0, g1, u0, u1;
+        unpack_x2<kBf16>(g[i], g0, g1);
+        unpack_x2<kBf16>(u[i], u0, u1);
+        act[2 * i] = g0 * epi::rcp_approx(1.0f + epi::exp2_approx(-g0 * epi::kLog2e)) * u0;
+        act[2 * i + 1] = g1 * epi::rcp_approx(1.0f + epi::exp2_approx(-g1 * epi::kLog2e)) * u1;
     }
-    float lo, hi;
-    unpack_x2<kBf16>(m2 & 0x7fff7fffu, lo, hi);
-    float amax = max_nan(lo, hi);
+}
+
+// The group's scale from the lane's amax (the group's lanes reduce it): max(amax, eps) / 448 correctly rounded,
+// UE8M0 rounded up, NaN where the group holds one.
+template <bool kUe8m0, uint32_t kLanesPerGroup>
+__device__ __forceinline__ float group_scale(float amax, float eps) {
 #pragma unroll
     for (uint32_t mask = 1; mask < kLanesPerGroup; mask <<= 1) amax = max_nan(amax, __shfl_xor_sync(kFullMask, amax, mask));
     float s = __fdiv_rn(amax != amax ? amax : fmaxf(amax, eps), epi::kFp8Max);
     if constexpr (kUe8m0) s = epi::round_up_pow2(s);
-    const bool finite = fabsf(s) < __uint_as_float(0x7f800000u);
-    const float inv = __frcp_rn(s);
-    if (group >= num_groups) return;
+    return s;
+}
 
+// `group`: this lane's group in the flat list; rows of `rows_per_lead` (M) each lead to the scale layout.
+template <bool kBf16, bool kUe8m0, uint32_t kLanesPerGroup, bool kSilu>
+__device__ __forceinline__ void quantize_unit(const uint4 (&buf)[Unit<kLanesPerGroup, kSilu>::kBufVecs],
+                                              uint64_t group, uint64_t num_groups, uint8_t* out, float* out_scale,
+                                              uint32_t kg, uint32_t rows_per_lead, uint32_t m_pad, float eps) {
+    constexpr uint32_t kVecs = Unit<kLanesPerGroup, kSilu>::kVecs;
+    const uint32_t q = threadIdx.x % 32 % kLanesPerGroup;
     uint8_t* dst = out + group * kGroupSize + q * 8;
+    float s;
+    if constexpr (kSilu) {
+        float act[kVecs][8];
+        float amax = 0.0f;
 #pragma unroll
-    for (uint32_t v = 0; v < kVecs; ++v) {
-        *reinterpret_cast<uint2*>(dst + v * 8 * kLanesPerGroup) = codes_x8<kBf16>(buf[v], s, inv, finite);
+        for (uint32_t v = 0; v < kVecs; ++v) {
+            silu_mul_x8<kBf16>(buf[v], buf[kVecs + v], act[v]);
+#pragma unroll
+            for (uint32_t i = 0; i < 8; ++i) amax = max_nan(amax, fabsf(act[v][i]));
+        }
+        s = group_scale<kUe8m0, kLanesPerGroup>(amax, eps);
+        const bool finite = fabsf(s) < __uint_as_float(0x7f800000u);
+        const float inv = __frcp_rn(s);
+        if (group >= num_groups) return;
+#pragma unroll
+        for (uint32_t v = 0; v < kVecs; ++v) {
+            uint32_t w[2];
+#pragma unroll
+            for (uint32_t h = 0; h < 2; ++h) {
+                const float* a = act[v] + 4 * h;  // (the codes take act's signs: -0 stays 0x80)
+                const uint32_t lo = epi::pack_e4m3x2(copysignf(divide_abs_rn(a[0], s, inv), a[0]),
+                                                     copysignf(divide_abs_rn(a[1], s, inv), a[1]));
+                const uint32_t hi = epi::pack_e4m3x2(copysignf(divide_abs_rn(a[2], s, inv), a[2]),
+                                                     copysignf(divide_abs_rn(a[3], s, inv), a[3]));
+                w[h] = finite ? lo | (hi << 16) : 0x7f7f7f7fu;
+            }
+            *reinterpret_cast<uint2*>(dst + v * 8 * kLanesPerGroup) = make_uint2(w[0], w[1]);
+        }
+    } else {
+        // amax of |x| on the packed halves (exact: a maximum is one of the inputs)
+        uint32_t m2 = 0;
+#pragma unroll
+        for (uint32_t v = 0; v < kVecs; ++v) {
+            m2 = max_abs_nan_x2<kBf16>(m2, buf[v].x);
+            m2 = max_abs_nan_x2<kBf16>(m2, buf[v].y);
+            m2 = max_abs_nan_x2<kBf16>(m2, buf[v].z);
+            m2 = max_abs_nan_x2<kBf16>(m2, buf[v].w);
+        }
+        float lo, hi;
+        unpack_x2<kBf16>(m2 & 0x7fff7fffu, lo, hi);
+        s = group_scale<kUe8m0, kLanesPerGroup>(max_nan(lo, hi), eps);
+        const bool finite = fabsf(s) < __uint_as_float(0x7f800000u);
+        const float inv = __frcp_rn(s);
+        if (group >= num_groups) return;
+#pragma unroll
+        for (uint32_t v = 0; v < kVecs; ++v) {
+            *reinterpret_cast<uint2*>(dst + v * 8 * kLanesPerGroup) = codes_x8<kBf16>(buf[v], s, inv, finite);
+        }
     }
     if (q == 0) {
         const uint32_t row = static_cast<uint32_t>(group / kg), k = static_cast<uint32_t>(group % kg);
@@ -144,26 +205,27 @@ __device__ __forceinline__ void quantize_unit(const uint4 (&buf)[Unit<kLanesPerG
 
 // Persistent: warp w of the grid quantises units w, w + W, w + 2W, ... (W warps in all), each unit's loads issued
 // before the previous unit is quantised. Launched as a programmatic dependent: it waits for the kernel before it
-// (which may still write x, or read the outputs) before any access.
-template <bool kBf16, bool kUe8m0, uint32_t kLanesPerGroup, uint32_t kThreads>
+// (which may still write x, or read the outputs) before any access. kSilu: x holds [gate | up] rows of 2·KG groups,
+// and the codes are those of silu(gate) · up.
+template <bool kBf16, bool kUe8m0, uint32_t kLanesPerGroup, uint32_t kThreads, bool kSilu = false>
 __global__ void __launch_bounds__(kThreads) per_token_group_quant_kernel(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ out, float* __restrict__ out_scale, uint64_t num_groups,
     uint32_t kg, uint32_t rows_per_lead, uint32_t m_pad, float eps) {
     static_assert(kLanesPerGroup == 4 || kLanesPerGroup == 8 || kLanesPerGroup == 16, "a group's 256 bytes in 16-byte lanes");
-    using U = Unit<kLanesPerGroup>;
+    using U = Unit<kLanesPerGroup, kSilu>;
     ptx::wait_prerequisites();
     ptx::launch_dependents();
     const uint64_t num_units = ceil_div<uint64_t>(num_groups, U::kGroups);
     const uint64_t stride = static_cast<uint64_t>(gridDim.x) * (blockDim.x / 32);
     const uint64_t lane_group = threadIdx.x % 32 / kLanesPerGroup;
     uint64_t unit = static_cast<uint64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-    uint4 buf[2][U::kVecs];
-    load_unit<kLanesPerGroup>(x, unit * U::kGroups + lane_group, num_groups, buf[0]);
-    const auto step = [&](const uint4 (&cur)[U::kVecs], uint4 (&upcoming)[U::kVecs]) {
+    uint4 buf[2][U::kBufVecs];
+    load_unit<kLanesPerGroup, kSilu>(x, unit * U::kGroups + lane_group, num_groups, kg, buf[0]);
+    const auto step = [&](const uint4 (&cur)[U::kBufVecs], uint4 (&upcoming)[U::kBufVecs]) {
         const uint64_t next = unit + stride;
-        if (next < num_units) load_unit<kLanesPerGroup>(x, next * U::kGroups + lane_group, num_groups, upcoming);
-        quantize_unit<kBf16, kUe8m0, kLanesPerGroup>(cur, unit * U::kGroups + lane_group, num_groups, out, out_scale,
-                                                     kg, rows_per_lead, m_pad, eps);
+        if (next < num_units) load_unit<kLanesPerGroup, kSilu>(x, next * U::kGroups + lane_group, num_groups, kg, upcoming);
+        quantize_unit<kBf16, kUe8m0, kLanesPerGroup, kSilu>(cur, unit * U::kGroups + lane_group, num_groups, out,
+                                                            out_scale, kg, rows_per_lead, m_pad, eps);
         unit = next;
     };
     while (unit < num_units) {
