@@ -60,7 +60,8 @@ def test_runs_only_on_the_gpus_it_was_measured_on(monkeypatch):
 
 
 @pytest.mark.parametrize(("dtype", "ue8m0", "lanes", "threads", "silu"), [
-    (BF16, False, quant.LANES_PER_GROUP, quant.THREADS, False), (F16, True, 4, 1024, False), (BF16, True, 16, 512, False),
+    (BF16, False, quant.LANES_PER_GROUP, quant.THREADS, False), (F16, True, 4, 1024, False),
+    (BF16, True, 16, 512, False),
     (BF16, False, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS, True), (BF16, True, 16, 1024, True)])
 def test_kernel_compiles_without_local_memory(dtype, ue8m0, lanes, threads, silu, tmp_path: Path):
     from moe_fp8.kernels.jit import get_compiler

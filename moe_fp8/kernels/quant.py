@@ -29,16 +29,17 @@ GROUP_SIZE = 128
 # The kernel's exact division needs every residual that decides a code to be a normal float: scales of at
 # least 2^-93, i.e. eps >= 2^-84 (the default is 1e-10).
 MIN_EPS = 2.0**-84
-# Lanes a group (a lane loads 256 / LANES_PER_GROUP bytes of it), threads a block, blocks an SM: the best of 22
-# launches on the H200 at 7168-16384 columns (scripts/ab_quant.py; docs/benchmarks/calibration/s56-quant-h200.txt).
+# Lanes a group (a lane loads 256 / LANES_PER_GROUP bytes of it), threads a block, blocks an SM: the best launch of
+# the H200 sweeps (scripts/ab_quant.py; docs/benchmarks/calibration/s56-quant-*.txt).
 LANES_PER_GROUP = 8
 THREADS = 1024
 BLOCKS_PER_SM = 1
-# SiLU·mul + quant: a lane holds its group's gate and up vectors (twice the registers: 8 lanes a group spill at 1024
-# threads, and their fp16 variant at 512, so fp16 stays on Triton). It beat the Triton kernel's wide tiles by 9-33% on
-# the H200 from 4096 rows where a row's groups are not a power of two (I = 1536, 2304, 18432: GLM-4.5's shared
-# expert, DeepSeek-V3's dense MLP and its TP-8 shard) and ran 0.88-1.02x as fast below; with a power of two (DeepSeek-V3's
-# shared expert, I = 2048) it was within -4 / +1% (docs/benchmarks/calibration/s56-silu-h200.txt). Hence silu_takes.
+# SiLU·mul + quant: a lane holds its group's gate and up vectors (twice the registers: 8 lanes a group spill at
+# 1024 threads, and their fp16 variant at 512, so fp16 stays on Triton). On the H200 it beat the Triton kernel's
+# wide tiles by 9-33% from 4096 rows where a row's groups are not a power of two (I = 1536, 2304, 18432: GLM-4.5's
+# shared expert, DeepSeek-V3's dense MLP and its TP-8 shard) and ran 0.88-1.02x as fast below; with a power of two
+# (I = 2048: DeepSeek-V3's shared expert) within -4 / +1% (docs/benchmarks/calibration/s56-silu-h200.txt). Hence
+# silu_takes.
 SILU_LANES_PER_GROUP = 8
 SILU_THREADS = 512
 SILU_BLOCKS_PER_SM = 1

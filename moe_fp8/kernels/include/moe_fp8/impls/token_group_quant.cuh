@@ -133,7 +133,9 @@ __device__ __forceinline__ void silu_mul_x8(const uint4& gate, const uint4& up, 
 template <bool kUe8m0, uint32_t kLanesPerGroup>
 __device__ __forceinline__ float group_scale(float amax, float eps) {
 #pragma unroll
-    for (uint32_t mask = 1; mask < kLanesPerGroup; mask <<= 1) amax = max_nan(amax, __shfl_xor_sync(kFullMask, amax, mask));
+    for (uint32_t mask = 1; mask < kLanesPerGroup; mask <<= 1) {
+        amax = max_nan(amax, __shfl_xor_sync(kFullMask, amax, mask));
+    }
     float s = __fdiv_rn(amax != amax ? amax : fmaxf(amax, eps), epi::kFp8Max);
     if constexpr (kUe8m0) s = epi::round_up_pow2(s);
     return s;
@@ -211,7 +213,8 @@ template <bool kBf16, bool kUe8m0, uint32_t kLanesPerGroup, uint32_t kThreads, b
 __global__ void __launch_bounds__(kThreads) per_token_group_quant_kernel(
     const uint8_t* __restrict__ x, uint8_t* __restrict__ out, float* __restrict__ out_scale, uint64_t num_groups,
     uint32_t kg, uint32_t rows_per_lead, uint32_t m_pad, float eps) {
-    static_assert(kLanesPerGroup == 4 || kLanesPerGroup == 8 || kLanesPerGroup == 16, "a group's 256 bytes in 16-byte lanes");
+    static_assert(kLanesPerGroup == 4 || kLanesPerGroup == 8 || kLanesPerGroup == 16,
+                  "a group's 256 bytes in 16-byte lanes");
     using U = Unit<kLanesPerGroup, kSilu>;
     ptx::wait_prerequisites();
     ptx::launch_dependents();
@@ -223,7 +226,9 @@ __global__ void __launch_bounds__(kThreads) per_token_group_quant_kernel(
     load_unit<kLanesPerGroup, kSilu>(x, unit * U::kGroups + lane_group, num_groups, kg, buf[0]);
     const auto step = [&](const uint4 (&cur)[U::kBufVecs], uint4 (&upcoming)[U::kBufVecs]) {
         const uint64_t next = unit + stride;
-        if (next < num_units) load_unit<kLanesPerGroup, kSilu>(x, next * U::kGroups + lane_group, num_groups, kg, upcoming);
+        if (next < num_units) {
+            load_unit<kLanesPerGroup, kSilu>(x, next * U::kGroups + lane_group, num_groups, kg, upcoming);
+        }
         quantize_unit<kBf16, kUe8m0, kLanesPerGroup, kSilu>(cur, unit * U::kGroups + lane_group, num_groups, out,
                                                             out_scale, kg, rows_per_lead, m_pad, eps);
         unit = next;
