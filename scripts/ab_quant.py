@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.moe_data import _graph_replay
 from moe_fp8.kernels import quant as cuda_quant
 from moe_fp8.kernels.triton import quant as triton_quant
 from moe_fp8.kernels.triton.configs import quant_config
@@ -29,15 +30,7 @@ KNOBS = ["8,1024,1", "8,512,2", "8,1024,2", "4,1024,1", "4,512,2", "16,1024,1", 
 def graph_us(fn) -> float:
     from triton.testing import do_bench
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return float(do_bench(graph.replay, warmup=5, rep=40, return_mode="median")) * 1e3
+    return float(do_bench(_graph_replay(fn), warmup=5, rep=40, return_mode="median")) * 1e3
 
 
 def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], silu: bool) -> bool:
