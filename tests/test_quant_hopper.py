@@ -69,9 +69,9 @@ def test_kernel_compiles_without_local_memory(dtype, ue8m0, lanes, threads, silu
     from moe_fp8.kernels.jit.compiler import find_compilers
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
+    # every compiler found (CI has both); none is a failure, as in tests/test_routing_hopper.py, not a skip
     compilers = [c.name for c in find_compilers() if c.available]
-    if not compilers:
-        pytest.skip("no CUDA compiler (nvcc or NVRTC) here")
+    assert compilers, "no CUDA compiler (nvcc or NVRTC): the kernel sources must compile on every machine"
     for compiler in compilers:
         name, source = quant.kernel_variant(dtype, ue8m0, lanes, threads, silu)
         sass = dump_sass(get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path / compiler).cubin)
