@@ -405,8 +405,7 @@ def quant_variants(cfg: dict[str, Any]) -> list[QuantVariant]:
     ue8m0 = (cfg.get("quantization_config") or {}).get("scale_fmt") == "ue8m0"
     scales = "ue8m0" if ue8m0 else "float32"
     return [QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0), scales, "Fp8Linear inputs"),
-            QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS,
-                                               silu=True), scales, "Fp8MLP SiLU·mul")]
+            QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0, silu=True), scales, "Fp8MLP SiLU·mul")]
 
 
 def describe_rows(v: Variant) -> str:

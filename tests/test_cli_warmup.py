@@ -262,8 +262,8 @@ def test_quant_variants_are_what_the_quantization_builds():
     from moe_fp8.kernels import quant
 
     def built(ue8m0: bool) -> list[tuple[str, str]]:
-        return [quant.kernel_variant(torch.bfloat16, ue8m0),
-                quant.kernel_variant(torch.bfloat16, ue8m0, quant.SILU_LANES_PER_GROUP, quant.SILU_THREADS, True)]
+        return [quant.kernel_variant(torch.bfloat16, ue8m0, *quant.launch_shape(False)[:2]),
+                quant.kernel_variant(torch.bfloat16, ue8m0, *quant.launch_shape(True)[:2], silu=True)]
 
     got = W.quant_variants(DEEPSEEK_V3)
     assert [(v.name, v.source) for v in got] == built(False) and {v.scales for v in got} == {"float32"}

@@ -35,10 +35,13 @@ def test_covers_16_bit_inputs_in_groups_of_128():
 
 def test_grid_spreads_small_inputs_and_caps_large_ones(monkeypatch):
     monkeypatch.setattr(quant, "get_num_sms", lambda: 132)
-    assert quant.grid(16384 * 56) == (132, 1024)  # one block of 32 warps an SM
-    assert quant.grid(128 * 56) == (128, 448)  # 1792 units of 4 groups: 14 warps a block, one unit a warp
-    assert quant.grid(1) == (1, 32)
+    shipped = quant.launch_shape(silu=False)
+    assert shipped == (8, 1024, 1)
+    assert quant.grid(16384 * 56, *shipped) == (132, 1024)  # one block of 32 warps an SM
+    assert quant.grid(128 * 56, *shipped) == (128, 448)  # 1792 units of 4 groups: 14 warps a block, one unit a warp
+    assert quant.grid(1, *shipped) == (1, 32)
     assert quant.grid(16384 * 56, lanes=4, threads=512, blocks_per_sm=2) == (264, 512)
+    assert quant.launch_shape(silu=True) == (8, 512, 1) and quant.launch_shape(True, threads=256) == (8, 256, 1)
 
 
 def test_silu_takes_many_rows_of_groups_not_a_power_of_two():

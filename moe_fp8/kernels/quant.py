@@ -49,10 +49,20 @@ SILU_MIN_ROWS = 4096
 DEVICES = ("NVIDIA H200",)
 
 
-def kernel_variant(dtype: torch.dtype, ue8m0: bool, lanes: int = LANES_PER_GROUP, threads: int = THREADS,
+def launch_shape(silu: bool, lanes: int | None = None, threads: int | None = None,
+                 blocks_per_sm: int | None = None) -> tuple[int, int, int]:
+    """``(lanes a group, threads a block, blocks an SM)`` of a launch: the plain or the SiLU·mul form's shipped ones
+    where a knob is None."""
+    shipped = (SILU_LANES_PER_GROUP, SILU_THREADS, SILU_BLOCKS_PER_SM) if silu else (LANES_PER_GROUP, THREADS,
+                                                                                     BLOCKS_PER_SM)
+    return tuple(knob or default for knob, default in zip((lanes, threads, blocks_per_sm), shipped, strict=True))
+
+
+def kernel_variant(dtype: torch.dtype, ue8m0: bool, lanes: int | None = None, threads: int | None = None,
                    silu: bool = False) -> tuple[str, str]:
     """``(name, source)`` of one specialization, as ``build`` takes them (``moe-fp8 warmup`` too); ``silu``: the
-    fused SiLU·mul + quantization."""
+    fused SiLU·mul + quantization; ``lanes`` / ``threads``: as ``launch_shape`` resolves them."""
+    lanes, threads, _ = launch_shape(silu, lanes, threads)
     bf16 = dtype == torch.bfloat16
     source = KERNEL_TEMPLATE.format(bf16=str(bf16).lower(), ue8m0=str(bool(ue8m0)).lower(), lanes=lanes,
                                     threads=threads, silu=str(bool(silu)).lower())
@@ -61,8 +71,7 @@ def kernel_variant(dtype: torch.dtype, ue8m0: bool, lanes: int = LANES_PER_GROUP
 
 
 @functools.cache
-def get_kernel(dtype: torch.dtype, ue8m0: bool, lanes: int = LANES_PER_GROUP, threads: int = THREADS,
-               silu: bool = False):
+def get_kernel(dtype: torch.dtype, ue8m0: bool, lanes: int, threads: int, silu: bool):
     return build(*kernel_variant(dtype, ue8m0, lanes, threads, silu))
 
 
@@ -95,8 +104,7 @@ def silu_takes(rows: int, kg: int) -> bool:
     return rows >= SILU_MIN_ROWS and kg & (kg - 1) != 0
 
 
-def grid(num_groups: int, lanes: int = LANES_PER_GROUP, threads: int = THREADS,
-         blocks_per_sm: int = BLOCKS_PER_SM) -> tuple[int, int]:
+def grid(num_groups: int, lanes: int, threads: int, blocks_per_sm: int) -> tuple[int, int]:
     """``(blocks, threads)``: up to ``blocks_per_sm`` blocks an SM; fewer warps a block where the units would
     not reach every SM (small inputs are latency-bound: one unit a warp, spread)."""
     units = ceil_div(num_groups, 32 // lanes)
@@ -107,8 +115,8 @@ def grid(num_groups: int, lanes: int = LANES_PER_GROUP, threads: int = THREADS,
 
 def per_token_group_quant_hopper(x: torch.Tensor, group_size: int, ue8m0: bool, eps: float, *,
                                  out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
-                                 lanes: int = LANES_PER_GROUP, threads: int = THREADS,
-                                 blocks_per_sm: int = BLOCKS_PER_SM, force: bool = False
+                                 lanes: int | None = None, threads: int | None = None,
+                                 blocks_per_sm: int | None = None, force: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend entry of ``moe_fp8::per_token_group_quant`` on Hopper (see ``moe_fp8.ops``): the CUDA kernel where
     ``applies``, else the Triton one. ``out`` / ``out_scale``: written in place (``out_scale`` in the TMA layout);
@@ -124,8 +132,8 @@ def per_token_group_quant_hopper(x: torch.Tensor, group_size: int, ue8m0: bool, 
 def silu_mul_per_token_group_quant_hopper(h: torch.Tensor, group_size: int, ue8m0: bool,
                                           masked_m: torch.Tensor | None, eps: float, *,
                                           out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
-                                          precise: bool = False, lanes: int = SILU_LANES_PER_GROUP,
-                                          threads: int = SILU_THREADS, blocks_per_sm: int = SILU_BLOCKS_PER_SM,
+                                          precise: bool = False, lanes: int | None = None,
+                                          threads: int | None = None, blocks_per_sm: int | None = None,
                                           force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Backend entry of ``moe_fp8::silu_mul_per_token_group_quant`` on Hopper: the CUDA kernel for every row of a bf16
     ``h [M, 2I]`` / ``[G, M, 2I]`` (``[gate | up]``, I a multiple of 128) where ``applies`` to ``h``'s halves and
@@ -151,10 +159,11 @@ def _check_cuda(x: torch.Tensor, what: str) -> None:
 
 
 def _launch(x: torch.Tensor, n_out: int, ue8m0: bool, eps: float, silu: bool, out: torch.Tensor | None,
-            out_scale: torch.Tensor | None, lanes: int, threads: int, blocks_per_sm: int
+            out_scale: torch.Tensor | None, lanes: int | None, threads: int | None, blocks_per_sm: int | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over every ``n_out``-column output row of ``x`` (``[..., n_out]`` codes, or of ``silu``'s halves),
-    into ``out`` / ``out_scale`` (allocated, or checked)."""
+    into ``out`` / ``out_scale`` (allocated, or checked); the knobs as ``launch_shape`` resolves them."""
+    lanes, threads, blocks_per_sm = launch_shape(silu, lanes, threads, blocks_per_sm)
     shape = (*x.shape[:-1], n_out)
     rows = x.shape[-2]
     kg = n_out // GROUP_SIZE
