@@ -276,7 +276,6 @@ _HOPPER_IMPLS = {
     "select_experts": "moe_fp8.kernels.routing:select_experts_hopper",  # (the Triton kernel outside its cases)
     "dispatch_contiguous": "moe_fp8.kernels.dispatch:dispatch_contiguous_hopper",  # (Triton routing + a CUDA mover)
     "dispatch_masked": "moe_fp8.kernels.dispatch:dispatch_masked_hopper",
-    "quant_dispatch_contiguous": "moe_fp8.kernels.dispatch:quant_dispatch_contiguous_hopper",  # (large prefills)
     "per_token_group_quant": "moe_fp8.kernels.quant:per_token_group_quant_hopper",  # (Triton outside its cases)
     "silu_mul_per_token_group_quant": "moe_fp8.kernels.quant:silu_mul_per_token_group_quant_hopper",  # (the same)
 }

@@ -1,6 +1,6 @@
 """Hopper ``dispatch_contiguous`` / ``dispatch_masked`` (the Triton routing, then the row mover of
-impls/dispatch_rows.cuh) and ``quant_dispatch_contiguous`` (two kernels from the sizes of ``quant_then_move``) vs the
-reference, bit for bit, on poisoned buffers; which calls the mover takes; its compiled code.
+impls/dispatch_rows.cuh) vs the reference, bit for bit, on poisoned buffers; which calls the mover takes;
+its compiled code.
 
 The GPU tests run only on an sm_90 GPU; the CPU ones compile the kernel and check ``mover_applies``.
 """
@@ -14,7 +14,6 @@ import torch
 from datapath_util import assert_same_bits, make_expert_map
 
 from moe_fp8 import reference as ref
-from moe_fp8.kernels import dispatch as hopper_dispatch
 from moe_fp8.kernels.dispatch import KERNEL_TEMPLATE, mover_applies
 from moe_fp8.testing import make_dispatch_inputs
 
@@ -47,28 +46,6 @@ def test_mover_applies_to_bulk_copyable_rows():
     assert not mover_applies(torch.empty(4, 7184, dtype=torch.float8_e4m3fn)[:, 8:7176], ids)  # not contiguous
     assert not mover_applies(torch.empty(4 * 7168 + 8, dtype=torch.float8_e4m3fn)[8:].view(4, 7168), ids)
     assert not mover_applies(rows, torch.zeros(4, 33, dtype=torch.int32))  # more slots than lanes
-
-
-def test_quant_then_move_takes_large_dispatches_where_the_cuda_quantization_runs(monkeypatch):
-    """Two kernels from 32768 pairs (every pair local) or 8192 tokens (under an expert map), only where the CUDA
-    quantization takes ``x`` (on the H200, 16-bit rows of whole 128-groups) and the mover its FP8 rows."""
-    from moe_fp8.kernels import quant
-
-    monkeypatch.setattr(quant, "measured_here", lambda index: True)
-    x = torch.empty(4096, 7168, dtype=torch.bfloat16)
-    ids = torch.zeros(4096, 8, dtype=torch.int32)
-    emap = torch.zeros(256, dtype=torch.int32)
-    assert hopper_dispatch.quant_then_move(x, ids, None, 1e-10)  # 32768 pairs
-    assert not hopper_dispatch.quant_then_move(x[:2048], ids[:2048], None, 1e-10)
-    assert not hopper_dispatch.quant_then_move(x, ids, emap, 1e-10)  # under a map: from 8192 tokens
-    big, big_ids = torch.empty(8192, 7168, dtype=torch.bfloat16), torch.zeros(8192, 8, dtype=torch.int32)
-    assert hopper_dispatch.quant_then_move(big, big_ids, emap, 1e-10)
-    assert not hopper_dispatch.quant_then_move(big.float(), big_ids, emap, 1e-10)  # fp32: the Triton quantization
-    assert not hopper_dispatch.quant_then_move(torch.empty(8192, 7104, dtype=torch.bfloat16), big_ids, None,
-                                               1e-10)  # rows of 55.5 groups: the Triton quantization
-    assert not hopper_dispatch.quant_then_move(big, torch.zeros(8192, 33, dtype=torch.int32), None, 1e-10)
-    monkeypatch.setattr(quant, "measured_here", lambda index: False)  # another GPU
-    assert not hopper_dispatch.quant_then_move(big, big_ids, None, 1e-10)
 
 
 def _poisoned_empty(monkeypatch) -> None:
@@ -156,41 +133,6 @@ def test_strided_scales_int64_ids_and_the_public_op(monkeypatch):
             _poisoned_empty(m)
             got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, scales, ids, 64)
         _check(got, want, None)
-
-
-@pytest.mark.hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize(("t", "h", "e_global", "e_local", "k"), CASES)
-@pytest.mark.parametrize("sync", [True, False])
-def test_quant_dispatch_as_two_kernels_matches_reference(monkeypatch, t, h, e_global, e_local, k, sync):
-    """``quant_dispatch_contiguous`` taking the two kernels at every size (the CUDA quantization on any Hopper GPU;
-    hidden sizes it does not cover take the Triton one), with and without the quantized input."""
-    from moe_fp8 import ops
-    from moe_fp8.kernels import quant
-    from moe_fp8.kernels.triton.dispatch import contiguous_rows_bound
-
-    monkeypatch.setattr(quant, "measured_here", lambda index: True)
-    monkeypatch.setattr(hopper_dispatch, "QUANT_THEN_MOVE_MIN_PAIRS", 0)
-    monkeypatch.setattr(hopper_dispatch, "QUANT_THEN_MOVE_MIN_TOKENS_MAPPED", 0)
-    d = make_dispatch_inputs(t, h, e_global, k, seed=t + h, device="cuda")
-    e = e_local or e_global
-    emap = make_expert_map(e_global, e_local, t).int() if e_local else None
-    assert hopper_dispatch.quant_then_move(d.x, d.topk_ids, emap, 1e-10) == (h % 128 == 0)
-    r_fp8, r_scale = ref.per_token_group_quant(d.x)
-    want = ref.dispatch_contiguous(r_fp8, r_scale, d.topk_ids, e, emap, 128)
-    assert ops._HOPPER_IMPLS["quant_dispatch_contiguous"].endswith(":quant_dispatch_contiguous_hopper")
-    for return_x in (True, False):
-        with monkeypatch.context() as m:
-            _poisoned_empty(m)
-            x_fp8, x_scale, *got, m_total = hopper_dispatch.quant_dispatch_contiguous_hopper(
-                d.x, d.topk_ids, e, emap, 128, sync=sync, return_x=return_x, return_m_total=True)
-        _check(got, want, None if sync else contiguous_rows_bound(t, k, e, 128))
-        assert int(m_total) == want[2].shape[0]
-        if return_x:
-            assert_same_bits(x_fp8, r_fp8, "x_fp8")
-            assert_same_bits(x_scale, r_scale, "x_scale")
-        else:
-            assert x_fp8 is None and x_scale is None
 
 
 MASKED_CASES = [  # tokens, hidden, global experts, local experts (None: no map), top_k, max_m

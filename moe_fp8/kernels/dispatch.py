@@ -10,9 +10,6 @@ Triton → mover: 16384 tokens 482.2 → 415.8 µs (0.73 → 0.84× a copy of th
 
 Rows of a multiple of 16 bytes (bulk copies) up to the shared memory of one CTA, at most 32 slots per token;
 other calls run the Triton scatter.
-
-``quant_dispatch_contiguous`` (the prefill's quantization + dispatch) runs as the CUDA quantization then the mover
-where that beat the Triton scatter that quantizes each token in place (``quant_then_move``), else as that scatter.
 """
 
 from __future__ import annotations
@@ -33,13 +30,6 @@ __attribute__((unused)) static void instantiate() {{
 """
 MAX_TOP_K = 32  # one lane per slot
 MAX_ROW_BYTES = 200 * 1024  # one row in shared memory (227 KB a CTA on sm_90)
-# quant_dispatch_contiguous as two kernels (the CUDA quantization, then the mover) from these sizes: on the H200
-# (kernels/quant.DEVICES, the GPUs where that quantization runs) they beat the quantizing Triton scatter by 3-19%
-# from 32768 pairs with every pair local (4096 tokens at top-8; at 2048 tokens 0.94-1.05x by hidden size, below it
-# 0.90-1.0x) and by 7-10% from 8192 tokens under an expert map (32 of 256 experts local; 0.87-1.01x from 512 to
-# 4096 tokens). scripts/ab_quant_dispatch.py, calibration/s57-quant-dispatch-h200.txt.
-QUANT_THEN_MOVE_MIN_PAIRS = 32768
-QUANT_THEN_MOVE_MIN_TOKENS_MAPPED = 8192
 
 
 def kernel_variant(top_k: int, masked: bool, rows_on_device: bool, scales_apart: bool) -> tuple[str, str]:
@@ -58,24 +48,9 @@ def get_kernel(top_k: int, masked: bool, rows_on_device: bool, scales_apart: boo
 def mover_applies(x_fp8: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """The mover takes contiguous FP8 rows of a multiple of 16 bytes, 16-byte aligned (bulk copies), up to
     ``MAX_ROW_BYTES``, and up to ``MAX_TOP_K`` slots."""
-    return (x_fp8.is_contiguous() and x_fp8.data_ptr() % 16 == 0
-            and _movable(x_fp8.shape[0], x_fp8.shape[1], topk_ids.shape[1]))
-
-
-def _movable(num_tokens: int, k: int, top_k: int) -> bool:
-    return k % 16 == 0 and 0 < k <= MAX_ROW_BYTES and 1 <= top_k <= MAX_TOP_K and num_tokens < 2**31
-
-
-def quant_then_move(x: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None, eps: float) -> bool:
-    """Whether ``quant_dispatch_contiguous`` of ``x`` runs as the CUDA quantization then the mover: where the
-    quantization runs its CUDA kernel (``quant.applies``: on ``quant.DEVICES``), its FP8 rows are movable and the
-    dispatch is as large as ``QUANT_THEN_MOVE_MIN_PAIRS`` / ``QUANT_THEN_MOVE_MIN_TOKENS_MAPPED``."""
-    from .quant import GROUP_SIZE, applies
-
-    num_tokens, top_k = topk_ids.shape
-    large = (num_tokens >= QUANT_THEN_MOVE_MIN_TOKENS_MAPPED if expert_map is not None
-             else num_tokens * top_k >= QUANT_THEN_MOVE_MIN_PAIRS)
-    return large and _movable(num_tokens, x.shape[1], top_k) and applies(x, GROUP_SIZE, eps)
+    k = x_fp8.shape[1]
+    return (x_fp8.is_contiguous() and k % 16 == 0 and 0 < k <= MAX_ROW_BYTES and x_fp8.data_ptr() % 16 == 0
+            and 1 <= topk_ids.shape[1] <= MAX_TOP_K and x_fp8.shape[0] < 2**31)
 
 
 def move_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, rank: torch.Tensor,
@@ -115,21 +90,6 @@ def dispatch_contiguous_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_
     mover = move_rows if mover_applies(x_fp8, topk_ids) else None
     return dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=sync,
                                return_m_total=return_m_total, mover=mover)
-
-
-def quant_dispatch_contiguous_hopper(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                                     expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
-                                     eps: float = 1e-10, *, sync: bool = True, return_x: bool = True,
-                                     return_m_total: bool = False) -> tuple[torch.Tensor | None, ...]:
-    """Backend entry of ``moe_fp8::quant_dispatch_contiguous`` on Hopper: the Triton backend's, as two kernels (the
-    quantization's CUDA one, then ``move_rows``) where ``quant_then_move``. Arguments are validated by the public
-    wrapper."""
-    from .triton.dispatch import quant_dispatch_contiguous
-
-    separate = quant_then_move(x, topk_ids, expert_map, eps)
-    return quant_dispatch_contiguous(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync=sync,
-                                     return_x=return_x, return_m_total=return_m_total, separate=separate,
-                                     mover=move_rows if separate else None)
 
 
 def dispatch_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,

@@ -1165,8 +1165,7 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
 def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                               expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
                               eps: float = 1e-10, *, sync: bool = True, return_x: bool = True,
-                              return_m_total: bool = False, config: DispatchConfig | None = None,
-                              separate: bool = False, mover: RowMover | None = None
+                              return_m_total: bool = False, config: DispatchConfig | None = None
                               ) -> tuple[torch.Tensor | None, ...]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous``, ordered so the host
     sync costs no GPU idle time: the routing kernels run first and ``M_total`` goes to pinned host
@@ -1185,21 +1184,18 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
     bit-identical to the two calls; ``return_x=False``: ``(None, None, ...)``; ``return_m_total``: and
     ``M_total`` (int32 ``[1]``, device). ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
-    ``dispatch_contiguous``. ``separate``: the two kernels (the quantization, then the scatter of its FP8 rows,
-    by ``mover`` where given), as on Hopper where they are faster (``kernels/dispatch.py``).
+    ``dispatch_contiguous``.
     """
     device = check_launch_device(x, topk_ids, expert_map)
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous [T, K] tensor, got shape {tuple(x.shape)} strides {x.stride()}")
     num_tokens, k = x.shape
     has_map = expert_map is not None
-    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map,
-                                    quant=not separate)
+    cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map, quant=True)
     plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
-    if separate or (has_map and not cfg.sparse):
+    if has_map and not cfg.sparse:
         x_fp8, x_scale = _quantize(x, ue8m0, eps)
-        routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan,
-                                      mover=mover)
+        routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
         if not return_x:
             x_fp8 = x_scale = None
     else:
