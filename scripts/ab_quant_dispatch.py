@@ -2,9 +2,11 @@
 (``quant_dispatch_contiguous``: each token quantized in the scatter, its codes stored to every destination) against
 two CUDA kernels (``per_token_group_quant`` on its Hopper backend, then ``dispatch_contiguous``'s row mover), checked
 equal (codes, scales, ``m_indices``, ``row_map``), and a copy of the same bytes in the same process. CUDA-graph
-replays, L2 flushed (``do_bench``), rounds alternated; µs and the copy's time over each.
+replays, L2 flushed (``do_bench``), rounds alternated; µs and the copy's time over each. ``--knobs``: the fused
+scatter under other launch configs too (``dispatch_config``'s knobs, e.g. ``block_t=2,block_k=4096,num_warps=8``).
 
     python3 scripts/ab_quant_dispatch.py [--tokens 512 2048 ...] [--hidden 7168] [--local 256 32] [--rounds 3]
+        [--knobs block_k=2048 block_t=2,num_warps=8 ...]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from benchmarks.moe_data import _graph_replay
 from moe_fp8 import backends
 from moe_fp8.kernels import dispatch as cuda_dispatch
 from moe_fp8.kernels.triton import dispatch as triton_dispatch
+from moe_fp8.kernels.triton.configs import dispatch_config
 from moe_fp8.utils import get_num_sms
 
 NUM_EXPERTS = 256
@@ -40,9 +43,9 @@ def two_kernels(x, ids, local, expert_map, return_x):
     return (x_fp8, x_scale, *routed) if return_x else (None, None, *routed)
 
 
-def fused(x, ids, local, expert_map, return_x):
+def fused(x, ids, local, expert_map, return_x, config=None):
     return triton_dispatch.quant_dispatch_contiguous(x, ids, local, expert_map, 128, sync=False, return_x=return_x,
-                                                     return_m_total=True)
+                                                     return_m_total=True, config=config)
 
 
 def differs(a, b) -> str | None:
@@ -60,7 +63,7 @@ def differs(a, b) -> str | None:
     return None
 
 
-def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int) -> None:
+def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int, knobs: list[str]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     ids = torch.rand(tokens, NUM_EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=1).indices.int()
@@ -70,7 +73,13 @@ def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int) 
         expert_map[:local] = torch.arange(local, dtype=torch.int32, device="cuda")
     cands = {"fused_triton": lambda: fused(x, ids, local, expert_map, return_x),
              "quant_then_mover": lambda: two_kernels(x, ids, local, expert_map, return_x)}
-    problem = differs(cands["fused_triton"](), cands["quant_then_mover"]())
+    for knob in knobs:
+        kw = {k: int(v) for k, v in (item.split("=") for item in knob.split(","))}
+        cfg = dispatch_config(tokens, TOP_K, hidden, local, has_map=expert_map is not None, quant=True, **kw)
+        cands[f"fused {knob}"] = lambda cfg=cfg: fused(x, ids, local, expert_map, return_x, cfg)
+    want = cands["fused_triton"]()
+    problems = [f"{name}: {p}" for name, fn in cands.items() if (p := differs(want, fn()))]
+    problem = "; ".join(problems) or None
     pairs = int((ids < local).sum())
     nbytes = tokens * hidden * 2 + pairs * (hidden + hidden // 32) + (tokens * hidden * 9 // 8 if return_x else 0)
     src = torch.empty(nbytes // 4, device="cuda", dtype=torch.float16)  # the same bytes moved (read + write)
@@ -85,7 +94,7 @@ def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int) 
           f"{return_x}: {nbytes / 1e6:.1f} MB{'' if problem is None else f'; OUTPUTS DIFFER: {problem}'}")
     for name, ts in times.items():
         best = min(ts)
-        print(f"{name:18s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
+        print(f"{name:40s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
               f"  of copy {copy / best:.3f}")
     print(f"fused / two kernels: {min(times['fused_triton']) / min(times['quant_then_mover']):.3f}")
 
@@ -97,12 +106,13 @@ def main() -> None:
     ap.add_argument("--local", type=int, nargs="*", default=[NUM_EXPERTS, 32], help="experts on the rank")
     ap.add_argument("--no-x", action="store_true", help="without the quantized input (no shared experts)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--knobs", nargs="*", default=[], help="fused-scatter configs: k=v,k=v (dispatch_config)")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}, {get_num_sms()} SMs, top-{TOP_K} of {NUM_EXPERTS}")
     for local in args.local:
         for hidden in args.hidden:
             for tokens in args.tokens:
-                run_case(tokens, hidden, local, not args.no_x, args.rounds)
+                run_case(tokens, hidden, local, not args.no_x, args.rounds, args.knobs)
 
 
 if __name__ == "__main__":
