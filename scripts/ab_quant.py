@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,15 +83,27 @@ def run_shape(shape: str, dtype: torch.dtype, ue8m0: bool, knobs: list[str], rou
     src = torch.empty(nbytes // 4, device="cuda", dtype=torch.float16)  # the same bytes moved (read + write)
     dst = torch.empty_like(src)
     cands["copy"] = lambda: dst.copy_(src)
+    times = time_rounds(cands, rounds)
+    copy = min(times["copy"])
+    print(f"\n## {shape}: {nbytes / 1e6:.1f} MB, copy {copy:.2f} us ({nbytes / copy / 1e3:.0f} GB/s)")
+    report(times, nbytes, 34)
+
+
+def time_rounds(cands: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """``graph_us`` of every candidate, ``rounds`` times, the candidates alternated within a round."""
     times: dict[str, list[float]] = {n: [] for n in cands}
     for _ in range(rounds):
         for name, fn in cands.items():
             times[name].append(graph_us(fn))
+    return times
+
+
+def report(times: dict[str, list[float]], nbytes: int, width: int) -> None:
+    """A line a candidate: its best µs, every round's, GB/s and the ``copy`` candidate's time over its."""
     copy = min(times["copy"])
-    print(f"\n## {shape}: {nbytes / 1e6:.1f} MB, copy {copy:.2f} us ({nbytes / copy / 1e3:.0f} GB/s)")
     for name, ts in times.items():
         best = min(ts)
-        print(f"{name:34s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
+        print(f"{name:{width}s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
               f"  of copy {copy / best:.3f}")
 
 

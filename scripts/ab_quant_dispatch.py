@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.moe_data import _graph_replay
+from ab_quant import report, time_rounds  # (scripts/, on sys.path as the script's folder)
+
 from moe_fp8 import backends
 from moe_fp8.kernels import dispatch as cuda_dispatch
 from moe_fp8.kernels.triton import dispatch as triton_dispatch
@@ -28,12 +29,6 @@ from moe_fp8.utils import get_num_sms
 
 NUM_EXPERTS = 256
 TOP_K = 8
-
-
-def graph_us(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(_graph_replay(fn), warmup=5, rep=40, return_mode="median")) * 1e3
 
 
 def two_kernels(x, ids, local, expert_map, return_x):
@@ -85,17 +80,10 @@ def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int, 
     src = torch.empty(nbytes // 4, device="cuda", dtype=torch.float16)  # the same bytes moved (read + write)
     dst = torch.empty_like(src)
     cands["copy"] = lambda: dst.copy_(src)
-    times: dict[str, list[float]] = {n: [] for n in cands}
-    for _ in range(rounds):
-        for name, fn in cands.items():
-            times[name].append(graph_us(fn))
-    copy = min(times["copy"])
+    times = time_rounds(cands, rounds)
     print(f"\n## {tokens} tokens x {hidden}, {local} of {NUM_EXPERTS} experts local ({pairs} pairs), return_x "
           f"{return_x}: {nbytes / 1e6:.1f} MB{'' if problem is None else f'; OUTPUTS DIFFER: {problem}'}")
-    for name, ts in times.items():
-        best = min(ts)
-        print(f"{name:40s} {best:8.2f} us  [{' '.join(f'{t:.2f}' for t in ts)}]  {nbytes / best / 1e3:6.0f} GB/s"
-              f"  of copy {copy / best:.3f}")
+    report(times, nbytes, 40)
     print(f"fused / two kernels: {min(times['fused_triton']) / min(times['quant_then_mover']):.3f}")
 
 
