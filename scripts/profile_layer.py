@@ -8,7 +8,8 @@ the host time of the layer's ops. Other modes, one per flag:
     python scripts/profile_layer.py [--tokens 512 8192] [--path contiguous] [--sync] [--combine-sweep]
       --host-ops       host microseconds per call of each op (and of a bare Triton launch)
       --host-profile   cProfile of 200 forwards
-      --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local)
+      --dispatch       kernel timeline of dispatch_contiguous (all 256 experts local), and of the prefill's
+                       quant_dispatch_contiguous (bf16 rows, no sync, x_fp8 returned) with 256 / 384 local
       --scatter        the contiguous dispatch's scatter kernel alone, per block shape (FP8 rows, and
                        quantizing bf16 rows on the way as quant_dispatch_contiguous does without a map)
       --routing        select_experts alone, per block shape
@@ -30,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moe_fp8.benchmarks.harness import bench_us
 from moe_fp8.benchmarks.moe import LOCAL_EXPERTS, NUM_EXPERTS, build_layer
+from moe_fp8.kernels.triton import dispatch as triton_dispatch
 from moe_fp8.kernels.triton.configs import CombineConfig
 from moe_fp8.kernels.triton.dispatch import combine as triton_combine
 from moe_fp8.layers import dispatch_contiguous
@@ -225,6 +227,17 @@ def dispatch_timeline(t: int, hidden_size: int = 7168, experts: int = 256, top_k
           f"bench_us {bench_us(lambda: dispatch_contiguous(x_fp8, x_scale, ids, experts)):.1f} us")
     for name, start, dur in timeline:
         print(f"  {start:8.1f} +{dur:7.1f}  {name[:100]}")
+    for num in (experts, 384):  # the layer's prefill call under TP (every pair local): DeepSeek-V3, Kimi-K2
+        ids = torch.rand(t, num, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+
+        def quant_dispatch(ids=ids, num=num):
+            return triton_dispatch.quant_dispatch_contiguous(x, ids, num, None, 128, sync=False, return_x=True)
+
+        timeline, span = kernel_timeline(quant_dispatch)
+        print(f"\n## quant_dispatch_contiguous {t}x{hidden_size}, {num} experts local, top-{top_k}: GPU span "
+              f"{span:.1f} us, graph_us {graph_us(quant_dispatch):.1f} us")
+        for name, start, dur in timeline:
+            print(f"  {start:8.1f} +{dur:7.1f}  {name[:100]}")
 
 
 def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: int = 8) -> None:

@@ -122,9 +122,9 @@ def test_dispatch_fuses_decode_and_chunks_prefill():
     # count kernel ranks (session 18): one-hot column prefixes for one slice of 32 experts, comparisons above
     assert C.dispatch_config(4096, 8, 7168, 32).rank_sub == 0
     assert C.dispatch_config(4096, 8, 7168, 64).rank_sub == C.dispatch_config(4096, 8, 7168, 256).rank_sub == 32
-    # the quantizing dense scatter writes its scales in a pass of their own from 4096 tokens x top-8 (session 19)
-    assert C.dispatch_config(4096, 8, 7168, 256, quant=True).scales_apart
-    assert not C.dispatch_config(2048, 8, 7168, 256, quant=True).scales_apart
+    # the quantizing dense scatter writes its scales in a pass of their own from 2048 tokens x top-8 (sessions 19, 58)
+    assert C.dispatch_config(2048, 8, 7168, 256, quant=True).scales_apart
+    assert not C.dispatch_config(1024, 8, 7168, 256, quant=True).scales_apart
     assert not C.dispatch_config(16384, 8, 7168, 256).scales_apart  # the FP8 scatter: no gain
     assert C.dispatch_config(1024, 8, 7168, 256, scales_apart=True).scales_apart
     assert not C.dispatch_config(128, 8, 7168, 256, sparse=True).sparse  # the fused decode launch

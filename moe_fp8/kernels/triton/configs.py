@@ -137,6 +137,13 @@ M_INDICES_E_CHUNK = 32
 # 295.1, 161.9 -> 157.3 us; 1024 tokens 46.8 -> 49.9 (the extra launch). The FP8 scatter gains nothing
 # (16384 tokens 505.2 -> 497.4 us, 4096 tokens 134.8 -> 137.7): it stays as it is.
 DISPATCH_SCALES_APART_MIN_PAIRS = 32768
+# Since session 58 that pass gathers the quantizing scatter's token-major copy of the scales (a token's scales in 7
+# sectors), not the TMA layout of x_scale (56 sectors a token), so it pays from fewer pairs. H200, CUDA-graph timed
+# (scripts/ab_quant_dispatch.py, 7168 columns, top-8 of 256 all local, x_fp8 returned), inline -> apart, us: 16384
+# / 8192 / 4096 / 2048 tokens 490.1 -> 406.9, 249.1 -> 213.6, 132.7 -> 116.7, 74.6 -> 67.0 (the gather from x_scale:
+# 445.5, 235.3, 129.8, 74.1); 1024 tokens 42.7 -> 42.1, 512 30.3 -> 32.8, 256 26.1 -> 29.1. Without x_fp8 2048 tokens
+# 69.2 -> 64.7, 512 28.7 -> 31.7.
+DISPATCH_QUANT_SCALES_APART_MIN_PAIRS = 16384
 # _scale_rows_kernel: output rows and scale groups per program (a [64, 128] FP32 tile: 128 rows = 512 bytes
 # of each group's column, whole sectors)
 SCALE_ROWS_BLOCK_R = 128
@@ -343,7 +350,7 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     chunked scatter quantizes the rows it copies (``quant_dispatch_contiguous``). ``sparse``: the chunked
     scatter branches per slot (one token per program, so ``block_t`` must be 1). ``scales_apart``: the dense
     contiguous scatter's scales in a pass of their own (default: quantizing, from
-    ``DISPATCH_SCALES_APART_MIN_PAIRS`` pairs on; it applies where the quantized input is returned)."""
+    ``DISPATCH_QUANT_SCALES_APART_MIN_PAIRS`` pairs on)."""
     e_p2 = _pow2_ceil(num_experts)
     pairs = num_tokens * top_k
     if fused is None:
@@ -376,7 +383,7 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     rank_chunk = max(16, min(_pow2_ceil(pairs), DISPATCH_RANK_TILE // (block_t * k_p2)))
     e_block = min(e_p2, DISPATCH_COUNT_EXPERTS)
     if scales_apart is None:
-        scales_apart = quant and pairs >= DISPATCH_SCALES_APART_MIN_PAIRS
+        scales_apart = quant and pairs >= DISPATCH_QUANT_SCALES_APART_MIN_PAIRS
     return DispatchConfig(fused, chunk, e_p2, hist_experts, scan_chunks, scan_experts, DISPATCH_ROUTE_WARPS,
                           block_t, block_k, num_warps, rank_chunk, e_block, bool(sparse) and not fused, rank_sub,
                           scales_apart)
