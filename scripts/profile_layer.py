@@ -14,6 +14,9 @@ the host time of the layer's ops. Other modes, one per flag:
                        quantizing bf16 rows on the way as quant_dispatch_contiguous does without a map)
       --routing        select_experts alone, per block shape
       --fused-gemm1    GEMM1 + SiLU·mul+quant as two kernels vs the fused epilogue (--path masked too)
+      --graph-timeline kernels of one CUDA-graph replay of the forward (--path auto by default here), the router
+                       GEMM in the graph, after a clean and a dirty flush; --model config.json [--ep N | --tp N]
+                       for another model's rank (default: the moe bench's DeepSeek-V3 EP rank)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import itertools
+import json
 import pstats
 import statistics
 import sys
@@ -29,8 +33,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import LOCAL_EXPERTS, NUM_EXPERTS, build_layer
+from moe_fp8.benchmarks.harness import bench_us, flushed_events, span_us
+from moe_fp8.benchmarks.moe import LOCAL_EXPERTS, NUM_EXPERTS, build_layer, build_model_layer, capture_forward
 from moe_fp8.kernels.triton import dispatch as triton_dispatch
 from moe_fp8.kernels.triton.configs import CombineConfig
 from moe_fp8.kernels.triton.dispatch import combine as triton_combine
@@ -285,6 +289,25 @@ def scatter_sweep(t: int, hidden_size: int = 7168, experts: int = 256, top_k: in
                   f"{'with' if write_x else 'without'} x_fp8: {us:7.1f} us")
 
 
+def graph_timeline(layer, t: int, path: str) -> None:
+    """Each kernel of one replay of a captured forward (router GEMM included) after a clean / dirty flush: start
+    and duration from the replay's first kernel, and the gap before it (the decode step's fixed costs)."""
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    router = torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen) / layer.hidden_size**0.5
+    graph = capture_forward(layer, hidden, None, path, router_weight=router)
+    for _ in range(3):
+        graph.replay()
+    print(f"\n## tokens {t} {path}, CUDA-graph replay: bench_us {bench_us(graph.replay):.1f} us")
+    for clean in (True, False):
+        events = flushed_events(graph.replay, clean)
+        t0, prev_end = events[0][1], events[0][1]
+        print(f"  after a {'clean' if clean else 'dirty'} flush: span {span_us(events):.1f} us")
+        for name, start, end in events:
+            print(f"  {start - t0:8.1f} +{end - start:6.1f}  (gap {start - prev_end:5.1f})  {name[:100]}")
+            prev_end = max(prev_end, end)
+
+
 def routing_sweep(layer, t: int) -> None:
     """``select_experts`` of the layer's routing (DeepSeek-V3 grouped sigmoid top-8 of 256) per config."""
     from moe_fp8.kernels.triton.configs import routing_config
@@ -344,7 +367,20 @@ def main() -> None:
     p.add_argument("--scatter", action="store_true", help="scatter kernel variants instead")
     p.add_argument("--routing", action="store_true", help="select_experts configs instead")
     p.add_argument("--fused-gemm1", action="store_true", help="GEMM1 + SiLU·mul+quant, plain vs fused, instead")
+    p.add_argument("--graph-timeline", action="store_true", help="kernels of a CUDA-graph replay instead")
+    p.add_argument("--model", help="with --graph-timeline: a model's config.json")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
     args = p.parse_args()
+    if args.graph_timeline:
+        if args.model:
+            with open(args.model) as f:
+                layer = build_model_layer(json.load(f), args.ep, tp=args.tp)[0]
+        else:
+            layer = build_layer()[0]
+        for t in args.tokens:
+            graph_timeline(layer, t, "auto" if args.path == "contiguous" else args.path)
+        return
     layer, _ = build_layer()
     layer.contiguous_sync = args.sync
     for t in args.tokens:

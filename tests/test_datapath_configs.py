@@ -101,6 +101,12 @@ def test_dispatch_and_combine_configs():
 def test_dispatch_fuses_decode_and_chunks_prefill():
     d = C.dispatch_config(128, 8, 7168, 256)  # DeepSeek-V3 decode step: one launch, a program per token
     assert d.fused and d.block_t == 1 and d.block_k == 8192 and d.num_warps == 8
+    # a few decode tokens: each row in slices over several programs (session 58)
+    for t in (1, 16):
+        d = C.dispatch_config(t, 8, 7168, 256)
+        assert d.fused and (d.block_k, d.num_warps) == (2048, 4)
+    assert C.dispatch_config(17, 8, 7168, 256).block_k == 8192
+    assert C.dispatch_config(1, 8, 1024, 256).block_k == 1024  # never wider than the row
     assert not C.dispatch_config(16384, 8, 7168, 256).fused
     assert not C.dispatch_config(128, 8, 7168, 256, fused=False).fused
     # chunked scatter (session 10 sweep): all local 2048 columns / 4 warps; under an expert_map a token's

@@ -97,6 +97,15 @@ DISPATCH_COUNT_EXPERTS = 16
 # block_k 8192 / 8 warps 11.7 us vs 14.4 at 2048 / 4 warps.
 DISPATCH_FUSED_BLOCK_K = 8192
 DISPATCH_FUSED_WARPS = 8
+# Up to DISPATCH_FUSED_SMALL_TOKENS tokens the row goes in slices of 2048 / 4 warps: a whole row left one program per
+# token to load, quantize and store 7168 elements alone, on the decode step's critical path. Session 58, H200, the
+# layer's CUDA-graph replay with the router GEMM in it (scripts/ab_layer_constants.py, 3-5 rounds alternated), µs:
+# DeepSeek-V3 TP 8 at 1 / 2 / 4 / 16 tokens 44.8 -> 41.3, 66.1 -> 65.4, 89.2 -> 88.6, 212.0 -> 211.4, at 32 288.5
+# -> 289.8 (worse); Kimi-K2 EP 8 at 1 / 4 tokens 70.2 -> 69.1, 64.7 -> 62.3, at 32 322.4 -> 323.2. 4096 / 8 warps and
+# 1024 / 2 warps measured between the two.
+DISPATCH_FUSED_SMALL_TOKENS = 16
+DISPATCH_FUSED_SMALL_BLOCK_K = 2048
+DISPATCH_FUSED_SMALL_WARPS = 4
 # Chunked path's scatter: each program computes its pairs' destinations from the routing state (4
 # dependent gathers per pair). Session 10 sweep (H100, scripts/profile_layer.py --scatter, 7168 columns,
 # top-8 of 256, after the local ids moved ahead of the row load), one token per program:
@@ -365,8 +374,9 @@ def dispatch_config(num_tokens: int, top_k: int, hidden: int, num_experts: int, 
     k_p2 = _pow2_ceil(top_k)
     if fused:
         block_t = block_t or 1
-        block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_FUSED_BLOCK_K)
-        num_warps = num_warps or DISPATCH_FUSED_WARPS
+        small = num_tokens <= DISPATCH_FUSED_SMALL_TOKENS
+        block_k = block_k or min(_pow2_ceil(hidden), DISPATCH_FUSED_SMALL_BLOCK_K if small else DISPATCH_FUSED_BLOCK_K)
+        num_warps = num_warps or (DISPATCH_FUSED_SMALL_WARPS if small else DISPATCH_FUSED_WARPS)
     else:
         if sparse is None:
             sparse = has_map and block_t in (None, 1)
