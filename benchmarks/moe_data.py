@@ -8,7 +8,8 @@ Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepS
 
 - quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; routing ``T × 256`` (with the default
   shapes also at ``ROUTING_LARGE_TOKENS``);
-  dispatch_contiguous and combine of ``T × 8`` token copies;
+  dispatch_contiguous and combine of ``T × 8`` token copies; quant_dispatch_contiguous, the same dispatch of bf16
+  rows quantized inside it (the prefill's call under TP, every pair local, the quantized input returned);
 - masked forms (SiLU·mul+quant and dispatch_masked): a decode batch (T ≤ 256) over all 256 experts
   with ``max_m = T``; a small prefill (T ≤ 4096) on one expert-parallel rank of 8 (32 local experts, all
   T × 8 copies local, ``max_m = T / 2``); none above (the layer uses the contiguous path there);
@@ -18,7 +19,8 @@ Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepS
 
 Each op's ``moe_fp8`` row is an eager call (launches and host work included); the ops with no host sync
 (``GRAPH_KINDS``) also get a ``moe_fp8_graph`` row, the same call replayed from a CUDA graph;
-``dispatch_contiguous``'s is its sync-free form (``sync=False``: the upper-bound layout, same copies).
+``dispatch_contiguous``'s (and ``quant_dispatch_contiguous``'s) is its sync-free form (``sync=False``: the
+upper-bound layout, same copies).
 
 ``gbps`` counts the bytes the op must read and write once. Every row of ours is also checked against
 the reference once (bit for bit; SiLU·mul+quant within its documented tolerance); a mismatch is a
@@ -238,6 +240,14 @@ def dispatch_cases(t: int, b: Bench) -> list[Case]:
                   _check_all({0: rows, 1: rows}),
                   graph=lambda: moe_fp8.layers.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, sz.experts,
                                                                    sync=False))]
+    # the prefill's call under TP (every pair local): bf16 rows quantized inside the dispatch, x_fp8 returned for the
+    # shared experts; bytes as the FP8 dispatch's, plus the bf16 rows read and x_fp8 written
+    cases.append(Case("quant_dispatch_contiguous", {"t": t, "hidden": sz.hidden, "e": sz.experts, "top_k": sz.top_k},
+                      _dispatch_bytes(t, t * sz.top_k, sz) + want[2].numel() * 4 + t * sz.hidden * 2,
+                      lambda: moe_fp8.layers.quant_dispatch_contiguous(d.x, d.topk_ids, sz.experts)[2:],
+                      lambda: ref.dispatch_contiguous(*ref.per_token_group_quant(d.x), d.topk_ids, sz.experts),
+                      _check_all({0: rows, 1: rows}),
+                      graph=lambda: moe_fp8.layers.quant_dispatch_contiguous(d.x, d.topk_ids, sz.experts, sync=False)))
     for e, max_m in _masked_layouts(t, sz):
         dm = make_dispatch_inputs(t, sz.hidden, e, sz.top_k, seed=t, device=dev)
         want = ref.dispatch_masked(dm.x_fp8, dm.x_scale, dm.topk_ids, e, max_m)
@@ -332,7 +342,8 @@ def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]
 
 # Ops without a host sync: their rows also run under a CUDA graph (``moe_fp8_graph``), the kernels'
 # own time without the eager launches' host overhead (~15 us per launch on the H100 machines we get).
-GRAPH_KINDS = ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine")
+GRAPH_KINDS = ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
+               "dispatch_masked", "combine")
 
 
 def _graph_replay(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -432,8 +443,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="override configs.QUANT_TILE_ELEMS (elements per quantization tile) to tune it")
 
 
-TABLES = {kind: ("torch_copy", "torch_reference") for kind in
-          ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine")}
+TABLES = {kind: ("torch_copy", "torch_reference") for kind in GRAPH_KINDS}
 for _kind in GRAPH_KINDS:
     TABLES[_kind] = ("moe_fp8_graph", *TABLES[_kind])
 TABLES["decode_step"] = ("moe_fp8_eager", "torch_reference")

@@ -16,8 +16,8 @@ def test_moe_data_bench_smoke(tmp_path, capsys):
     (record,) = list(tmp_path.glob("*-moe-data.json"))
     data = json.loads(record.read_text())
     kinds = {r["kind"] for r in data["rows"]}
-    assert kinds == {"quant", "silu_mul_quant", "routing", "dispatch_contiguous", "dispatch_masked", "combine",
-                     "decode_step"}
+    assert kinds == {"quant", "silu_mul_quant", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
+                     "dispatch_masked", "combine", "decode_step"}
     for r in data["rows"]:
         assert r["impl"] in ("moe_fp8", "torch_copy", "torch_reference", "moe_fp8_eager") and r["us"] > 0
     assert set(data["backends"]) >= {"per_token_group_quant", "combine"}
