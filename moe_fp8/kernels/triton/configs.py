@@ -101,8 +101,8 @@ DISPATCH_FUSED_WARPS = 8
 # token to load, quantize and store 7168 elements alone, on the decode step's critical path. Session 58, H200, the
 # layer's CUDA-graph replay with the router GEMM in it (scripts/ab_layer_constants.py, 3-5 rounds alternated), µs:
 # DeepSeek-V3 TP 8 at 1 / 2 / 4 / 16 tokens 44.8 -> 41.3, 66.1 -> 65.4, 89.2 -> 88.6, 212.0 -> 211.4, at 32 288.5
-# -> 289.8 (worse); Kimi-K2 EP 8 at 1 / 4 tokens 70.2 -> 69.1, 64.7 -> 62.3, at 32 322.4 -> 323.2. 4096 / 8 warps and
-# 1024 / 2 warps measured between the two.
+# -> 289.8 (worse); Kimi-K2 EP 8 at 1 / 4 tokens 70.2 -> 69.1, 64.7 -> 62.3, at 32 322.4 -> 323.2. 4096 columns (4 or 8
+# warps) gained less; 1024 / 2 warps as much up to 16 tokens, less at 64.
 DISPATCH_FUSED_SMALL_TOKENS = 16
 DISPATCH_FUSED_SMALL_BLOCK_K = 2048
 DISPATCH_FUSED_SMALL_WARPS = 4
