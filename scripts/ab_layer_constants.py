@@ -1,7 +1,8 @@
 """A/B of the data path's tuning constants inside one MoE layer rank's CUDA-graph replay, in one process: for each
 variant (``NAME=value,...`` of ``moe_fp8.kernels.triton.configs``; ``base``: as shipped) the forward is captured
-once with those constants, then the variants' replays are timed in alternated rounds (``bench_us``, L2 flushed), and
-their outputs checked bit-identical to the base's. The router GEMM runs in the graph before routing, as in a model.
+once with those constants, then the variants' replays are timed in alternated rounds (``bench_us``, L2 flushed);
+each variant's output (an eager call under the same constants) is checked bit-identical to the base's. The router
+GEMM runs in the graph before routing, as in a model.
 Layer replays of one build differ by 1-2% between processes (docs/kernels/datapath.md, session 58); alternating in
 one process is what separates smaller changes.
 
@@ -17,7 +18,7 @@ import json
 import torch
 
 from moe_fp8.benchmarks.harness import bench_us
-from moe_fp8.benchmarks.moe import build_model_layer
+from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels.triton import configs
 
 
@@ -51,19 +52,6 @@ def with_constants(values: dict[str, int | float], fn):
         clear()
 
 
-def capture(layer, hidden: torch.Tensor, router: torch.Tensor, path: str):
-    """The forward (router GEMM first) captured in a CUDA graph after two eager calls; the graph and its output."""
-    def forward():
-        return layer(hidden, torch.nn.functional.linear(hidden.float(), router), path=path)
-    for _ in range(2):
-        forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
-    return graph, out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model's config.json")
@@ -82,18 +70,19 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(t)
         hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
         router = torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen) / layer.hidden_size**0.5
+        logits = torch.nn.functional.linear(hidden.float(), router)  # what the captured router GEMM computes
         path = layer.choose_path(t)
-        graphs = {name: with_constants(values, lambda h=hidden, r=router, pa=path: capture(layer, h, r, pa))
-                  for name, values in variants.items()}
-        for name, (graph, out) in graphs.items():
-            graph.replay()
-            torch.cuda.synchronize()
-            same = torch.equal(out.view(torch.int16), graphs["base"][1].view(torch.int16))
-            if not same:
+        graphs, outs = {}, {}
+        for name, values in variants.items():
+            # each variant's eager output (its kernels are the graph's) against the base's, then its graph
+            outs[name] = with_constants(values, lambda h=hidden, lg=logits, pa=path: layer(h, lg, path=pa))
+            if not torch.equal(outs[name].view(torch.int16), outs["base"].view(torch.int16)):
                 print(f"  {name}: OUTPUT DIFFERS from base")
+            graphs[name] = with_constants(values, lambda h=hidden, r=router, pa=path: capture_forward(
+                layer, h, None, pa, router_weight=r))
         times: dict[str, list[float]] = {name: [] for name in graphs}
         for _ in range(args.rounds):
-            for name, (graph, _) in graphs.items():
+            for name, graph in graphs.items():
                 times[name].append(bench_us(graph.replay))
         print(f"\n## {t} tokens, {path}")
         base = min(times["base"])
