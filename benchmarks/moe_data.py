@@ -6,8 +6,9 @@ of it) and against ``moe_fp8.reference`` on the GPU (``torch_reference``: what p
 Shapes are token counts T (``--shapes 4096 128``); each T runs every op at DeepSeek-V3 sizes (hidden
 7168, 256 experts, top-8 in 8 groups of which 4 are kept, expert intermediate 2048):
 
-- quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; routing ``T × 256`` (with the default
-  shapes also at ``ROUTING_LARGE_TOKENS``);
+- quant ``[T, 7168]``; SiLU·mul+quant ``[T, 4096]`` contiguous; the router GEMM ``[T, 7168] · [256, 7168]ᵀ`` (bf16,
+  float32 logits; with the default shapes also at ``ROUTER_DECODE_TOKENS``), whose ``torch_reference`` is
+  transformers' float32 router; routing ``T × 256`` (with the default shapes also at ``ROUTING_LARGE_TOKENS``);
   dispatch_contiguous and combine of ``T × 8`` token copies; quant_dispatch_contiguous, the same dispatch of bf16
   rows quantized inside it (the prefill's call under TP, every pair local, the quantized input returned);
 - masked forms (SiLU·mul+quant and dispatch_masked): a decode batch (T ≤ 256) over all 256 experts
@@ -46,11 +47,13 @@ from . import BenchKind, Step, parse_ints
 from .harness import REPO, bench_us, git_commit, ratio_table, row
 
 NAME = "moe-data"
-OPS = ("quant", "silu_mul_quant", "routing", "dispatch", "combine", "decode")
+OPS = ("quant", "silu_mul_quant", "router", "routing", "dispatch", "combine", "decode")
 DEFAULT_TOKENS = (16384, 4096, 1024, 128)
 # Routing's logits at 16384 tokens are 16.8 MB, where even the copy reaches only about half its bandwidth: with
 # the default shapes routing also runs at this count (67 MB), its large input.
 ROUTING_LARGE_TOKENS = 65536
+# The router GEMM's decode sizes, which the default token counts miss: with the default shapes it also runs at these
+ROUTER_DECODE_TOKENS = (1, 8, 16)
 DECODE_MAX_TOKENS = 256  # token counts up to this are decode batches (masked over all experts, decode step)
 MASKED_MAX_TOKENS = 4096  # above this the layer never takes the masked path
 EP = 8  # expert-parallel ranks of the small-prefill masked cases
@@ -218,6 +221,23 @@ def routing_cases(t: int, b: Bench) -> list[Case]:
                  lambda: ref.select_experts(logits, sz.top_k, e_score_correction_bias=bias, **kw), ids_only)]
 
 
+def router_cases(t: int, b: Bench) -> list[Case]:
+    import moe_fp8
+    from moe_fp8 import reference as ref
+    from moe_fp8.testing import randn
+
+    sz = b.sizes
+    x = randn((t, sz.hidden), seed=t, device=b.device)
+    w = 0.02 * randn((sz.experts, sz.hidden), seed=t + 1, device=b.device)
+
+    def within_float32(got: Any, want: Any) -> str | None:  # (the sum order is the backend's: tests' bound)
+        bound = 64 * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t())
+        return None if bool(((got.double() - want.double()).abs() <= 2 * bound).all()) else "logits off the bound"
+    return [Case("router", {"t": t, "h": sz.hidden, "e": sz.experts},
+                 sz.experts * sz.hidden * 2 + t * sz.hidden * 2 + t * sz.experts * 4,
+                 lambda: moe_fp8.layers.router_gemm(x, w), lambda: ref.router_gemm(x, w), within_float32)]
+
+
 def _dispatch_bytes(t: int, kept: int, sz: Sizes) -> int:
     """Read each token row (FP8 + scales) once, write each kept copy, ids in, row map out."""
     h = sz.hidden
@@ -279,7 +299,8 @@ def combine_cases(t: int, b: Bench) -> list[Case]:
 
 
 CASES: dict[str, Callable[[int, Bench], list[Case]]] = {
-    "quant": quant_cases, "silu_mul_quant": silu_cases, "routing": routing_cases, "dispatch": dispatch_cases,
+    "quant": quant_cases, "silu_mul_quant": silu_cases, "router": router_cases, "routing": routing_cases,
+    "dispatch": dispatch_cases,
     "combine": combine_cases,
 }
 
@@ -342,7 +363,7 @@ def decode_step_rows(t: int, b: Bench, notes: list[str]) -> list[dict[str, Any]]
 
 # Ops without a host sync: their rows also run under a CUDA graph (``moe_fp8_graph``), the kernels'
 # own time without the eager launches' host overhead (~15 us per launch on the H100 machines we get).
-GRAPH_KINDS = ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
+GRAPH_KINDS = ("quant", "silu_mul_quant", "router", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
                "dispatch_masked", "combine")
 
 
@@ -393,7 +414,8 @@ def run_case(case: Case, b: Bench, notes: list[str]) -> list[dict[str, Any]]:
 def backends_used(device: str) -> dict[str, str]:
     import moe_fp8
 
-    ops = ("per_token_group_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
+    ops = ("per_token_group_quant", "silu_mul_per_token_group_quant", "router_gemm", "select_experts",
+           "dispatch_contiguous",
            "dispatch_masked", "combine")
     return {op: moe_fp8.backend(op, device) for op in ops}
 
@@ -418,6 +440,10 @@ def run(shapes: list[tuple[int, ...]], args: argparse.Namespace | None = None,
     if not smoke and getattr(args, "shapes", None) is None and "routing" in ops:
         for case in routing_cases(ROUTING_LARGE_TOKENS, b):
             rows += run_case(case, b, notes)
+    if not smoke and getattr(args, "shapes", None) is None and "router" in ops:
+        for t in ROUTER_DECODE_TOKENS:
+            for case in router_cases(t, b):
+                rows += run_case(case, b, notes)
     for (t,) in shapes:
         for op in ops:
             if op == "decode":
@@ -450,7 +476,8 @@ TABLES["decode_step"] = ("moe_fp8_eager", "torch_reference")
 
 KIND = BenchKind(
     name=NAME,
-    help="MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine, decode step) vs copy and PyTorch",
+    help="MoE data path (quant, SiLU·mul+quant, router GEMM, routing, dispatch, combine, decode step) vs copy and "
+         "PyTorch",
     tables=TABLES,
     default_shapes=lambda: [(t,) for t in DEFAULT_TOKENS],
     parse_shape=lambda text: parse_ints(text, 1, "T"),

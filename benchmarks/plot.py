@@ -11,7 +11,7 @@ from our row's arithmetic intensity against the ceilings' ridge point). Readabil
   small shapes stay visible;
 - ours is red, our other variants (``moe_fp8_graph``, ``moe_fp8_eager``) orange / pink, baselines blue,
   green, purple, ...;
-- many small panels (the MoE data path: eight row kinds) are laid out on two columns.
+- many small panels (the MoE data path: nine row kinds) are laid out on two columns.
 
 Needs matplotlib (the ``plots`` extra); it draws on a bare ``Figure``, so no display and no global
 pyplot state are involved.

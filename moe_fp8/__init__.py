@@ -8,7 +8,7 @@ Public API (DESIGN §3)::
     moe_fp8.fp8_grouped_gemm_silu_mul_quant(x_fp8, x_scale, w13, w13_scale, *, m_indices | masked_m, ...)
         -> (act_fp8, act_scale)     # an expert's first GEMM with SiLU·mul + quant (fused on Hopper)
     moe_fp8.quant.per_token_group / per_block / silu_mul_per_token_group / dequant_*
-    moe_fp8.layers.select_experts / dispatch_contiguous / dispatch_masked / combine
+    moe_fp8.layers.router_gemm / select_experts / dispatch_contiguous / dispatch_masked / combine
     moe_fp8.set_num_sms / get_num_sms / get_align_m / backend / calc_diff
     moe_fp8.compat.deep_gemm            # DeepGEMM-named shims
 

@@ -33,6 +33,7 @@ Three layers per op:
    select_experts                    fn(logits, top_k, scoring_func, renormalize, n_group,
                                         topk_group, e_score_correction_bias, routed_scaling_factor)
                                         -> (topk_weights f32, topk_ids i32)
+   router_gemm                       fn(x, weight) -> logits f32 [T, E]
    dispatch_contiguous               fn(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m,
                                         *, sync=True, return_m_total=False)
                                         -> (out_fp8, out_scale[TMA], m_indices i32, row_map i64
@@ -97,6 +98,7 @@ __all__ = [
     "per_token_group_quant",
     "quant_dispatch_contiguous",
     "quant_dispatch_masked",
+    "router_gemm",
     "select_experts",
     "silu_mul_per_token_group_quant",
 ]
@@ -259,6 +261,7 @@ _REFERENCE_IMPLS = {
     "per_block_quant": _ref_per_block_quant,
     "silu_mul_per_token_group_quant": _ref_silu_mul_quant,
     "select_experts": _ref_select_experts,
+    "router_gemm": reference.router_gemm,
     "dispatch_contiguous": _ref_dispatch_contiguous,
     "dispatch_masked": _ref_dispatch_masked,
     "quant_dispatch_contiguous": _ref_quant_dispatch_contiguous,
@@ -274,6 +277,7 @@ _HOPPER_IMPLS = {
     "fp8_grouped_gemm_masked": "moe_fp8.kernels.gemm:fp8_grouped_gemm_masked_hopper",
     "fp8_grouped_gemm_silu_mul_quant": "moe_fp8.kernels.gemm:fp8_grouped_gemm_silu_mul_quant_hopper",
     "select_experts": "moe_fp8.kernels.routing:select_experts_hopper",  # (the Triton kernel outside its cases)
+    "router_gemm": "moe_fp8.kernels.router_gemm:router_gemm_hopper",  # (cuBLAS outside its cases)
     "dispatch_contiguous": "moe_fp8.kernels.dispatch:dispatch_contiguous_hopper",  # (Triton routing + a CUDA mover)
     "dispatch_masked": "moe_fp8.kernels.dispatch:dispatch_masked_hopper",
     "per_token_group_quant": "moe_fp8.kernels.quant:per_token_group_quant_hopper",  # (Triton outside its cases)
@@ -291,6 +295,7 @@ _TRITON_IMPLS = {
     "quant_dispatch_contiguous": "moe_fp8.kernels.triton.dispatch:quant_dispatch_contiguous",
     "quant_dispatch_masked": "moe_fp8.kernels.triton.dispatch:quant_dispatch_masked",
     "combine": "moe_fp8.kernels.triton.dispatch:combine",
+    "router_gemm": "moe_fp8.kernels.router_gemm:router_gemm_cublas",  # (not Triton: cuBLAS)
 }
 for _op, _fn in _REFERENCE_IMPLS.items():
     backends.register(_op, "reference", _fn)
@@ -685,6 +690,41 @@ def silu_mul_per_token_group_quant(h: Tensor, group_size: int = GROUP_K, ue8m0: 
 # ============================================================================================
 # Routing
 # ============================================================================================
+
+def _router_gemm_impl(x: Tensor, weight: Tensor) -> Tensor:
+    if x.shape[0] == 0:
+        return torch.empty((0, weight.shape[0]), dtype=torch.float32, device=x.device)
+    return backends.select("router_gemm", x.device)[1](x, weight)
+
+
+@torch.library.custom_op("moe_fp8::router_gemm", mutates_args=())
+def _router_gemm_op(x: Tensor, weight: Tensor) -> Tensor:
+    return _router_gemm_impl(x, weight)
+
+
+@_router_gemm_op.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def router_gemm(x: Tensor, weight: Tensor) -> Tensor:
+    """Router logits ``x · weightᵀ`` in float32: ``F.linear(x.float(), weight.float())``, the router of
+    transformers' DeepSeek-V3 (and the float32 logits SGLang's and vLLM's DeepSeek-V3 gates produce).
+
+    Args:
+        x: ``[T, H]`` bf16/fp16/fp32 hidden states; ``T`` may be 0.
+        weight: ``[E, H]`` bf16/fp16/fp32 router weight (a checkpoint's ``mlp.gate.weight``), on x's device.
+
+    Returns float32 ``[T, E]``: every product and sum in float32 (a bf16 product is exact there), in an order of
+    the backend's (bit-identical from call to call on one backend). On Hopper a CUDA kernel reads the weight
+    once for up to 16 bf16 tokens (a decode step: cuBLAS's float32 GEMM on upcast operands takes 7-20 µs for
+    DeepSeek-V3's 256 × 7168 there); more tokens take a bf16 cuBLAS GEMM with float32 output.
+    """
+    V.check_router_gemm(x, weight)
+    if _compiling():
+        return torch.ops.moe_fp8.router_gemm(x, weight)
+    return _router_gemm_impl(x, weight)
+
 
 def _alloc_select_experts(t: int, top_k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return (torch.empty((t, top_k), dtype=torch.float32, device=device),

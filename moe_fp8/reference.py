@@ -480,6 +480,12 @@ def _renormalize(topk_weights: torch.Tensor, topk_logits: torch.Tensor) -> torch
                        topk_weights / sums)
 
 
+def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Router logits ``[T, E]`` float32 of ``x [T, H]`` and ``weight [E, H]``: ``F.linear`` on float32 copies
+    (transformers' DeepSeek-V3 router)."""
+    return F.linear(x.float(), weight.float())
+
+
 def select_experts(
     router_logits: torch.Tensor,
     top_k: int,

@@ -621,6 +621,21 @@ def check_select_experts(router_logits: object, top_k: object, scoring_func: obj
     return t, e
 
 
+def check_router_gemm(x: object, weight: object) -> tuple[int, int, int]:
+    """Validate ``layers.router_gemm``; returns ``(T, H, E)``: x float [T, H], weight float [E, H] on x's device."""
+    check_tensor("x", x)
+    check_dtype("x", x, ACT_DTYPES)
+    check_ndim("x", x, 2, "[T, H]")
+    check_tensor("weight", weight)
+    check_dtype("weight", weight, ACT_DTYPES)
+    check_ndim("weight", weight, 2, "[E, H]")
+    t, h = x.shape
+    if weight.shape[1] != h:
+        raise ValueError(f"weight must be [E, H] with H = {h} (x's last dim), got {tuple(weight.shape)}")
+    check_same_device("weight", weight, "x", x.device)
+    return t, h, weight.shape[0]
+
+
 def check_routing_options(num_experts: int, top_k: object, scoring_func: object, renormalize: object,
                           n_group: object, topk_group: object, routed_scaling_factor: object) -> None:
     """The routing options of ``select_experts`` (and ``Fp8FusedMoE``) for ``num_experts`` experts: see

@@ -18,6 +18,20 @@ from moe_fp8.utils import is_scale_tma_layout
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def poison_empty(monkeypatch, byte: int) -> None:
+    """Every CUDA ``torch.empty`` of the test filled with ``byte``, so nothing a kernel leaves unwritten can match
+    the reference by chance."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_cuda and t.numel():
+            t.view(torch.uint8).fill_(byte)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 @functools.cache
 def interpreter_problem() -> str | None:
     """Why the kernels cannot run on CPU here (None when they can, or when a GPU runs them)."""

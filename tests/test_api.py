@@ -41,7 +41,7 @@ def test_public_surface():
     for name in ("per_token_group", "per_block", "silu_mul_per_token_group", "dequant_per_token_group",
                  "dequant_per_block", "to_scale_tma_layout", "empty_scale_tma"):
         assert hasattr(quant, name), name
-    for name in ("select_experts", "dispatch_contiguous", "dispatch_masked", "combine"):
+    for name in ("router_gemm", "select_experts", "dispatch_contiguous", "dispatch_masked", "combine"):
         assert hasattr(layers, name), name
     assert moe_fp8.backend("fp8_gemm", "cpu") == "reference"
     assert moe_fp8.backend() in ("hopper", "portable", "reference")  # default device: current GPU, else CPU

@@ -82,7 +82,7 @@ def test_known_ops_cover_the_public_ops():
         "fp8_gemm", "fp8_grouped_gemm_contiguous", "fp8_grouped_gemm_masked", "per_token_group_quant",
         "per_block_quant", "silu_mul_per_token_group_quant", "select_experts", "dispatch_contiguous",
         "dispatch_masked", "quant_dispatch_contiguous", "quant_dispatch_masked", "combine",
-        "fp8_grouped_gemm_silu_mul_quant"}
+        "fp8_grouped_gemm_silu_mul_quant", "router_gemm"}
     for op in backends.known_ops():
         assert "reference" in backends.implementations(op)
     assert backends.implementations("fp8_gemm") == ("hopper", "reference")

@@ -409,7 +409,7 @@ def test_bench_moe_data_through_the_cli(tmp_path, capsys, monkeypatch):
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
     assert err.splitlines() == ["[1/2] bench: ceilings (copy, FP8 and bf16 matmul)", "[2/2] bench: moe-data 8 tokens"]
-    for kind in ("quant", "silu_mul_quant", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
+    for kind in ("quant", "silu_mul_quant", "router", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
                  "dispatch_masked", "combine"):
         assert f"## {kind} (reference backend; x B = B's time / ours)" in out
         assert ("| moe_fp8 GB/s | moe_fp8_graph GB/s | x moe_fp8_graph | torch_copy GB/s | x torch_copy | "
@@ -419,8 +419,8 @@ def test_bench_moe_data_through_the_cli(tmp_path, capsys, monkeypatch):
     record = json.loads((tmp_path / "records" / "h100-moe-data.json").read_text())
     assert record["commit"] == "abc1234" and record["backend"] == "reference"
     kinds = {r["kind"] for r in record["rows"]}
-    assert kinds == {"quant", "silu_mul_quant", "routing", "dispatch_contiguous", "quant_dispatch_contiguous",
-                     "dispatch_masked", "combine", "decode_step"}
+    assert kinds == {"quant", "silu_mul_quant", "router", "routing", "dispatch_contiguous",
+                     "quant_dispatch_contiguous", "dispatch_masked", "combine", "decode_step"}
     assert all(r["us"] > 0 and r["gbps"] is not None for r in record["rows"])
     assert json.loads((tmp_path / "all.json").read_text())["rows"] == record["rows"]
     assert len(list(csv.DictReader((tmp_path / "all.csv").open()))) == len(record["rows"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from datapath_util import assert_same_bits, make_expert_map
+from datapath_util import assert_same_bits, make_expert_map, poison_empty
 
 from moe_fp8 import reference as ref
 from moe_fp8.kernels.dispatch import KERNEL_TEMPLATE, mover_applies
@@ -46,20 +46,6 @@ def test_mover_applies_to_bulk_copyable_rows():
     assert not mover_applies(torch.empty(4, 7184, dtype=torch.float8_e4m3fn)[:, 8:7176], ids)  # not contiguous
     assert not mover_applies(torch.empty(4 * 7168 + 8, dtype=torch.float8_e4m3fn)[8:].view(4, 7168), ids)
     assert not mover_applies(rows, torch.zeros(4, 33, dtype=torch.int32))  # more slots than lanes
-
-
-def _poisoned_empty(monkeypatch) -> None:
-    """Every ``torch.empty`` of the call filled with POISON bytes, so nothing the kernels leave unwritten can
-    match the reference by chance."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.is_cuda and t.numel():
-            t.view(torch.uint8).fill_(POISON)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 def _check(got, want, bound: int | None) -> None:
@@ -106,7 +92,7 @@ def test_matches_reference(monkeypatch, t, h, e_global, e_local, k, sync):
     emap = make_expert_map(e_global, e_local, t).int() if e_local else None  # (int32 maps here)
     assert mover_applies(d.x_fp8, d.topk_ids)
     want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128)
-    _poisoned_empty(monkeypatch)
+    poison_empty(monkeypatch, POISON)
     *got, m_total = dispatch_contiguous_hopper(d.x_fp8, d.x_scale, d.topk_ids, e, emap, 128, sync=sync,
                                                return_m_total=True)
     _check(got, want, None if sync else contiguous_rows_bound(t, k, e, 128))
@@ -130,7 +116,7 @@ def test_strided_scales_int64_ids_and_the_public_op(monkeypatch):
         ids = d.topk_ids.long()
         want = ref.dispatch_contiguous(d.x_fp8, d.x_scale, d.topk_ids, 64, None, 128)
         with monkeypatch.context() as m:
-            _poisoned_empty(m)
+            poison_empty(m, POISON)
             got = moe_fp8.layers.dispatch_contiguous(d.x_fp8, scales, ids, 64)
         _check(got, want, None)
 
@@ -164,7 +150,7 @@ def test_masked_matches_reference(monkeypatch, t, h, e_global, e_local, k, max_m
     out_scale = empty_scale_tma(max_m, kg, groups=e, device="cuda")
     out_scale.fill_(-7.0)
     with monkeypatch.context() as m:
-        _poisoned_empty(m)
+        poison_empty(m, POISON)
         fresh = dispatch_masked_hopper(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap)
         kept = dispatch_masked_hopper(d.x_fp8, d.x_scale, d.topk_ids, e, max_m, emap, out=out, out_scale=out_scale)
     for got_out, got_scale, masked_m, row_map in (fresh, kept):

@@ -256,6 +256,7 @@ def test_opcheck_quant():
 def test_opcheck_routing_dispatch_combine():
     all_checks = ("test_schema", *NO_SCHEMA)
     logits = randn((5, 8), seed=17, dtype=torch.float32)
+    _opcheck(torch.ops.moe_fp8.router_gemm.default, (randn((5, 32), seed=20), randn((8, 32), seed=21)), all_checks)
     _opcheck(torch.ops.moe_fp8.select_experts.default,
              (logits, 2, "softmax", True, None, None, None, 1.0), all_checks)
     _opcheck(torch.ops.moe_fp8.select_experts.default,

@@ -1,7 +1,7 @@
 """MoE building blocks and layers (DESIGN §5).
 
-- ``select_experts`` (routing), ``dispatch_contiguous`` / ``dispatch_masked`` / ``combine`` (layouts),
-  ``quant_dispatch_contiguous`` / ``quant_dispatch_masked`` (activation quantization + dispatch in one op);
+- ``router_gemm`` (router logits), ``select_experts`` (routing), ``dispatch_contiguous`` / ``dispatch_masked`` /
+  ``combine`` (layouts), ``quant_dispatch_contiguous`` / ``quant_dispatch_masked`` (activation quantization + dispatch in one op);
 - ``Fp8Linear``, ``Fp8MLP``, ``Fp8FusedMoE``: block-FP8 layers with DeepSeek-V3 parameter layouts
   (``ue8m0=True`` for DeepSeek-V3.1's power-of-two scales, checked by ``check_ue8m0_scales``);
 - ``MaskedWorkspace``: the persistent decode buffers ``Fp8FusedMoE`` owns; ``StageTimer``: per-stage times;
@@ -57,7 +57,7 @@ from moe_fp8.layers.moe import (
     default_masked_max_tokens,
 )
 from moe_fp8.layers.parallel import expert_map_for_rank, shard_fp8_linear, shard_moe_weights, tp_shard_range
-from moe_fp8.layers.routing import select_experts
+from moe_fp8.layers.routing import router_gemm, select_experts
 
 __all__ = [
     "MASKED_MAX_ROWS",
@@ -85,6 +85,7 @@ __all__ = [
     "quant_dispatch_contiguous",
     "quant_dispatch_masked",
     "qwen3_moe_tensor_specs",
+    "router_gemm",
     "select_experts",
     "shard_fp8_linear",
     "shard_moe_weights",
