@@ -752,13 +752,15 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                                     tables=tables)
     routing = W.routing_variants(cfg)
     quant = W.quant_variants(cfg)
+    router = W.router_gemm_variants(cfg, num_sms)
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
     if tables:
         print(f"tuned     with the picks of the tables shipped for {', '.join(t.device for t in tables)} (no GPU "
               f"visible to choose one; $MOE_FP8_TUNED_CONFIGS names one)")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
-          f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernels")
+          f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernels"
+          f"{f', + {len(router)} router GEMM kernels' if router else ''}")
     if args.dry_run:
         def state(v) -> str:
             return "cached" if is_cached(v.name, v.source, compiler=comp) else "to compile"
@@ -775,8 +777,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")
         for q in quant:
             print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  {q.users}")
+        for r in router:
+            print(f"  {r.name:<48} {f'{r.weight_dtype} weight, {r.tokens} tokens':<33} {state(r):<10}  mlp.gate")
         return 0
-    variants = [*variants, *routing, *quant]
+    variants = [*variants, *routing, *quant, *router]
 
     with Progress(len(variants), "warmup", enabled=not args.no_progress) as progress:
         def cached(n: int) -> None:

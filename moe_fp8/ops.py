@@ -717,8 +717,9 @@ def router_gemm(x: Tensor, weight: Tensor) -> Tensor:
 
     Returns float32 ``[T, E]``: every product and sum in float32 (a bf16 product is exact there), in an order of
     the backend's (bit-identical from call to call on one backend). On Hopper a CUDA kernel reads the weight
-    once for up to 16 bf16 tokens (a decode step: cuBLAS's float32 GEMM on upcast operands takes 7-20 µs for
-    DeepSeek-V3's 256 × 7168 there); more tokens take a bf16 cuBLAS GEMM with float32 output.
+    once for up to 8 bf16 tokens (a decode step; DeepSeek-V3's 256 × 7168 on an H200, replayed after an L2 flush:
+    7.6-9.2 µs, where cuBLAS's float32 GEMM on upcast operands takes 14.8-30.4 and its bf16 one 10.5-10.8); more tokens, with a bf16 weight, take a bf16 cuBLAS GEMM with float32 output
+    (a float32 weight: ``F.linear`` on float32 copies, 2-3x slower: keep router weights in bf16).
     """
     V.check_router_gemm(x, weight)
     if _compiling():

@@ -1,5 +1,6 @@
 """Precompile every GEMM kernel variant a model needs, its router's Hopper routing kernels
-(``routing_variants``) and its activations' quantization kernel (``quant_variants``), into the JIT disk cache
+(``routing_variants``) and router-logits kernels (``router_gemm_variants``) and its activations' quantization
+kernel (``quant_variants``), into the JIT disk cache
 (``moe-fp8 warmup``).
 
 A variant bakes N, K and the tile configuration (STYLE practice 4); M and the grouped counts are
@@ -58,6 +59,7 @@ __all__ = [
     "GemmShape",
     "ModelConfigError",
     "QuantVariant",
+    "RouterGemmVariant",
     "RoutingVariant",
     "Variant",
     "WarmupResult",
@@ -68,6 +70,7 @@ __all__ = [
     "load_model_config",
     "model_gemms",
     "quant_variants",
+    "router_gemm_variants",
     "routing_variants",
     "shape_descs",
     "warmup",
@@ -385,6 +388,35 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
 
 
 @dataclasses.dataclass
+class RouterGemmVariant:
+    """One compiled Hopper router-logits kernel (``kernels/router_gemm.py``): its cache ``name``, ``source``, the
+    router weight's dtype and the token tile it serves."""
+    name: str
+    source: str
+    weight_dtype: str
+    tokens: int
+
+
+def router_gemm_variants(cfg: dict[str, Any], num_sms: int) -> list[RouterGemmVariant]:
+    """The Hopper ``router_gemm`` kernels of the model's router (``[E, hidden]``, all routed experts): every token
+    tile up to ``MAX_TOKENS`` (decode batches), for bf16 weights (engines) and float32 ones (the transformers
+    integration keeps its router weight so). None for a dense model."""
+    import torch
+
+    from moe_fp8.kernels import router_gemm as rg
+
+    n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
+    hidden = _get(cfg, "hidden_size", default=0)
+    out = []
+    for weight in (torch.bfloat16, torch.float32):
+        for t in sorted({rg.token_tile(t) for t in range(1, rg.MAX_TOKENS + 1)}):
+            shape = rg.plan(t, hidden, n_experts, weight, num_sms) if n_experts else None
+            if shape is not None:
+                out.append(RouterGemmVariant(*rg.kernel_variant(weight, *shape[:3]), str(weight)[6:], t))
+    return out
+
+
+@dataclasses.dataclass
 class QuantVariant:
     """One compiled Hopper activation-quantization kernel (``kernels/quant.py``): its cache ``name``, ``source``,
     its scales' format and the layers that call it."""
@@ -434,7 +466,7 @@ def _compile_worker(name: str, source: str, compiler: str) -> tuple[str, float, 
     return name, time.perf_counter() - t0, None
 
 
-def compile_variants(variants: list[Variant | RoutingVariant | QuantVariant], jobs: int | None = None, compiler: str | None = None,
+def compile_variants(variants: list[Variant | RoutingVariant | QuantVariant | RouterGemmVariant], jobs: int | None = None, compiler: str | None = None,
                      on_done: Callable[[str, str | None], None] | None = None,
                      on_cached: Callable[[int], None] | None = None) -> WarmupResult:
     """Compile the variants not yet in the disk cache, ``jobs`` at a time in separate processes.
@@ -487,7 +519,8 @@ def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, 
 
     cfg = load_model_config(Path(model))
     gemms = model_gemms(cfg, tp, ep, fp8_lm_head=fp8_lm_head_in_checkpoint(Path(model)))
-    variants = enumerate_variants(gemms, max_tokens, num_sms or get_num_sms(),
-                                  top_k=int(cfg.get("num_experts_per_tok") or 1))
-    return compile_variants([*variants, *routing_variants(cfg), *quant_variants(cfg)], jobs, compiler)
+    num_sms = num_sms or get_num_sms()
+    variants = enumerate_variants(gemms, max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
+    return compile_variants([*variants, *routing_variants(cfg), *quant_variants(cfg),
+                             *router_gemm_variants(cfg, num_sms)], jobs, compiler)
 

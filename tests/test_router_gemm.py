@@ -41,21 +41,21 @@ def test_plan():
     # (T, H, E, weight) -> (token tile, experts a warp, chunks a lane, K splits)
     assert rg.plan(1, 7168, 256, BF16, 132) == (1, 2, 4, 7)  # DeepSeek-V3: 7 x 32 CTAs
     assert rg.plan(3, 7168, 256, BF16, 132) == (4, 2, 4, 7)
-    assert rg.plan(16, 7168, 256, F32, 132) == (16, 2, 4, 7)
+    assert rg.plan(8, 7168, 256, F32, 132) == (8, 2, 4, 7)
     assert rg.plan(1, 4096, 128, BF16, 132) == (1, 1, 2, 8)  # Qwen3: 8 splits of 512, a warp an expert
     assert rg.plan(1, 7168, 384, BF16, 132) == (1, 4, 4, 7)  # Kimi-K2: 7 x 24 CTAs of 16 experts
     assert rg.plan(1, 7168, 384, F32, 132) == (1, 2, 4, 7)  # (float32: 8 weight vectors a lane and expert)
     assert rg.plan(2, 1000, 72, BF16, 132) == (2, 1, 1, 4)
-    assert rg.plan(17, 7168, 256, BF16, 132) is None  # past the token tiles: cuBLAS
+    assert rg.plan(9, 7168, 256, BF16, 132) is None  # past the token tiles: cuBLAS
     assert rg.plan(1, 7164, 256, BF16, 132) is None  # rows of whole 16-byte chunks only
     assert rg.plan(1, 7168, 256, torch.float16, 132) is None
-    assert [rg.token_tile(t) for t in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+    assert [rg.token_tile(t) for t in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
 
 
 def kernel_plans() -> set[tuple[torch.dtype, int, int, int]]:
     out = set()
     for h, e in MODEL_SHAPES:
-        for t in (1, 2, 4, 8, 16):
+        for t in (1, 2, 4, 8):
             for dtype in (BF16, F32):
                 tokens, experts, chunks, _ = rg.plan(t, h, e, dtype, 132)
                 out.add((dtype, tokens, experts, chunks))
@@ -110,7 +110,7 @@ def test_kernel_matches_float64(h, e, weight_dtype, monkeypatch):
     w = (0.02 * randn((e, h), seed=e, device="cuda")).to(weight_dtype)
     if weight_dtype == F32:
         w = w + 1e-3 * torch.randn_like(w)  # not bf16 values
-    for t in (1, 2, 3, 5, 8, 13, 16):
+    for t in (1, 2, 3, 5, 7, 8):
         x = randn((t, h), seed=100 + t, device="cuda")
         got = layers.router_gemm(x, w)
         check_logits(got, x, w)
@@ -131,7 +131,7 @@ def test_strided_and_misaligned_rows():
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("t", [17, 64, 300])
+@pytest.mark.parametrize("t", [9, 16, 64, 300])
 @pytest.mark.parametrize("x_dtype,w_dtype", [(BF16, BF16), (BF16, F32), (torch.float16, torch.float16), (F32, F32)])
 def test_beyond_the_kernel(t, x_dtype, w_dtype):
     """More tokens than the kernel's tiles, or other dtypes: cuBLAS, within the same bound."""

@@ -1,8 +1,9 @@
 // Router logits at decode sizes: logits[T, E] (float32) = x[T, H] (bf16) . w[E, H]^T (bf16 or float32), every
 // product and sum in float32 (a bf16 x bf16 product is exact in float32), as F.linear(x.float(), w.float()).
 //
-// A few tokens make this a read of the whole weight (DeepSeek-V3: 256 x 7168 bf16, 3.7 MB). cuBLAS's float32 gemv /
-// sgemm on the upcast operands takes 7-20 us there; the read alone, ~1 us. The grid is one cluster of kSplits CTAs
+// A few tokens make this a read of the whole weight (DeepSeek-V3: 256 x 7168 bf16, 3.7 MB). As CUDA-graph replays
+// after an L2 flush (H200, 1-8 tokens): cuBLAS's float32 gemv / sgemm on upcast operands 14.8-30.4 us, its bf16 GEMM
+// with float32 output 10.5-10.8, this kernel 7.6-9.2. The grid is one cluster of kSplits CTAs
 // per kExpertsPerCta experts: CTA s of a cluster takes K chunks [s * kChunksPerCta, (s+1) * kChunksPerCta) of 8
 // elements, warp w of it kExpertsPerWarp experts, lane l the chunks l, l + 32, ... of the CTA's range. Each lane
 // holds a partial sum per (token, expert); a warp folds them so each lane keeps a few totals, the CTAs of a cluster
