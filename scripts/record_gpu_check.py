@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     date = "unknown"
     titles = {"gemm": "FP8 block-scaled GEMM", "grouped": "Grouped FP8 GEMMs (contiguous, masked)",
-              "moe-data": "MoE data path (quant, SiLU·mul+quant, routing, dispatch, combine)",
+              "moe-data": "MoE data path (quant, SiLU·mul+quant, router GEMM, routing, dispatch, combine)",
               "moe": "DeepSeek-V3 MoE layer (one expert-parallel rank of 8)"}
     for kind, title in titles.items():
         src = run / f"{slug}-{kind}.json"

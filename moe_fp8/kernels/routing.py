@@ -13,6 +13,7 @@ import functools
 import torch
 
 from ..utils import ceil_div, env, get_num_sms, truthy
+from .gemm import _pdl
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/routing.cuh"
@@ -24,6 +25,10 @@ __attribute__((unused)) static void instantiate() {{
 """
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}  # bf16 passed as its bits
 
+
+# Launch as a PDL dependent of the kernel before (the router GEMM's CTAs let it launch at their start); False: a plain
+# launch, for A/B runs (the kernel waits either way).
+PDL = True
 
 # Blocks at most (None: one per SM). Block b routes tokens [b·T / B, (b+1)·T / B), its warps taking them one
 # at a time; tests set this to 1 (every token in one block) and to a large number (one token a block).
@@ -105,7 +110,8 @@ def select_experts_hopper(router_logits: torch.Tensor, top_k: int, scoring_func:
     blocks, threads = grid(t, shape[0])
     kernel.launch(blocks, threads,
                   [logits, bias, weights, ids, t, logits.stride(0), int(bool(renormalize)), float(routed_scaling_factor),
-                   int(exact_only())], smem_bytes=split_smem_bytes(shape[0], shape[1], shape[3], threads))
+                   int(exact_only())], smem_bytes=split_smem_bytes(shape[0], shape[1], shape[3], threads),
+                  pdl=PDL and _pdl())
     return weights, ids
 
 

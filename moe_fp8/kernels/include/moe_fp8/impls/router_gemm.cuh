@@ -9,8 +9,8 @@
 // holds a partial sum per (token, expert); a warp folds them so each lane keeps a few totals, the CTAs of a cluster
 // add theirs through distributed shared memory, in rank order (the same bits on every run: no atomics).
 //
-// The weights are the previous kernel's inputs, never its outputs: a PDL-launched CTA issues its weight loads before
-// it waits for that kernel (griddepcontrol.wait), and only then reads x.
+// A PDL-launched CTA prefetches its weight rows into L2 before it waits for the previous kernel (griddepcontrol.wait),
+// then loads them and x.
 #pragma once
 
 #include "../common/types.cuh"
@@ -119,8 +119,16 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const uint32_t expert0 = blockIdx.y * kExpertsPerCta + warp * kExpertsPerWarp;
     const uint32_t num_chunks = hidden / kChunk;
 
-    // this lane's weight chunks, issued before the wait (the previous kernel never writes them); the chunks past
-    // the row (the last split's) and the experts past E are zeros, so the math below needs no branch
+    // the CTA's weight rows into L2 while the previous kernel ends (nothing but L2 is touched before the wait: a
+    // kernel just before this one may have written the weights)
+    const uint32_t k0 = split * kChunksPerCta * kChunk, k_len = min(kChunksPerCta * kChunk, hidden - k0);
+    if (lane < kExpertsPerWarp && expert0 + lane < num_experts)
+        ptx::bulk_prefetch_l2(w + static_cast<size_t>(expert0 + lane) * w_stride + k0, k_len * sizeof(WeightT));
+    ptx::wait_prerequisites();
+    ptx::launch_dependents();  // routing, next, waits for this grid's end before reading the logits
+
+    // this lane's weight chunks; the chunks past the row (the last split's) and the experts past E are zeros, so
+    // the math below needs no branch
     WeightChunk<WeightT> wc[kChunksPerLane][kExpertsPerWarp];
 #pragma unroll
     for (uint32_t c = 0; c < kChunksPerLane; ++c) {
@@ -132,8 +140,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
                 wc[c][e].load(w + static_cast<size_t>(expert0 + e) * w_stride, chunk);
         }
     }
-    ptx::wait_prerequisites();
-    ptx::launch_dependents();  // routing, next, waits for this grid's end before reading the logits
 
     float sums[kSums];
 #pragma unroll

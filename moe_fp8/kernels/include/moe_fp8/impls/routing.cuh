@@ -530,6 +530,8 @@ __global__ void __launch_bounds__(kThreads<V>, 1) select_experts_kernel(
     const uint32_t exchange = static_cast<uint32_t>(__cvta_generic_to_shared(exchanges + threadIdx.x / 32 * 32));
     // the data-path kernel after routing (PDL-launched) may become resident and prefetch its rows now
     if constexpr (kEarlyDependents<V>) ptx::launch_dependents();
+    // launched as a PDL dependent (of the router GEMM): resident early, reading nothing before that kernel ends
+    ptx::wait_prerequisites();
     const uint32_t lane = threadIdx.x % 32;
     const uint32_t per_block = num_tokens / gridDim.x, rest = num_tokens % gridDim.x;
     const uint32_t first = blockIdx.x * per_block + min(blockIdx.x, rest);
