@@ -189,18 +189,20 @@ def _router_class(arch: Architecture) -> type[nn.Module]:
     base = arch.cls(arch.router)
 
     class Fp8Router(FixedDtypeModule, base):
-        """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``, in fp32; ``forward(x [T, H])``
-        returns the fp32 router logits ``[T, E]`` (``Fp8FusedMoE`` does the top-k).
+        """Holds ``weight [E, H]`` under the checkpoint's name ``mlp.gate.weight``, in the checkpoint's dtype (bf16
+        for DeepSeek-V3, float32 for MiniMax-M2; float32 until loaded); ``forward(x [T, H])`` returns the fp32 router
+        logits ``[T, E]`` (``Fp8FusedMoE`` does the top-k).
 
         A subclass of transformers' router only so that transformers records its logits
         (``output_router_logits=True``); none of that class's own state or top-k is used.
 
-        NOTE: transformers' DeepseekV3 computes the logits as ``F.linear(x.float(), weight.float())``; keeping
-        the (bf16-stored) weight as its exact fp32 upcast gives the same logits without a cast and an allocation
-        of ``[E, H]`` fp32 on every forward (7 MiB per DeepSeek-V3 layer, for 3.5 MiB more resident).
-        Module-wide casts leave it fp32 (``FixedDtypeModule``). Qwen3-MoE's router gets the same fp32 logits,
-        where transformers computes them in the activation dtype before its fp32 softmax: a bf16 transformers
-        model can pick another expert for a near-tie token.
+        NOTE: transformers' DeepseekV3 computes the logits as ``F.linear(x.float(), weight.float())``.
+        ``layers.router_gemm`` computes that function from the bf16 weight itself, every product and sum in float32
+        (a bf16 product is exact there), with no float32 copy: on Hopper a kernel for up to 8 tokens, cuBLAS's bf16
+        GEMM with float32 output beyond (3x faster than the float32 GEMM from 32 tokens on an H200). Module-wide
+        casts leave the weight's dtype (``FixedDtypeModule``). Qwen3-MoE's router gets the same fp32 logits, where
+        transformers computes them in the activation dtype before its fp32 softmax: a bf16 transformers model can
+        pick another expert for a near-tie token.
         """
 
         fixed_dtype_tensors = ("weight",)
@@ -211,7 +213,7 @@ def _router_class(arch: Architecture) -> type[nn.Module]:
                                        requires_grad=False)
 
         def forward(self, x: Tensor) -> Tensor:
-            return router_gemm(x, self.weight)  # = F.linear(x.float(), weight); a decode-sized kernel on Hopper
+            return router_gemm(x, self.weight)
 
     return Fp8Router
 
@@ -222,7 +224,7 @@ class Fp8MoEBlock(nn.Module, abc.ABC):
     ``gate.weight [E, H]`` gives fp32 router logits (``hidden.float() @ weight.float()ᵀ``); ``experts`` is an
     ``Fp8FusedMoE`` with the family's routing (``routing``) and shared experts. ``path`` is passed to its
     forward; ``ue8m0`` to ``Fp8FusedMoE`` (DeepSeek-V3.1 checkpoints). ``dtype`` is accepted for symmetry and
-    unused (the router weight is kept in fp32, the experts in FP8).
+    unused (the router weight keeps the checkpoint's dtype, the experts are FP8).
     """
 
     architecture: Architecture
@@ -245,7 +247,7 @@ class Fp8MoEBlock(nn.Module, abc.ABC):
         """``Fp8FusedMoE`` keyword arguments for the family's routing and shared experts."""
 
     def router_logits(self, x: Tensor) -> Tensor:
-        """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on; the gate weight is kept fp32)."""
+        """``x [T, H]`` → fp32 router logits ``[T, E]`` (what ``forward`` routes on)."""
         return self.gate(x)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
@@ -481,7 +483,7 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
             _check_moe_not_listed(block, config, arch, reader.ignored_layers)
             moe = MOE_BLOCKS[arch.model_type](config, device=dev, dtype=dtype, masked_max_tokens=masked_max_tokens,
                                            path=moe_path, ue8m0=report.ue8m0)
-            _copy_param(moe.gate.weight, reader.get(f"{block}.gate.weight"), f"{block}.gate.weight")
+            _load_router_weight(moe.gate, reader.get(f"{block}.gate.weight"), f"{block}.gate.weight")
             for e in moe.experts.local_expert_ids():
                 for proj in (names.gate, names.up, names.down):
                     if f"{block}.experts.{e}.{proj}.weight{SCALE_SUFFIX}" not in reader:
@@ -530,10 +532,13 @@ def patch_model(model: nn.Module, checkpoint: CheckpointReader | str | os.PathLi
     return report
 
 
-def _copy_param(dst: Tensor, src: Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{name}: the checkpoint gives shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
-    dst.copy_(src)
+def _load_router_weight(router: nn.Module, src: Tensor, name: str) -> None:
+    """The router's weight becomes the checkpoint's tensor, in its dtype (``router_gemm`` reads a bf16 weight
+    without a float32 copy, at half the bytes)."""
+    if tuple(router.weight.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: the checkpoint gives shape {tuple(src.shape)}, the model expects "
+                         f"{tuple(router.weight.shape)}")
+    router.weight = nn.Parameter(src.to(router.weight.device), requires_grad=False)
 
 
 def _load_config(path: str | os.PathLike) -> Any:

@@ -20,6 +20,7 @@ import torch
 from moe_fp8.benchmarks.harness import bench_us
 from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels.triton import configs
+from moe_fp8.layers import router_gemm
 
 
 def parse_variant(text: str) -> dict[str, int | float]:
@@ -69,8 +70,9 @@ def main() -> None:
     for t in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(t)
         hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        router = torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen) / layer.hidden_size**0.5
-        logits = torch.nn.functional.linear(hidden.float(), router)  # what the captured router GEMM computes
+        router = (torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)
+                  / layer.hidden_size**0.5).bfloat16()  # (a checkpoint's dtype)
+        logits = router_gemm(hidden, router)  # what the captured router GEMM computes, bit for bit
         path = layer.choose_path(t)
         graphs, outs = {}, {}
         for name, values in variants.items():

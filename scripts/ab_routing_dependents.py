@@ -22,6 +22,7 @@ from moe_fp8.benchmarks.harness import alternated_us, flushed_events
 from moe_fp8.benchmarks.moe import build_model_layer, capture_forward, local_ids
 from moe_fp8.kernels import routing
 from moe_fp8.kernels.jit import build
+from moe_fp8.layers import router_gemm
 
 MODELS = Path(__file__).resolve().parent / "models"
 RANKS = [("Kimi-K2 EP8", "kimi-k2.json", 8, 1), ("DeepSeek-V3 EP8", "deepseek-v3.json", 8, 1),
@@ -41,7 +42,7 @@ def routing_kernels(define: int | None):
 
 def touched(layer, hidden: torch.Tensor, router_w: torch.Tensor) -> int:
     """Local experts of the rank that the batch's routing reaches."""
-    ids = layer.route(torch.nn.functional.linear(hidden.float(), router_w))[1]
+    ids = layer.route(router_gemm(hidden, router_w))[1]
     return int((local_ids(layer, ids).unique() >= 0).sum())
 
 
@@ -70,7 +71,7 @@ def main() -> None:
             continue
         layer, _ = build_model_layer(json.loads((MODELS / file).read_text()), ep, tp=tp)
         gen = torch.Generator(device="cuda").manual_seed(args.seed)
-        router_w = 0.02 * torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)
+        router_w = (0.02 * torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)).bfloat16()
         for tokens in args.tokens:
             hidden = torch.randn(tokens, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
             graphs = []

@@ -294,7 +294,8 @@ def graph_timeline(layer, t: int, path: str) -> None:
     and duration from the replay's first kernel, and the gap before it (the decode step's fixed costs)."""
     gen = torch.Generator(device="cuda").manual_seed(t)
     hidden = torch.randn(t, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    router = torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen) / layer.hidden_size**0.5
+    router = (torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)
+              / layer.hidden_size**0.5).bfloat16()  # (a checkpoint's dtype)
     graph = capture_forward(layer, hidden, None, path, router_weight=router)
     for _ in range(3):
         graph.replay()
