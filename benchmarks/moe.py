@@ -220,17 +220,19 @@ def _gemm_kernels_us(layer, hidden: torch.Tensor, logits: torch.Tensor, path: st
 
 
 def capture_forward(layer, hidden: torch.Tensor, logits: torch.Tensor | None, path: str, *,
-                    router_weight: torch.Tensor | None = None) -> torch.cuda.CUDAGraph:
+                    router_weight: torch.Tensor | None = None, router_fn: Any = None) -> torch.cuda.CUDAGraph:
     """One forward of ``layer`` captured in a CUDA graph (after two eager ones) on ``logits``, or, with
     ``router_weight`` (``[E, H]``) instead, on logits computed in the graph from ``hidden`` first by
-    ``layers.router_gemm``: the router GEMM before routing, as in a model."""
+    ``router_fn(hidden, router_weight)`` (default ``layers.router_gemm``): the router GEMM before routing, as in a
+    model."""
     from moe_fp8.layers import router_gemm
 
     if (logits is None) == (router_weight is None):
         raise ValueError("capture_forward: give the router logits or the router_weight, not both nor neither")
+    router_fn = router_fn or router_gemm
 
     def forward():
-        return layer(hidden, logits if router_weight is None else router_gemm(hidden, router_weight), path=path)
+        return layer(hidden, logits if router_weight is None else router_fn(hidden, router_weight), path=path)
     for _ in range(2):
         forward()
     torch.cuda.synchronize()

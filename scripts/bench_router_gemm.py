@@ -93,16 +93,8 @@ def layer_rows(model: str, ep: int, tp: int, tokens: list[int], rounds: int) -> 
         w32 = (torch.randn(layer.num_experts, layer.hidden_size, device="cuda", generator=gen)
                / layer.hidden_size**0.5).to(torch.bfloat16).float()
         path = layer.choose_path(t)
-
-        def linear_f32(h=hidden, w=w32, pa=path):  # the old capture: transformers' router
-            return layer(h, F.linear(h.float(), w), path=pa)
-        for _ in range(2):
-            linear_f32()
-        torch.cuda.synchronize()
-        old = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(old):
-            linear_f32()
-        graphs = {"f32_linear": old,
+        graphs = {"f32_linear": capture_forward(layer, hidden, None, path, router_weight=w32,  # (before)
+                                                router_fn=lambda h, w: F.linear(h.float(), w)),
                   "router_gemm_f32": capture_forward(layer, hidden, None, path, router_weight=w32),
                   "router_gemm_bf16": capture_forward(layer, hidden, None, path, router_weight=w32.bfloat16())}
         times = {name: [] for name in graphs}

@@ -3,11 +3,13 @@
 //
 // A few tokens make this a read of the whole weight (DeepSeek-V3: 256 x 7168 bf16, 3.7 MB). As CUDA-graph replays
 // after an L2 flush (H200, 1-8 tokens): cuBLAS's float32 gemv / sgemm on upcast operands 14.8-30.4 us, its bf16 GEMM
-// with float32 output 10.5-10.8, this kernel 7.6-9.2. The grid is one cluster of kSplits CTAs
-// per kExpertsPerCta experts: CTA s of a cluster takes K chunks [s * kChunksPerCta, (s+1) * kChunksPerCta) of 8
-// elements, warp w of it kExpertsPerWarp experts, lane l the chunks l, l + 32, ... of the CTA's range. Each lane
-// holds a partial sum per (token, expert); a warp folds them so each lane keeps a few totals, the CTAs of a cluster
-// add theirs through distributed shared memory, in rank order (the same bits on every run: no atomics).
+// with float32 output 10.5-10.8, this kernel 7.6-9.2.
+//
+// The grid is one cluster of kSplits CTAs per kExpertsPerCta experts. CTA s of a cluster takes K chunks
+// [s * kChunksPerCta, (s+1) * kChunksPerCta) of 8 elements, warp w of it kExpertsPerWarp experts, lane l the chunks
+// l, l + 32, ... of the CTA's range. Each lane holds a partial sum per (token, expert); a warp folds them so each
+// lane keeps a few totals, and the CTAs of a cluster add theirs through distributed shared memory, in rank order
+// (the same bits on every run: no atomics).
 //
 // A PDL-launched CTA prefetches its weight rows into L2 before it waits for the previous kernel (griddepcontrol.wait),
 // then loads them and x.
