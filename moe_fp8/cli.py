@@ -778,7 +778,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         for q in quant:
             print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  {q.users}")
         for r in router:
-            print(f"  {r.name:<48} {f'{r.weight_dtype} weight, up to {r.tokens} tokens':<33} {state(r):<10}  mlp.gate")
+            print(f"  {r.name:<48} {f'{r.weight_dtype} weight, {r.tokens} tokens':<33} {state(r):<10}  mlp.gate")
         return 0
     variants = [*variants, *routing, *quant, *router]
 

@@ -390,7 +390,7 @@ def routing_variants(cfg: dict[str, Any]) -> list[RoutingVariant]:
 @dataclasses.dataclass
 class RouterGemmVariant:
     """One compiled Hopper router-logits kernel (``kernels/router_gemm.py``): its cache ``name``, ``source``, the
-    router weight's dtype and the most tokens it serves."""
+    router weight's dtype and the token tile it serves."""
     name: str
     source: str
     weight_dtype: str
@@ -398,22 +398,22 @@ class RouterGemmVariant:
 
 
 def router_gemm_variants(cfg: dict[str, Any], num_sms: int) -> list[RouterGemmVariant]:
-    """The Hopper ``router_gemm`` kernels of the model's router (``[E, hidden]``, all routed experts): each launch
-    of up to ``MMA_MAX_TOKENS`` tokens for bf16 weights (engines, the transformers integration) and of up to
-    ``MAX_TOKENS`` for float32 ones (MiniMax-M2's router), ``tokens`` the most it serves. None for a dense model."""
+    """The Hopper ``router_gemm`` kernels of the model's router (``[E, hidden]``, all routed experts): every token
+    tile up to ``MAX_TOKENS`` (decode batches), for bf16 weights (engines) and float32 ones (the transformers
+    integration keeps its router weight so). None for a dense model."""
     import torch
 
     from moe_fp8.kernels import router_gemm as rg
 
     n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
     hidden = _get(cfg, "hidden_size", default=0)
-    out: dict[Any, RouterGemmVariant] = {}
-    for weight, most in ((torch.bfloat16, rg.MMA_MAX_TOKENS), (torch.float32, rg.MAX_TOKENS)):
-        for t in range(1, most + 1 if n_experts else 1):
-            launch = rg.plan(t, hidden, n_experts, weight, num_sms)
-            if launch is not None:
-                out[launch] = RouterGemmVariant(*rg.kernel_variant(launch), str(weight)[6:], t)
-    return list(out.values())
+    out = []
+    for weight in (torch.bfloat16, torch.float32):
+        for t in sorted({rg.token_tile(t) for t in range(1, rg.MAX_TOKENS + 1)}):
+            shape = rg.plan(t, hidden, n_experts, weight, num_sms) if n_experts else None
+            if shape is not None:
+                out.append(RouterGemmVariant(*rg.kernel_variant(weight, *shape[:3]), str(weight)[6:], t))
+    return out
 
 
 @dataclasses.dataclass

@@ -1,19 +1,17 @@
 """The router GEMM (``layers.router_gemm``: float32 logits of bf16 hidden states) against what models run instead,
 per token count, as CUDA-graph replays (``bench_us``, L2 flushed), in one process:
 
-- ``ours_bf16`` / ``ours_f32``: ``router_gemm`` on a bf16 / float32 weight (the tensor-core kernel up to 64 tokens /
-  the CUDA-core one up to 8, then cuBLAS);
+- ``ours_bf16`` / ``ours_f32``: ``router_gemm`` on a bf16 / float32 weight (the kernel up to 16 tokens, then cuBLAS);
 - ``torch_f32_linear``: ``F.linear(x.float(), w_f32)``, transformers' DeepSeek-V3 router (what the layer benches
   captured before ``router_gemm``);
 - ``torch_mm_f32_out``: ``torch.mm(x, w_bf16ᵀ, out_dtype=float32)`` (cuBLAS bf16, float32 output);
 - ``torch_bf16_linear``: ``F.linear(x, w_bf16)``, bf16 logits (a bf16 engine gate; less precise).
 
-``--experts-per-warp`` adds the CUDA-core kernel on the bf16 weight with the given experts a warp (``fma_bf16_epw*``,
-up to 8 tokens), ``--mma-n-tiles`` the tensor-core one with the given expert tiles of 8 a CTA (``mma_n*``), and
+``--experts-per-warp`` adds kernel variants of the given experts a warp (the heuristic's pick is ``ours_bf16``), and
 ``--layer MODEL.json --tp N`` times a layer rank's replay with the router in its graph, the float32 linear against
 ``router_gemm`` on each weight dtype, alternated rounds.
 
-    python3 scripts/bench_router_gemm.py --tokens 1 2 4 8 16 32 64 128 --experts-per-warp 2 --mma-n-tiles 1 2 \\
+    python3 scripts/bench_router_gemm.py --tokens 1 2 4 8 16 32 64 128 --experts-per-warp 1 2 4 \\
         --layer scripts/models/deepseek-v3.json --tp 8 --layer-tokens 1 8 128
 """
 
@@ -32,19 +30,17 @@ from moe_fp8.kernels import router_gemm as rg
 from moe_fp8.layers import router_gemm
 
 
-def fma_launch(t: int, hidden: int, experts: int, experts_per_warp: int) -> rg.Launch | None:
-    """The CUDA-core form on bf16 weights with ``experts_per_warp`` experts a warp (the plan takes the tensor-core
-    form for bf16 weights; this is its A/B)."""
-    launch = rg.plan_fma(t, hidden, experts, torch.bfloat16, 132)
-    if launch is None:
-        return None
-    weight, tokens, _, warps, chunks = launch.params
-    return rg.Launch(launch.kernel, (weight, tokens, experts_per_warp, warps, chunks), warps * experts_per_warp,
-                     launch.splits)
+def with_experts_per_warp(experts: int):
+    """``rg.plan`` with ``experts`` experts a warp instead of its pick (for the kernel's cases)."""
+    real = rg.plan
+
+    def plan(*args):
+        got = real(*args)
+        return None if got is None else (got[0], experts, *got[2:])
+    return plan
 
 
-def kernel_rows(tokens: list[int], hidden: int, experts: int, experts_per_warp: list[int],
-                mma_n_tiles: list[int]) -> None:
+def kernel_rows(tokens: list[int], hidden: int, experts: int, experts_per_warp: list[int]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w32 = torch.randn(experts, hidden, device="cuda", generator=gen) / hidden**0.5
     w16 = w32.to(torch.bfloat16)
@@ -53,20 +49,10 @@ def kernel_rows(tokens: list[int], hidden: int, experts: int, experts_per_warp: 
           "bench_us (L2 flushed), us")
     for t in tokens:
         token_row(torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16, generator=gen), w16, w32,
-                  experts_per_warp, mma_n_tiles)
+                  experts_per_warp)
 
 
-def mma_launch(t: int, hidden: int, n_tiles: int) -> rg.Launch | None:
-    """The tensor-core form with ``n_tiles`` expert tiles of 8 a CTA (the plan's pick: 1 up to 16 tokens, else 2)."""
-    launch = rg.plan_mma(t, hidden)
-    if launch is None:
-        return None
-    m_tiles, _, warps, iters = launch.params
-    return rg.Launch(launch.kernel, (m_tiles, n_tiles, warps, iters), 8 * n_tiles, launch.splits)
-
-
-def token_row(x: torch.Tensor, w16: torch.Tensor, w32: torch.Tensor, experts_per_warp: list[int],
-              mma_n_tiles: list[int]) -> None:
+def token_row(x: torch.Tensor, w16: torch.Tensor, w32: torch.Tensor, experts_per_warp: list[int]) -> None:
     t, (experts, hidden) = x.shape[0], w16.shape
     want = F.linear(x.float(), w32)
     calls = {"ours_bf16": lambda: router_gemm(x, w16), "ours_f32": lambda: router_gemm(x, w32),
@@ -74,18 +60,15 @@ def token_row(x: torch.Tensor, w16: torch.Tensor, w32: torch.Tensor, experts_per
              "torch_mm_f32_out": lambda: torch.mm(x, w16.t(), out_dtype=torch.float32),
              "torch_bf16_linear": lambda: F.linear(x, w16)}
     variants = {}
-    launches = {f"fma_bf16_epw{e}": fma_launch(t, hidden, experts, e) for e in experts_per_warp}
-    launches |= {f"mma_n{n}": mma_launch(t, hidden, n) for n in mma_n_tiles}
-    for name, launch in launches.items():
-        if launch is None:
-            continue
-        real, rg.plan = rg.plan, lambda *args, launch=launch: launch
-        try:
-            variants[name] = _graph_replay(lambda: router_gemm(x, w16))
-            err = (router_gemm(x, w16) - want).abs().max().item()
-        finally:
-            rg.plan = real
-        print(f"  t={t} {name}: max |x - f32 linear| {err:.3g}")
+    if rg.plan(t, hidden, experts, torch.bfloat16, 132) is not None:
+        for e in experts_per_warp:
+            real, rg.plan = rg.plan, with_experts_per_warp(e)
+            try:
+                variants[f"ours_bf16_epw{e}"] = _graph_replay(lambda: router_gemm(x, w16))
+                err = (router_gemm(x, w16) - want).abs().max().item()
+            finally:
+                rg.plan = real
+            print(f"  t={t} epw{e}: max |ours - f32 linear| {err:.3g}")
     replays = {name: _graph_replay(fn) for name, fn in calls.items()} | variants
     for name in ("ours_bf16", "ours_f32", "torch_mm_f32_out"):
         err = (calls[name]() - want).abs().max().item()
@@ -130,14 +113,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--experts-per-warp", type=int, nargs="*", default=[])
-    p.add_argument("--mma-n-tiles", type=int, nargs="*", default=[], help="tensor-core variants: expert tiles a CTA")
     p.add_argument("--layer", default=None, help="a model's config.json: also time a layer rank's replay")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--layer-tokens", type=int, nargs="+", default=[1, 8, 128])
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
-    kernel_rows(args.tokens, args.hidden, args.experts, args.experts_per_warp, args.mma_n_tiles)
+    kernel_rows(args.tokens, args.hidden, args.experts, args.experts_per_warp)
     if args.layer:
         layer_rows(args.layer, args.ep, args.tp, args.layer_tokens, args.rounds)
 

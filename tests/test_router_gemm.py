@@ -7,7 +7,6 @@ memory, the reference and the validation.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -39,36 +38,27 @@ def check_logits(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def test_plan():
-    mma, fma = "router_gemm_mma_kernel", "router_gemm_kernel"
-    # bf16 weights: (token tiles of 16, expert tiles of 8, warps, 32-element steps a warp), experts a CTA, K splits
-    assert rg.plan(1, 7168, 256, BF16, 132) == rg.Launch(mma, (1, 1, 4, 7), 8, 8)  # DeepSeek-V3: 8 x 32 CTAs
-    assert rg.plan(16, 7168, 256, BF16, 132) == rg.Launch(mma, (1, 1, 4, 7), 8, 8)
-    assert rg.plan(17, 7168, 256, BF16, 132) == rg.Launch(mma, (2, 2, 4, 7), 16, 8)  # x read by half the CTAs
-    assert rg.plan(64, 7168, 256, BF16, 132) == rg.Launch(mma, (4, 2, 4, 7), 16, 8)
-    assert rg.plan(1, 4096, 128, BF16, 132) == rg.Launch(mma, (1, 1, 4, 4), 8, 8)
-    assert rg.plan(2, 1000, 72, BF16, 132) == rg.Launch(mma, (1, 1, 4, 1), 8, 8)  # the last split partial
-    # float32 weights: (weight, token tile, experts a warp, warps, chunks a lane)
-    assert rg.plan(1, 7168, 256, F32, 132) == rg.Launch(fma, ("float", 1, 2, 4, 4), 8, 7)
-    assert rg.plan(3, 7168, 256, F32, 132) == rg.Launch(fma, ("float", 4, 2, 4, 4), 8, 7)
-    assert rg.plan(8, 7168, 384, F32, 132) == rg.Launch(fma, ("float", 8, 2, 4, 4), 8, 7)
-    assert rg.plan(2, 1000, 72, F32, 132) == rg.Launch(fma, ("float", 2, 1, 4, 1), 4, 4)
-    # (the CUDA-core form takes bf16 weights too, for A/B runs: 4 experts a warp where the SMs stay covered)
-    assert rg.plan_fma(1, 7168, 384, BF16, 132) == rg.Launch(fma, ("uint16_t", 1, 4, 4, 4), 16, 7)
-    assert rg.plan(65, 7168, 256, BF16, 132) is None  # past the token tiles: cuBLAS
-    assert rg.plan(9, 7168, 256, F32, 132) is None
+    # (T, H, E, weight) -> (token tile, experts a warp, chunks a lane, K splits)
+    assert rg.plan(1, 7168, 256, BF16, 132) == (1, 2, 4, 7)  # DeepSeek-V3: 7 x 32 CTAs
+    assert rg.plan(3, 7168, 256, BF16, 132) == (4, 2, 4, 7)
+    assert rg.plan(8, 7168, 256, F32, 132) == (8, 2, 4, 7)
+    assert rg.plan(1, 4096, 128, BF16, 132) == (1, 1, 2, 8)  # Qwen3: 8 splits of 512, a warp an expert
+    assert rg.plan(1, 7168, 384, BF16, 132) == (1, 4, 4, 7)  # Kimi-K2: 7 x 24 CTAs of 16 experts
+    assert rg.plan(1, 7168, 384, F32, 132) == (1, 2, 4, 7)  # (float32: 8 weight vectors a lane and expert)
+    assert rg.plan(2, 1000, 72, BF16, 132) == (2, 1, 1, 4)
+    assert rg.plan(9, 7168, 256, BF16, 132) is None  # past the token tiles: cuBLAS
     assert rg.plan(1, 7164, 256, BF16, 132) is None  # rows of whole 16-byte chunks only
     assert rg.plan(1, 7168, 256, torch.float16, 132) is None
     assert [rg.token_tile(t) for t in (1, 2, 3, 4, 5, 8)] == [1, 2, 4, 4, 8, 8]
-    assert [rg.token_tile(t, 16) for t in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
 
-def kernel_launches() -> set:
+def kernel_plans() -> set[tuple[torch.dtype, int, int, int]]:
     out = set()
     for h, e in MODEL_SHAPES:
-        for t in (1, 2, 4, 8, 16, 32, 64):
+        for t in (1, 2, 4, 8):
             for dtype in (BF16, F32):
-                if (launch := rg.plan(t, h, e, dtype, 132)) is not None:
-                    out.add(launch)
+                tokens, experts, chunks, _ = rg.plan(t, h, e, dtype, 132)
+                out.add((dtype, tokens, experts, chunks))
     return out
 
 
@@ -80,17 +70,12 @@ def test_variants_compile_without_local_memory(compiler, tmp_path: Path):
 
     if not any(c.name == compiler and c.available for c in find_compilers()):
         pytest.skip(f"{compiler} not available")
-    for launch in sorted(kernel_launches(), key=str):
-        name, source = rg.kernel_variant(launch)
+    for dtype, tokens, experts, chunks in sorted(kernel_plans(), key=str):
+        name, source = rg.kernel_variant(dtype, tokens, experts, chunks)
         sass = dump_sass(get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path).cubin)
         assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0, name
-        if launch.kernel == "router_gemm_mma_kernel":  # two m16n8k16 a 32-element step, token tile and expert tile
-            m_tiles, n_tiles, _, iters = launch.params
-            assert len(re.findall(r"HMMA\.16816\.F32\.BF16", sass)) == 2 * iters * m_tiles * n_tiles, name
-        else:  # every product an FFMA: chunks x 8 elements x tokens x experts a lane (ptxas may emit the loop twice)
-            _, tokens, experts, _, chunks = launch.params
-            ffma = count_instructions(sass, "FFMA")
-            assert ffma and ffma % (chunks * 8 * tokens * experts) == 0, (name, ffma)
+        # every product an FFMA: chunks x 8 elements x tokens x experts a lane
+        assert count_instructions(sass, "FFMA") == chunks * 8 * tokens * experts, name
 
 
 def test_reference_is_float32_linear():
@@ -125,7 +110,7 @@ def test_kernel_matches_float64(h, e, weight_dtype, monkeypatch):
     w = (0.02 * randn((e, h), seed=e, device="cuda")).to(weight_dtype)
     if weight_dtype == F32:
         w = w + 1e-3 * torch.randn_like(w)  # not bf16 values
-    for t in (1, 2, 3, 5, 8, 13, 16, 17, 31, 40, 64) if weight_dtype == BF16 else (1, 2, 3, 5, 8):
+    for t in (1, 2, 3, 5, 7, 8):
         x = randn((t, h), seed=100 + t, device="cuda")
         got = layers.router_gemm(x, w)
         check_logits(got, x, w)
@@ -146,11 +131,10 @@ def test_strided_and_misaligned_rows():
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("t", [9, 16, 65, 300])
+@pytest.mark.parametrize("t", [9, 16, 64, 300])
 @pytest.mark.parametrize("x_dtype,w_dtype", [(BF16, BF16), (BF16, F32), (torch.float16, torch.float16), (F32, F32)])
 def test_beyond_the_kernel(t, x_dtype, w_dtype):
-    """More tokens than the kernels' tiles (float32 weights: 8, bf16 ones: 64; the kernels take 9 and 16 bf16
-    tokens), or other dtypes: cuBLAS, within the same bound."""
+    """More tokens than the kernel's tiles, or other dtypes: cuBLAS, within the same bound."""
     w = (0.02 * randn((256, 7168), seed=7, device="cuda")).to(w_dtype)
     x = randn((t, 7168), seed=8, device="cuda").to(x_dtype)
     check_logits(layers.router_gemm(x, w), x, w)

@@ -16,8 +16,6 @@
 #pragma once
 
 #include "../common/types.cuh"
-#include "../mma/mma_sync_bf16.cuh"
-#include "../mma/mma_sync_fp8.cuh"
 #include "../ptx/barrier.cuh"
 #include "../ptx/misc.cuh"
 
@@ -57,6 +55,14 @@ struct WeightChunk<float> {
         return __uint_as_float(i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w);
     }
 };
+
+// x's 16 bytes through the read-only path (every expert CTA of a split reads the same x chunks: L2 / L1 hits).
+__device__ __forceinline__ uint4 ld_x_v4(const uint16_t* ptr) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+    return v;
+}
 
 constexpr uint32_t log2_floor(uint32_t n) { return n > 1 ? 1 + log2_floor(n / 2) : 0; }
 
@@ -100,32 +106,6 @@ struct WarpFold {
     __device__ __forceinline__ static bool writer(uint32_t lane) { return lane % (32u >> kSteps) == 0; }
 };
 
-// The cluster's splits add their CTAs' totals [kRows tokens][kCols experts from expert0] in rank order (all loads
-// issued, then added: the same bits whichever CTA stores); split s stores outputs s, s + num_splits, ... of them.
-// Both cluster barriers are here: every split's totals written before the first read (release / acquire at cluster
-// scope), and no CTA leaving while another reads its shared memory.
-template <uint32_t kRows, uint32_t kCols, uint32_t kThreads>
-__device__ __forceinline__ void add_splits_and_store(const float (&totals)[kRows][kCols], float* logits,
-                                                     uint32_t num_tokens, uint32_t num_experts, uint32_t expert0) {
-    const uint32_t split = ptx::cluster_cta_rank(), num_splits = gridDim.x;
-    ptx::cluster_sync();
-    for (uint32_t o = split * kThreads + threadIdx.x; o < kRows * kCols; o += num_splits * kThreads) {
-        const uint32_t t = o / kCols, e = o % kCols;
-        float parts[kMaxSplits];
-#pragma unroll
-        for (uint32_t s = 0; s < kMaxSplits; ++s)
-            parts[s] = s < num_splits ? ptx::ld_shared_cluster_f32(ptx::map_shared_to_cta(&totals[t][e], s)) : 0.f;
-        float total = parts[0];
-#pragma unroll
-        for (uint32_t s = 1; s < kMaxSplits; ++s) total += parts[s];
-        if (t < num_tokens && expert0 + e < num_experts)
-            logits[static_cast<size_t>(t) * num_experts + expert0 + e] = total;
-    }
-    ptx::cluster_sync();
-}
-
-// The CUDA-core form (float32 weights, or bf16 ones where the MMA form is not built): a lane's FMAs per expert
-// and token.
 template <typename WeightT, uint32_t kTokens, uint32_t kExpertsPerWarp, uint32_t kWarps, uint32_t kChunksPerLane>
 __global__ void __launch_bounds__(kWarps * 32, 1)
     router_gemm_kernel(const uint16_t* __restrict__ x, const WeightT* __restrict__ w, float* __restrict__ logits,
@@ -137,7 +117,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __shared__ float totals[kTokens][kExpertsPerCta];
 
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const uint32_t split = ptx::cluster_cta_rank();
+    const uint32_t split = ptx::cluster_cta_rank(), num_splits = gridDim.x;
     const uint32_t expert0 = blockIdx.y * kExpertsPerCta + warp * kExpertsPerWarp;
     const uint32_t num_chunks = hidden / kChunk;
 
@@ -172,7 +152,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
         for (uint32_t t = 0; t < kTokens; ++t) {  // (tokens past num_tokens, up to the tile: zeros)
             uint4 xq = make_uint4(0, 0, 0, 0);
-            if (chunk < num_chunks && t < num_tokens) xq = mma::ld_shared_by_sm_v4(x + static_cast<size_t>(t) * x_stride + chunk * kChunk);
+            if (chunk < num_chunks && t < num_tokens) xq = ld_x_v4(x + static_cast<size_t>(t) * x_stride + chunk * kChunk);
             const uint32_t words[4] = {xq.x, xq.y, xq.z, xq.w};
 #pragma unroll
             for (uint32_t i = 0; i < kChunk; ++i) {
@@ -193,79 +173,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
             totals[index / kExpertsPerWarp][warp * kExpertsPerWarp + index % kExpertsPerWarp] = sums[i];
         }
     }
-    add_splits_and_store<kTokens, kExpertsPerCta, kWarps * 32>(totals, logits, num_tokens, num_experts,
-                                                               blockIdx.y * kExpertsPerCta);
-}
+    ptx::cluster_sync();  // every split's totals written (release / acquire at cluster scope)
 
-// The tensor-core form, bf16 weights: a CTA takes kNTiles x 8 experts, its warps consecutive K ranges of kIters x 32
-// elements; lane (g, t) = (lane / 4, lane % 4) loads 16 bytes at k + 8 t of expert g of each 8 and of tokens g and
-// g + 8 of each 16, and feeds them to two m16n8k16 MMAs (its first 4 elements as the fragments' k = 2t, 2t + 1,
-// 2t + 8, 2t + 9 of one, the last 4 of the other: the same bijection of K in A and B, so the same product).
-template <uint32_t kMTiles, uint32_t kNTiles, uint32_t kWarps, uint32_t kIters>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    router_gemm_mma_kernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w, float* __restrict__ logits,
-                           uint32_t num_tokens, uint32_t hidden, uint32_t num_experts, uint32_t x_stride,
-                           uint32_t w_stride) {
-    constexpr uint32_t kRows = 16 * kMTiles, kCols = 8 * kNTiles, kKPerCta = kWarps * kIters * 32;
-    __shared__ float warp_sums[kWarps][kRows][kCols];
-    __shared__ float totals[kRows][kCols];
-
-    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-    const uint32_t expert0 = blockIdx.y * kCols, k_cta = ptx::cluster_cta_rank() * kKPerCta;
-
-    // the CTA's weight rows into L2 while the previous kernel ends (as the CUDA-core form)
-    if (threadIdx.x < kCols && expert0 + threadIdx.x < num_experts)
-        ptx::bulk_prefetch_l2(w + static_cast<size_t>(expert0 + threadIdx.x) * w_stride + k_cta,
-                              min(kKPerCta, hidden - k_cta) * 2);
-    ptx::wait_prerequisites();
-    ptx::launch_dependents();  // routing, next, waits for this grid's end before reading the logits
-
-    float d[kMTiles][kNTiles][4] = {};
+    // the cluster's splits add their totals in rank order; split s stores outputs s, s + num_splits, ...
+    for (uint32_t o = split * kWarps * 32 + threadIdx.x; o < kTokens * kExpertsPerCta; o += num_splits * kWarps * 32) {
+        const uint32_t t = o / kExpertsPerCta, e = o % kExpertsPerCta;
+        float parts[kMaxSplits];
 #pragma unroll
-    for (uint32_t i = 0; i < kIters; ++i) {
-        const uint32_t k = k_cta + (warp * kIters + i) * 32 + t * kChunk;
-        const bool k_ok = k < hidden;  // (hidden % 8 == 0: a chunk is in the row or past it)
-        uint4 wv[kNTiles];
+        for (uint32_t s = 0; s < kMaxSplits; ++s)  // (all loads issued, then added in rank order)
+            parts[s] = s < num_splits ? ptx::ld_shared_cluster_f32(ptx::map_shared_to_cta(&totals[t][e], s)) : 0.f;
+        float total = parts[0];
 #pragma unroll
-        for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-            const uint32_t e = expert0 + nt * 8 + g;
-            wv[nt] = k_ok && e < num_experts ? ptx::ld_global_evict_first_v4(w + static_cast<size_t>(e) * w_stride + k)
-                                             : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (uint32_t mt = 0; mt < kMTiles; ++mt) {
-            const uint32_t r = mt * 16 + g;
-            const uint4 xa = k_ok && r < num_tokens ? mma::ld_shared_by_sm_v4(x + static_cast<size_t>(r) * x_stride + k)
-                                                    : make_uint4(0, 0, 0, 0);
-            const uint4 xb = k_ok && r + 8 < num_tokens
-                                 ? mma::ld_shared_by_sm_v4(x + static_cast<size_t>(r + 8) * x_stride + k)
-                                 : make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-                mma::mma_m16n8k16_bf16(d[mt][nt], xa.x, xb.x, xa.y, xb.y, wv[nt].x, wv[nt].y);
-                mma::mma_m16n8k16_bf16(d[mt][nt], xa.z, xb.z, xa.w, xb.w, wv[nt].z, wv[nt].w);
-            }
-        }
+        for (uint32_t s = 1; s < kMaxSplits; ++s) total += parts[s];
+        const uint32_t expert = blockIdx.y * kExpertsPerCta + e;
+        if (t < num_tokens && expert < num_experts) logits[static_cast<size_t>(t) * num_experts + expert] = total;
     }
-
-    // d: rows g / g + 8 of each token tile, columns 2t, 2t + 1 of each expert tile; the warps' sums in warp order
-#pragma unroll
-    for (uint32_t mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-            float* row = &warp_sums[warp][mt * 16 + g][nt * 8 + 2 * t];
-            row[0] = d[mt][nt][0], row[1] = d[mt][nt][1];
-            row[8 * kCols] = d[mt][nt][2], row[8 * kCols + 1] = d[mt][nt][3];
-        }
-    }
-    __syncthreads();
-    for (uint32_t o = threadIdx.x; o < kRows * kCols; o += kWarps * 32) {
-        float total = warp_sums[0][o / kCols][o % kCols];
-#pragma unroll
-        for (uint32_t v = 1; v < kWarps; ++v) total += warp_sums[v][o / kCols][o % kCols];
-        totals[o / kCols][o % kCols] = total;
-    }
-    add_splits_and_store<kRows, kCols, kWarps * 32>(totals, logits, num_tokens, num_experts, expert0);
+    ptx::cluster_sync();  // no CTA leaves while another reads its shared memory
 }
 
 }  // namespace moe_fp8::router_gemm
