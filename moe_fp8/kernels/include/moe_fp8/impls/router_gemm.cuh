@@ -24,6 +24,13 @@ namespace moe_fp8::router_gemm {
 constexpr uint32_t kChunk = 8;       // elements a lane loads at once (16 bytes of bf16)
 constexpr uint32_t kMaxSplits = 8;   // CTAs a cluster, at most (the portable cluster size)
 
+// `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2, by one thread. Safe before a PDL wait on data
+// the previous kernel may still write: L2 is where its writes land, so nothing stale can be read from there.
+// (Here, not in ptx/misc.cuh: the tuned tables hash the wgmma GEMM's include closure, which holds that header.)
+__device__ __forceinline__ void bulk_prefetch_l2(const void* ptr, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
@@ -125,7 +132,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     // kernel just before this one may have written the weights)
     const uint32_t k0 = split * kChunksPerCta * kChunk, k_len = min(kChunksPerCta * kChunk, hidden - k0);
     if (lane < kExpertsPerWarp && expert0 + lane < num_experts)
-        ptx::bulk_prefetch_l2(w + static_cast<size_t>(expert0 + lane) * w_stride + k0, k_len * sizeof(WeightT));
+        bulk_prefetch_l2(w + static_cast<size_t>(expert0 + lane) * w_stride + k0, k_len * sizeof(WeightT));
     ptx::wait_prerequisites();
     ptx::launch_dependents();  // routing, next, waits for this grid's end before reading the logits
 

@@ -57,12 +57,6 @@ __device__ __forceinline__ uint4 ld_global_evict_first_v4(const void* ptr) {
     return v;
 }
 
-// `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2, by one thread. Safe before a PDL wait on data
-// the previous kernel may still write: L2 is where its writes land, so nothing stale can be read from there.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* ptr, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
-}
-
 // 16 bytes global -> shared without registers (through L2 only); complete after cp_async_wait_all.
 __device__ __forceinline__ void cp_async_cg_16(void* smem_dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
