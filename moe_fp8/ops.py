@@ -709,17 +709,18 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
 
 def router_gemm(x: Tensor, weight: Tensor) -> Tensor:
     """Router logits ``x · weightᵀ`` in float32: ``F.linear(x.float(), weight.float())``, the router of
-    transformers' DeepSeek-V3 (and the float32 logits SGLang's and vLLM's DeepSeek-V3 gates produce).
+    transformers' DeepSeek-V3.
 
     Args:
         x: ``[T, H]`` bf16/fp16/fp32 hidden states; ``T`` may be 0.
         weight: ``[E, H]`` bf16/fp16/fp32 router weight (a checkpoint's ``mlp.gate.weight``), on x's device.
 
-    Returns float32 ``[T, E]``: every product and sum in float32 (a bf16 product is exact there), in an order of
-    the backend's (bit-identical from call to call on one backend). On Hopper a CUDA kernel reads the weight
-    once for up to 8 bf16 tokens (a decode step; DeepSeek-V3's 256 × 7168 on an H200, replayed after an L2 flush:
-    7.6-9.2 µs, where cuBLAS's float32 GEMM on upcast operands takes 14.8-30.4 and its bf16 one 10.5-10.8); more tokens, with a bf16 weight, take a bf16 cuBLAS GEMM with float32 output
-    (a float32 weight: ``F.linear`` on float32 copies, 2-3x slower: keep router weights in bf16).
+    Returns float32 ``[T, E]``: every product and sum in float32 (a bf16 product is exact there), in the backend's
+    order. On Hopper a CUDA kernel reads the weight once for up to 8 bf16 tokens, adding in a fixed order (the same
+    bits on every call). DeepSeek-V3's 256 × 7168 on an H200, replayed after an L2 flush: 7.6-9.2 µs, where cuBLAS's
+    float32 GEMM on upcast operands takes 14.8-30.4 and its bf16 one 10.5-10.8. More tokens, with a bf16 weight, take
+    cuBLAS's bf16 GEMM with float32 output; with a float32 weight, ``F.linear`` on float32 copies, 2-3x slower: keep
+    router weights in bf16.
     """
     V.check_router_gemm(x, weight)
     if _compiling():
