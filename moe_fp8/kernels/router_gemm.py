@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..utils import ceil_div, get_num_sms
 from .gemm import _pdl
 from .jit import build
+from .routing import _aligned_rows  # (16-byte vector loads of each row)
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/router_gemm.cuh"
 
@@ -98,9 +99,3 @@ def router_gemm_cublas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 
-
-def _aligned_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` or a contiguous copy where its rows are strided or not 16-byte aligned (16-byte vector loads)."""
-    if rows.stride(1) == 1 and rows.data_ptr() % 16 == 0 and rows.stride(0) * rows.element_size() % 16 == 0:
-        return rows
-    return rows.contiguous() if not rows.is_contiguous() else rows.clone()
