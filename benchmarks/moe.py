@@ -59,10 +59,12 @@ def build_layer(seed: int = 0):
     return layer, bf16
 
 
-def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int = 1):
+def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int = 1, shared: bool = False):
     """Rank 0 of ``ep`` of any supported model's MoE layer (its ``config.json`` dict; routing as the model's
-    transformers block sets it, no shared experts) with random block-FP8 experts, and their bf16 copies; with
-    ``tp > 1`` every expert's intermediate size is split over ``tp`` ranks instead (TP-sharded experts)."""
+    transformers block sets it) with random block-FP8 experts, and their bf16 copies; with ``tp > 1`` every
+    expert's intermediate size is split over ``tp`` ranks instead (TP-sharded experts). ``shared``: with the
+    model's shared experts (split over ``tp`` as the routed ones, whole under expert parallelism), their bf16
+    copies under ``"shared"``; without, none."""
     from types import SimpleNamespace
 
     from moe_fp8.integrations.transformers import ARCHITECTURES, MOE_BLOCKS
@@ -74,12 +76,19 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int =
     if tp < 1 or full_inter % tp:
         raise ValueError(f"tp={tp} must be >= 1 and divide the experts' {arch.moe_inter_key} {full_inter}")
     inter = full_inter // tp
-    routing = {k: v for k, v in MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg)).items()
-               if k != "num_shared_experts"}
+    routing = MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg))
+    num_shared = routing.pop("num_shared_experts", 0) if shared else 0
+    routing.pop("num_shared_experts", None)
+    if shared and not num_shared:
+        raise ValueError(f"{cfg['model_type']} has no shared experts")
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
-                        expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None, **routing)
+                        expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None,
+                        num_shared_experts=num_shared,
+                        shared_intermediate_size=num_shared * full_inter // tp if num_shared else None, **routing)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     bf16 = fill_random_experts(layer, gen)
+    if num_shared:
+        bf16["shared"] = fill_random_mlp(layer.shared_experts, gen)
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias.copy_(torch.randn(experts, device="cuda", generator=gen) * 0.01)
     return layer, bf16
@@ -104,6 +113,22 @@ def fill_random_experts(layer, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return bf16
 
 
+def fill_random_mlp(mlp, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Fill an ``Fp8MLP`` with random block-FP8 weights (as ``fill_random_experts``); returns their dequantized
+    bf16 copies ``{"gate_up": [2I, H], "down": [H, I]}``."""
+    from moe_fp8.reference import dequant_per_block
+    from moe_fp8.testing import _per_block_quant_grouped
+
+    bf16 = {}
+    for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+        w = torch.randn(linear.weight.shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        w_fp8, w_scale = _per_block_quant_grouped(w[None])
+        linear.weight.copy_(w_fp8[0])
+        linear.weight_scale_inv.copy_(w_scale[0])
+        bf16[name] = dequant_per_block(w_fp8[0], w_scale[0]).to(torch.bfloat16)
+    return bf16
+
+
 def local_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:
     """``topk_ids``' local expert ids on ``layer``'s rank (-1: another rank's expert)."""
     return topk_ids if layer.expert_map is None else layer.expert_map[topk_ids.long()]
@@ -123,6 +148,9 @@ def bf16_loop(layer, bf16: dict[str, torch.Tensor], hidden: torch.Tensor, logits
         gate, up = (x @ bf16["w13"][e].t()).chunk(2, dim=-1)
         y = (torch.nn.functional.silu(gate) * up) @ bf16["w2"][e].t()
         out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+    if "shared" in bf16:
+        gate, up = (hidden @ bf16["shared"]["gate_up"].t()).chunk(2, dim=-1)
+        out += (torch.nn.functional.silu(gate) * up) @ bf16["shared"]["down"].t()
     return out
 
 

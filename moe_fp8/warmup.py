@@ -97,6 +97,7 @@ class GemmShape:
     layouts: tuple[Layout, ...] = ("normal",)
     num_groups: int = 1
     act_quant: int = 0  # the experts' w13 on Hopper: GEMM1 with the SiLU·mul + quant epilogue (2: UE8M0)
+    beside_few_rows: bool = False  # the shared experts: the few-rows rule of GEMMs next to the routed ones
 
 
 @dataclasses.dataclass
@@ -228,8 +229,8 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
                   or (cfg.get("n_shared_experts") or 0) * moe_inter)
         if shared:
             s_tp = _split("shared experts' intermediate size", shared, tp, "--tp")
-            out.append(GemmShape("shared_experts.gate_up_proj", 2 * s_tp, h))
-            out.append(GemmShape("shared_experts.down_proj", h, s_tp))
+            out.append(GemmShape("shared_experts.gate_up_proj", 2 * s_tp, h, beside_few_rows=True))
+            out.append(GemmShape("shared_experts.down_proj", h, s_tp, beside_few_rows=True))
         i_tp = _split("moe_intermediate_size", moe_inter, tp, "--tp")
         if i_tp % GROUP_K:
             if tp == 1:  # no smaller --tp to suggest: the model itself is outside what the MoE layer runs
@@ -255,8 +256,10 @@ def model_gemms(cfg: dict[str, Any], tp: int = 1, ep: int = 1, fp8_lm_head: bool
     unique: dict[tuple, GemmShape] = {}
     for g in out:  # e.g. shared experts and the dense MLP can coincide
         key = (g.n, g.k, g.layouts, g.num_groups, g.act_quant)
-        if key in unique:
-            unique[key] = dataclasses.replace(unique[key], name=f"{unique[key].name}, {g.name}")
+        if key in unique:  # the wider few-rows rule of either: its variants include the other's
+            first = unique[key]
+            unique[key] = dataclasses.replace(first, name=f"{first.name}, {g.name}",
+                                              beside_few_rows=first.beside_few_rows or g.beside_few_rows)
         else:
             unique[key] = g
     return list(unique.values())
@@ -334,15 +337,17 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
 
 def _few_rows_variants(g: GemmShape, max_tokens: int, num_sms: int) -> list[tuple[Layout, int, int, str, str]]:
     """``(layout, first, last, name, source)``: the few-rows GEMM of each token tile that decode batches of
-    ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs at long K, masked ones (FP32 out under the
-    fused GEMM1's SiLU·mul + quant), chunked past 16 rows for small groups (the batches whose expected rows per
-    expert are few take it)."""
+    ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs (the shared experts' up to 16 rows, and in chunks
+    past that for small weights), masked ones (FP32 out under the fused GEMM1's SiLU·mul + quant), chunked past 16
+    rows for small groups (the batches whose expected rows per expert are few take it)."""
     from moe_fp8.kernels import few_rows
 
     out: list[tuple[Layout, int, int, str, str]] = []
-    if "normal" in g.layouts and few_rows.applies_normal(1, g.n, g.k):
-        top = min(max_tokens, few_rows.NORMAL_MAX_ROWS)
-        out.append(("normal", 1, top, *few_rows.kernel_variant(g.n, g.k, top)))
+    if "normal" in g.layouts:  # one variant per token tile count (1: 1-8 rows, 2: 9-16), then the chunked one
+        for lo, hi in ((1, 8), (9, few_rows.MAX_ROWS), (few_rows.MAX_ROWS + 1, few_rows.NORMAL_CHUNKED_MAX_ROWS)):
+            hi = min(hi, max_tokens)
+            if lo <= hi and few_rows.applies_normal(hi, g.n, g.k, beside=g.beside_few_rows):
+                out.append(("normal", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi)))
     if "masked" in g.layouts:
         top = min(max_tokens, few_rows.max_rows(g.n, g.k))
         for lo in range(1, top + 1, 8):

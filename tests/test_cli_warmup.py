@@ -194,7 +194,8 @@ def test_enumerated_variants_are_what_calls_compile():
 def test_few_rows_variants_are_what_decode_batches_compile():
     """Decode batches run the few-rows GEMM: masked ones of up to 16 tokens (8 for DeepSeek-V3's whole experts),
     one variant per token tile and expert weight, FP32 out for the fused GEMM1, and past 16 tokens small groups'
-    chunked variant; normal ones of up to 8 rows at K >= 4096 (kernels/few_rows.py)."""
+    chunked variant; normal ones of up to 8 rows at K >= 4096, the shared experts' of up to 16 rows, and of up to 64
+    in chunks for small weights (kernels/few_rows.py)."""
     from moe_fp8.kernels import few_rows
 
     for tp, ep, tiles in ((8, 1, (8, 16)), (1, 8, (8,))):
@@ -207,12 +208,18 @@ def test_few_rows_variants_are_what_decode_batches_compile():
                   for rows in (*tiles, *((17,) if tp == 8 else ())) for n, k, out_f32 in ((2 * i, 7168, True),
                                                                                        (7168, i, False))}
         normal = {few_rows.kernel_variant(g.n, g.k, 8) for g in gemms if "normal" in g.layouts and g.k >= 4096}
+        shared = [g for g in gemms if g.beside_few_rows]
+        assert [g.name.split(".")[0] for g in shared] == ["shared_experts"] * 2
+        normal |= {few_rows.kernel_variant(g.n, g.k, rows) for g in shared
+                   for rows in (8, 16, *((64,) if g.n * g.k <= few_rows.SMALL_GROUP_BYTES else ()))}
         assert len(normal) >= 3 and {(v.name, v.source) for v in few.values()} == masked | normal
         for v in few.values():
             assert v.users[0].startswith("experts.") == (v.layout == "masked"), v
         assert max(v.rows[1] for v in few.values() if v.layout == "masked") == (4096 if tp == 8 else 8)
-        if tp == 1:
-            assert {W.describe_rows(v) for v in few.values()} == {"tokens 1..8"}
+        if tp == 1:  # whole experts: 8 rows at most; shared experts of 29 and 15 MB: no chunks
+            assert {W.describe_rows(v) for v in few.values() if v.layout == "masked"} == {"tokens 1..8"}
+            assert {W.describe_rows(v) for v in few.values() if "shared_experts.down_proj" in v.users} \
+                == {"tokens 1..8", "tokens 9..16"}  # the first one the experts' w2 variant as well
     small = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=3, num_sms=132)
     assert {W.describe_rows(v) for v in small if v.config is None} == {"tokens 1..3"}
 

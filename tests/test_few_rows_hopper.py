@@ -4,6 +4,8 @@ CUDA-graph replays."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_grouped_hopper import _check_act, _check_masked, _clone_operands, _poisoned_act, _replay_masked
@@ -107,10 +109,10 @@ def test_float32_out_and_deterministic() -> None:
     assert outs[0][~valid].isnan().all()
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, 64])
 @pytest.mark.parametrize("n,k", [(7168, 2048), (2112, 576), (24, 144)])
 def test_normal_layout(m: int, n: int, k: int) -> None:
-    """masked_m None: out [M, N] of x [M, K] (the normal GEMM's layout, M <= 16)."""
+    """masked_m None: out [M, N] of x [M, K] (the normal GEMM's layout; past 16 rows in chunks)."""
     inp = make_masked_inputs(1, m, 1, n, k, seed=m + n, device="cuda", masked_m=[m])
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     few_rows.launch(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out, None)
@@ -149,15 +151,21 @@ def test_public_masked_op_routes_by_expected_rows(groups: int, max_m: int, n: in
     _check_masked(inp, out)
 
 
-@pytest.mark.parametrize("m,n,k,routed", [(8, 2112, 7168, True), (9, 2112, 7168, False), (4, 4096, 2048, False),
-                                           (1, 7168, 16384, True)])
-def test_public_normal_op_routes_by_rows_and_k(m: int, n: int, k: int, routed: bool, launches: list[int]) -> None:
-    """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given); both paths right."""
+@pytest.mark.parametrize("beside,m,n,k,routed", [
+    (False, 8, 2112, 7168, True), (False, 9, 2112, 7168, False), (False, 4, 4096, 2048, False),
+    (False, 1, 7168, 16384, True), (True, 16, 2112, 7168, True), (True, 17, 2112, 7168, False),
+    (True, 4, 4096, 2048, True), (True, 64, 7168, 256, True), (True, 33, 512, 7168, True),
+    (True, 65, 512, 7168, False), (True, 17, 4096, 7168, False)])
+def test_public_normal_op_routes_by_rows_and_k(beside: bool, m: int, n: int, k: int, routed: bool,
+                                               launches: list[int]) -> None:
+    """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given); inside
+    ``beside_few_rows`` for up to 16 rows, and up to 64 for weights of at most 13 MB; both paths right."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
 
     inp = make_masked_inputs(1, m, 1, n, k, seed=m + k, device="cuda", masked_m=[m])
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fp8_gemm_hopper(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out)
+    with few_rows.beside_few_rows() if beside else contextlib.nullcontext():
+        fp8_gemm_hopper(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out)
     torch.cuda.synchronize()
     assert bool(launches) == routed
     _check_masked(inp, out[None])

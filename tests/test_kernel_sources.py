@@ -173,6 +173,13 @@ def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert few_rows.applies_normal(8, 2112, 7168) and few_rows.applies_normal(1, 7168, 4096)
     assert not few_rows.applies_normal(9, 2112, 7168) and not few_rows.applies_normal(8, 4096, 2048)
     assert not few_rows.applies_normal(0, 2112, 7168)
+    # next to few-rows GEMMs (the shared experts): up to 16 rows at any K, up to 64 for weights of at most 13 MB
+    with few_rows.beside_few_rows():
+        assert few_rows.applies_normal(16, 7168, 2048) and few_rows.applies_normal(33, 7168, 256)
+        assert few_rows.applies_normal(64, 512, 7168) and not few_rows.applies_normal(65, 512, 7168)
+        assert not few_rows.applies_normal(17, 4096, 7168) and not few_rows.applies_normal(8, 4100, 7168)
+        assert not few_rows.applies_normal(16, 7168, 2048, beside=False)
+    assert not few_rows.applies_normal(16, 7168, 2048) and few_rows.applies_normal(16, 7168, 2048, beside=True)
     name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
     assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source
     # any max_m for small groups expected to hold few rows (chunks of 8 * CHUNK_TOKEN_TILES), never for large ones

@@ -179,6 +179,16 @@ class MoEWeights:
         return moe
 
 
+def ue8m0_weights(wts: MoEWeights) -> MoEWeights:
+    """``wts`` requantized with power-of-two weight scales, as a V3.1 checkpoint has them."""
+    wts.w13, wts.s13 = quant.per_block(quant.dequant_per_block(wts.w13, wts.s13), ue8m0=True)
+    wts.w2, wts.s2 = quant.per_block(quant.dequant_per_block(wts.w2, wts.s2), ue8m0=True)
+    if wts.shared is not None:
+        wts.shared = tuple(t for w, s in (wts.shared[:2], wts.shared[2:])
+                           for t in quant.per_block(quant.dequant_per_block(w, s), ue8m0=True))
+    return wts
+
+
 def moe_loop_reference(hidden: torch.Tensor, logits: torch.Tensor, wts: MoEWeights, top_k: int,
                        routing: dict) -> torch.Tensor:
     """Plain PyTorch MoE: route, then one token-expert pair at a time in FP32 (unquantized activations)."""
@@ -539,6 +549,45 @@ def test_fused_moe_on_hopper_matches_reference_and_replays_in_cuda_graph():
         assert torch.equal(static_out, gpu(static_x, static_logits, path="contiguous"))
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_shared_experts_on_a_side_stream_give_the_inline_result(ue8m0):
+    """On the masked path the shared experts run on a side stream beside routing and the routed experts
+    (``shared_overlap``): bit-identical to running them in line, eagerly and replayed from a CUDA graph with new
+    inputs, from 1 token up."""
+    wts = MoEWeights(16, 256, 128, shared_inter=128, seed=120)
+    wts = ue8m0_weights(wts) if ue8m0 else wts
+    moe = wts.fill(Fp8FusedMoE(16, 256, 128, 4, num_shared_experts=1, ue8m0=ue8m0,
+                               **ROUTINGS["grouped_sigmoid"])).cuda()
+    assert moe.shared_overlap
+
+    def inline(x, logits):
+        moe.shared_overlap = False
+        try:
+            return moe(x, logits, path="masked")
+        finally:
+            moe.shared_overlap = True
+    for t in (1, 3, 24):
+        x, logits = (randn((t, 256), seed=121 + t, device="cuda"),
+                     randn((t, 16), seed=122 + t, device="cuda", dtype=torch.float32))
+        out = moe(x, logits, path="masked")
+        assert out.isfinite().all() and torch.equal(out, inline(x, logits))
+        assert calc_diff(out.cpu(), moe_loop_reference(x.cpu(), logits.cpu(), wts, 4, ROUTINGS["grouped_sigmoid"])) \
+            < LAYER_DIFF
+    static_x, static_logits = x.clone(), logits.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x, static_logits, path="masked")
+    for seed in (130, 131):
+        static_x.copy_(randn((t, 256), seed=seed, device="cuda"))
+        static_logits.copy_(randn((t, 16), seed=seed + 1, device="cuda", dtype=torch.float32))
+        static_out.fill_(float("nan"))  # poisoned: the replay must write every row
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, inline(static_x, static_logits))
+
+
 # ----------------------------------------------------------------------------------------------
 # UE8M0 (DeepSeek-V3.1: power-of-two scales)
 # ----------------------------------------------------------------------------------------------
@@ -586,12 +635,7 @@ def test_ue8m0_fused_moe_quantizes_both_activations_with_power_of_two_scales(mon
     from moe_fp8.layers import linear as linear_module
 
     num_experts, hidden, inter, top_k, t = 8, 256, 128, 3, 13
-    wts = MoEWeights(num_experts, hidden, inter, shared_inter=128, seed=110)
-    # power-of-two weight scales, as a V3.1 checkpoint has them
-    wts.w13, wts.s13 = quant.per_block(quant.dequant_per_block(wts.w13, wts.s13), ue8m0=True)
-    wts.w2, wts.s2 = quant.per_block(quant.dequant_per_block(wts.w2, wts.s2), ue8m0=True)
-    wts.shared = tuple(t for w, s in (wts.shared[:2], wts.shared[2:])
-                       for t in quant.per_block(quant.dequant_per_block(w, s), ue8m0=True))
+    wts = ue8m0_weights(MoEWeights(num_experts, hidden, inter, shared_inter=128, seed=110))
     kwargs = dict(num_shared_experts=1, **ROUTINGS["grouped_sigmoid"])
     moe = wts.fill(Fp8FusedMoE(num_experts, hidden, inter, top_k, ue8m0=True, **kwargs))
     plain = wts.fill(Fp8FusedMoE(num_experts, hidden, inter, top_k, **kwargs))

@@ -80,9 +80,9 @@ class RoutingRecorder:
         for name in ("_experts_contiguous", "_experts_masked"):
             real_path = getattr(Fp8FusedMoE, name)
 
-            def spy(module, *args, _real=real_path, _name=name):
+            def spy(module, *args, _real=real_path, _name=name, **kwargs):
                 self.paths.append(_name.removeprefix("_experts_"))
-                return _real(module, *args)
+                return _real(module, *args, **kwargs)
 
             monkeypatch.setattr(Fp8FusedMoE, name, spy)
         self.moe_layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, hf.Fp8MoEBlock)]

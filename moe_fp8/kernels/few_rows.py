@@ -3,15 +3,18 @@ place of the wgmma kernel, whose tiles leave one touched expert on a few SMs and
 (docs/kernels/gemm.md, session 51): masked GEMMs whose groups hold at most ``max_rows`` rows (decode batches
 of that many tokens: the layer's masked layout has ``max_m`` = tokens), masked GEMMs of small groups expected to
 hold few rows whatever ``max_m`` (groups past a chunk's rows walked in chunks: session 53), and normal GEMMs of a
-few rows at long K.
+few rows at long K (more of them next to few-rows GEMMs: ``beside_few_rows``, session 60).
 
 Arguments are validated by the public API before they get here; ``applies`` says which calls it takes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -40,6 +43,19 @@ SMALL_GROUP_BYTES = 13 << 20
 # 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
 # with shorter K the wgmma kernel is as fast or takes up to 21% less time (kv_b_proj 4096 x 512), and at 16 rows
 # it is even or ahead (docs/benchmarks/h100-few-rows.md).
+NORMAL_MAX_ROWS = 8
+NORMAL_MIN_K = 4096
+# Normal GEMMs next to few-rows ones (``beside_few_rows``: a MoE layer's shared experts, in line before its routed
+# GEMMs or beside them on a side stream) run here up to MAX_ROWS rows at any K, and up to NORMAL_CHUNKED_MAX_ROWS
+# (in chunks) of weights of at most SMALL_GROUP_BYTES: a wgmma kernel right before a few-rows one (a PDL dependent,
+# or beside it on another stream) leaves the few-rows kernel 1.5-1.7x slower for its whole run. H200, DeepSeek-V3's
+# layer with its shared expert replayed in line, µs, the rule above -> this one: TP 8 at 1 / 8 / 16 / 32 / 64
+# tokens 49.4 / 175.9 / 295.9 / 425.1 / 427.8 -> 42.5 / 128.4 / 204.7 / 275.7 / 386.0; EP 8 at 1 / 8 tokens 106.6 /
+# 130.6 -> 76.3 / 95.8 (its 29 MB gate-up weights in chunks at 32 tokens: 297.7 -> 332.7, hence the size bound).
+# Alone, the same linears mostly ran faster on the wgmma kernel past 8 rows (q_b_proj 1536 -> 3072 at 16-64 rows
+# 0.54-0.77x here), hence the scope (docs/kernels/datapath.md, session 60).
+NORMAL_CHUNKED_MAX_ROWS = 64
+_BESIDE_FEW_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("moe_fp8_beside_few_rows", default=False)
 # Masked GEMMs of any max_m whose groups (of at most SMALL_GROUP_BYTES) are expected to hold at most
 # CHUNKED_MAX_EXPECTED rows (the callers' expected_m hint; 0 turns this off): TP-sharded and small experts at decode
 # batches past 16 tokens, and engines' batched layouts (max_m: the dispatch's capacity). Their rows run in chunks
@@ -68,8 +84,6 @@ FUSED_TILE_N = 256  # the wgmma kernel's gate-up tiles under the fused epilogue 
 # engine's memory profile would reserve). The wgmma kernel needs no h; decode batches of our own layer (max_m = the
 # tokens) stay far under it (DeepSeek-V3 TP 8 at 32 tokens: 17 MB).
 FUSED_H_MAX_BYTES = 64 << 20
-NORMAL_MAX_ROWS = 8
-NORMAL_MIN_K = 4096
 MAX_GROUPS = 1024  # compacted in shared memory (few_rows::kMaxGroups)
 WARPS = 8
 TILE_N = 16
@@ -116,9 +130,26 @@ def token_tiles(max_m: int) -> int:
     return ceil_div(max_m, 8) if max_m <= MAX_ROWS else CHUNK_TOKEN_TILES
 
 
-def applies_normal(m: int, n: int, k: int) -> bool:
-    """Whether a normal GEMM of M × N × K runs here."""
-    return 0 < m <= min(NORMAL_MAX_ROWS, MAX_ROWS) and k >= NORMAL_MIN_K and n % 8 == 0 and k % 16 == 0
+@contextlib.contextmanager
+def beside_few_rows() -> Iterator[None]:
+    """Normal GEMMs enqueued inside (on this thread) take the wider rule of ``applies_normal``: for GEMMs that run
+    right before few-rows ones, or beside them on another stream (a MoE layer's shared experts)."""
+    token = _BESIDE_FEW_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _BESIDE_FEW_ROWS.reset(token)
+
+
+def applies_normal(m: int, n: int, k: int, beside: bool | None = None) -> bool:
+    """Whether a normal GEMM of M × N × K runs here: up to ``NORMAL_MAX_ROWS`` rows at K of ``NORMAL_MIN_K`` or
+    more; ``beside`` (default: inside ``beside_few_rows``) up to ``MAX_ROWS`` rows at any K, and up to
+    ``NORMAL_CHUNKED_MAX_ROWS`` of weights of at most ``SMALL_GROUP_BYTES``."""
+    if not (m > 0 and n % 8 == 0 and k % 16 == 0):
+        return False
+    if not (_BESIDE_FEW_ROWS.get() if beside is None else beside):
+        return m <= NORMAL_MAX_ROWS and k >= NORMAL_MIN_K
+    return m <= MAX_ROWS or (m <= NORMAL_CHUNKED_MAX_ROWS and n * k <= SMALL_GROUP_BYTES)
 
 
 def split_k(k: int) -> int:

@@ -43,6 +43,7 @@ shard them too (``shard_fp8_linear``) or give them to one rank only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from typing import NamedTuple
 import torch
 
 from moe_fp8 import backends
+from moe_fp8.kernels import few_rows
 from moe_fp8.layers.dispatch import (
     combine,
     dispatch_contiguous,
@@ -61,7 +63,7 @@ from moe_fp8.layers.dispatch import (
 from moe_fp8.layers.linear import FixedDtypeModule, Fp8MLP, _frozen, _is_int
 from moe_fp8.layers.routing import select_experts
 from moe_fp8.ops import fp8_grouped_gemm_contiguous, fp8_grouped_gemm_masked, fp8_grouped_gemm_silu_mul_quant
-from moe_fp8.quant import silu_mul_per_token_group
+from moe_fp8.quant import per_token_group, silu_mul_per_token_group
 from moe_fp8.utils import GROUP_K, ceil_div, get_tma_aligned_m
 from moe_fp8.validation import K_ALIGN, check_int, check_routing_options
 
@@ -451,6 +453,13 @@ class Fp8FusedMoE(FixedDtypeModule):
     ``stage_hook``: None, or a callable (``StageTimer``) called with ``"start"`` and each name of ``STAGES``
     as the forward enqueues it (benchmarks; it adds one attribute test per stage when None).
 
+    ``shared_overlap`` (default True): on the masked path on CUDA the shared experts run on a side stream from
+    the forward's start (with their own quantization of ``hidden``), beside routing, the dispatch and the routed
+    GEMMs, and the combine waits for them; a CUDA graph captures them as a parallel branch. The result is the
+    same bits as in line. False (and under torch.compile, or with a ``stage_hook``) runs them in line after the
+    dispatch. DeepSeek-V3 at TP 8, one token: 36.4 µs against 42.5 in line and 32.8 without shared experts (H200;
+    docs/kernels/datapath.md, session 60).
+
     Parameters (DeepSeek-V3 names, stacked over local experts):
         ``w13_weight`` fp8 ``[E_local, 2I, H]`` (rows ``[gate | up]``), ``w13_weight_scale_inv`` fp32
         ``[E_local, 2I/128, ceil(H/128)]``, ``w2_weight`` fp8 ``[E_local, H, I]``, ``w2_weight_scale_inv``
@@ -507,6 +516,8 @@ class Fp8FusedMoE(FixedDtypeModule):
             raise ValueError(f"Fp8FusedMoE: contiguous_sync must be a bool, got {contiguous_sync!r}")
         self.contiguous_sync = contiguous_sync
         self.stage_hook: Callable[[str], None] | None = None
+        self.shared_overlap = True
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         # (device, GEMM output dtype, max_m, fused GEMM1) -> MaskedWorkspace; see the module doc and _workspace.
         self._workspaces: dict[tuple[torch.device, torch.dtype, int, bool], MaskedWorkspace] = {}
 
@@ -581,12 +592,20 @@ class Fp8FusedMoE(FixedDtypeModule):
         if mark is not None:
             mark("start")
 
+        side = self._side_stream(hidden, chosen)
+        if side is not None:
+            shared = self._fork_shared(side, hidden)
         topk_weights, topk_ids = self.route(router_logits)
         if mark is not None:
             mark("routing")
             mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
         if chosen == "contiguous":
             y, row_map, shared = self._experts_contiguous(hidden, topk_ids, mark)
+        elif side is not None:
+            y, row_map, _ = self._experts_masked(hidden, topk_ids, mark, shared_apart=True)
+            main = torch.cuda.current_stream(hidden.device)
+            main.wait_stream(side)
+            shared.record_stream(main)  # allocated on the side stream, read by the combine on this one
         else:
             y, row_map, shared = self._experts_masked(hidden, topk_ids, mark)
         out = combine(y, row_map, topk_weights, shared)
@@ -603,13 +622,33 @@ class Fp8FusedMoE(FixedDtypeModule):
             e_score_correction_bias=self.e_score_correction_bias,
             routed_scaling_factor=self.routed_scaling_factor)
 
+    def _side_stream(self, hidden: Tensor, path: str) -> torch.cuda.Stream | None:
+        """The stream the shared experts run on beside the routed ones, or None to run them in line: only on the
+        masked path on CUDA, outside torch.compile, and without a stage hook (whose stages must add up)."""
+        if (self.shared_experts is None or not self.shared_overlap or path != "masked" or not hidden.is_cuda
+                or self.stage_hook is not None or torch.compiler.is_compiling()):
+            return None
+        side = self._side_streams.get(hidden.device)
+        if side is None:
+            side = self._side_streams[hidden.device] = torch.cuda.Stream(hidden.device)
+        return side
+
+    def _fork_shared(self, side: torch.cuda.Stream, hidden: Tensor) -> Tensor:
+        """Enqueue the shared experts of ``hidden`` (their own quantization of it first) on ``side`` after what the
+        current stream has enqueued; the caller joins ``side`` before it reads the result."""
+        side.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(side), few_rows.beside_few_rows():
+            return self.shared_experts.forward_fp8(*per_token_group(hidden, ue8m0=self.ue8m0))
+
     def _run_shared(self, x_fp8: Tensor | None, x_scale: Tensor | None, mark: Callable[[str], None] | None) -> Tensor | None:
         # NOTE: enqueued after the dispatch, not before it: with contiguous_sync the dispatch waits for the
         # host (M_total), and this way that sync does not wait for the shared experts' GEMMs, which then run
         # while the host prepares the routed GEMMs' launches instead of leaving the GPU idle.
         if self.shared_experts is None:
             return None
-        shared = self.shared_experts.forward_fp8(x_fp8, x_scale)
+        # right before the routed GEMMs: the few-rows kernel's rule for GEMMs next to it (see beside_few_rows)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else few_rows.beside_few_rows():
+            shared = self.shared_experts.forward_fp8(x_fp8, x_scale)
         if mark is not None:
             mark("shared")
         return shared
@@ -655,8 +694,8 @@ class Fp8FusedMoE(FixedDtypeModule):
         safe once no captured CUDA graph that used them will be replayed."""
         self._workspaces = {}
 
-    def _experts_masked(self, hidden: Tensor, topk_ids: Tensor,
-                        mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _experts_masked(self, hidden: Tensor, topk_ids: Tensor, mark: Callable[[str], None] | None = None, *,
+                        shared_apart: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         t = hidden.shape[0]
         max_m = t  # see experts_masked
         ws = self._workspace(hidden.device, t)
@@ -667,7 +706,7 @@ class Fp8FusedMoE(FixedDtypeModule):
             out=None if bufs is None else bufs.a_fp8, out_scale=None if bufs is None else bufs.a_scale)
         if mark is not None:
             mark("dispatch")
-        shared = self._run_shared(x_fp8, x_scale, mark)
+        shared = None if shared_apart else self._run_shared(x_fp8, x_scale, mark)
         y = grouped_experts_masked(a, a_scale, masked_m, masked_expected_m(t, self.top_k, self.num_experts),
                                    self.w13_weight, self.w13_weight_scale_inv, self.w2_weight,
                                    self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark, bufs=bufs)
