@@ -50,8 +50,8 @@ NORMAL_MIN_K = 4096
 # (in chunks) of weights of at most SMALL_GROUP_BYTES: a wgmma kernel right before a few-rows one (a PDL dependent,
 # or beside it on another stream) leaves the few-rows kernel 1.5-1.7x slower for its whole run. H200, DeepSeek-V3's
 # layer with its shared expert replayed in line, µs, the rule above -> this one: TP 8 at 1 / 8 / 16 / 32 / 64
-# tokens 49.4 / 175.9 / 295.9 / 425.1 / 427.8 -> 42.5 / 128.4 / 204.7 / 275.7 / 386.0; EP 8 at 1 / 8 tokens 106.6 /
-# 130.6 -> 76.3 / 95.8 (its 29 MB gate-up weights in chunks at 32 tokens: 297.7 -> 332.7, hence the size bound).
+# tokens 49.4 / 175.9 / 295.9 / 425.1 / 427.8 -> 42.0 / 128.6 / 205.1 / 276.6 / 388.1; EP 8 at 1 / 8 tokens 106.6 /
+# 130.6 -> 75.3 / 95.0 (its 29 MB gate-up weights in chunks at 32 tokens: 297.7 -> 332.7, hence the size bound).
 # Alone, the same linears mostly ran faster on the wgmma kernel past 8 rows (q_b_proj 1536 -> 3072 at 16-64 rows
 # 0.54-0.77x here), hence the scope (docs/kernels/datapath.md, session 60).
 NORMAL_CHUNKED_MAX_ROWS = 64

@@ -457,7 +457,7 @@ class Fp8FusedMoE(FixedDtypeModule):
     the forward's start (with their own quantization of ``hidden``), beside routing, the dispatch and the routed
     GEMMs, and the combine waits for them; a CUDA graph captures them as a parallel branch. The result is the
     same bits as in line. False (and under torch.compile, or with a ``stage_hook``) runs them in line after the
-    dispatch. DeepSeek-V3 at TP 8, one token: 36.4 µs against 42.5 in line and 32.8 without shared experts (H200;
+    dispatch. DeepSeek-V3 at TP 8, one token: 35.6 µs against 42.0 in line and 32.4 without shared experts (H200;
     docs/kernels/datapath.md, session 60).
 
     Parameters (DeepSeek-V3 names, stacked over local experts):
