@@ -52,8 +52,8 @@ NORMAL_MIN_K = 4096
 # layer with its shared expert replayed in line, µs, the rule above -> this one: TP 8 at 1 / 8 / 16 / 32 / 64
 # tokens 49.4 / 175.9 / 295.9 / 425.1 / 427.8 -> 42.0 / 128.6 / 205.1 / 276.6 / 388.1; EP 8 at 1 / 8 tokens 106.6 /
 # 130.6 -> 75.3 / 95.0 (its 29 MB gate-up weights in chunks at 32 tokens: 297.7 -> 332.7, hence the size bound).
-# Alone, the same linears mostly ran faster on the wgmma kernel past 8 rows (q_b_proj 1536 -> 3072 at 16-64 rows
-# 0.54-0.77x here), hence the scope (docs/kernels/datapath.md, session 60).
+# Alone, the other linears mostly ran faster on the wgmma kernel past 8 rows (TP 8's q_b_proj 3072 x 1536 at 16-64
+# rows 0.50-0.73x here, H200), hence the scope (docs/kernels/datapath.md, session 60).
 NORMAL_CHUNKED_MAX_ROWS = 64
 _BESIDE_FEW_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("moe_fp8_beside_few_rows", default=False)
 # Masked GEMMs of any max_m whose groups (of at most SMALL_GROUP_BYTES) are expected to hold at most
