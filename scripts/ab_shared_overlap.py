@@ -24,7 +24,7 @@ import torch
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import alternated_us, flushed_events
 from moe_fp8.benchmarks.moe import bf16_loop, build_model_layer
-from moe_fp8.layers import router_gemm
+from moe_fp8.layers import moe, router_gemm
 
 MODES = {"inline": False, "overlap": True}
 
@@ -51,7 +51,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeline", type=int, nargs="*", default=[], help="token counts whose timelines to print")
+    p.add_argument("--paths", nargs="+", choices=("masked", "contiguous"), default=list(moe.SHARED_OVERLAP_PATHS),
+                   help="the paths that overlap (moe.SHARED_OVERLAP_PATHS)")
     args = p.parse_args()
+    moe.SHARED_OVERLAP_PATHS = tuple(args.paths)
     with open(args.model) as f:
         cfg = json.load(f)
     layer, bf16 = build_model_layer(cfg, args.ep, tp=args.tp, shared=True)

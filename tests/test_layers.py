@@ -297,9 +297,9 @@ def test_fused_moe_auto_path_crossover(monkeypatch):
     for name in ("_experts_contiguous", "_experts_masked"):
         real = getattr(Fp8FusedMoE, name)
 
-        def spy(self, *args, _real=real, _name=name):
+        def spy(self, *args, _real=real, _name=name, **kwargs):
             calls.append(_name)
-            return _real(self, *args)
+            return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(Fp8FusedMoE, name, spy)
     for t in (1, 4, 5):

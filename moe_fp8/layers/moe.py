@@ -104,6 +104,11 @@ def default_masked_max_tokens(num_local_experts: int) -> int:
     return max(64, MASKED_MAX_ROWS // max(num_local_experts, 1))
 
 PATHS = ("auto", "contiguous", "masked")
+# The paths whose forward runs the shared experts on a side stream (``Fp8FusedMoE.shared_overlap``). Not the
+# contiguous one: there the persistent wgmma kernels fill every SM and the two streams' GEMMs ran one after the
+# other (DeepSeek-V3 EP 8 at 2048 / 8192 tokens 666.6 / 1813.6 µs against 671.7 / 1787.0 in line, H200;
+# docs/kernels/datapath.md, session 60).
+SHARED_OVERLAP_PATHS = ("masked",)
 # Stages of one forward, in order, as ``Fp8FusedMoE.stage_hook`` sees them ("shared" only with shared experts).
 # The quantization runs inside the dispatch op (``quant_dispatch_contiguous`` / ``quant_dispatch_masked``):
 # "quant" is marked with no work of its own (~0) and "dispatch" holds both, so the stages still add up.
@@ -453,8 +458,8 @@ class Fp8FusedMoE(FixedDtypeModule):
     ``stage_hook``: None, or a callable (``StageTimer``) called with ``"start"`` and each name of ``STAGES``
     as the forward enqueues it (benchmarks; it adds one attribute test per stage when None).
 
-    ``shared_overlap`` (default True): on the masked path on CUDA the shared experts run on a side stream from
-    the forward's start (with their own quantization of ``hidden``), beside routing, the dispatch and the routed
+    ``shared_overlap`` (default True): on the masked path on CUDA (``SHARED_OVERLAP_PATHS``: at prefill it measured
+    no faster) the shared experts run on a side stream from the forward's start (with their own quantization of ``hidden``), beside routing, the dispatch and the routed
     GEMMs, and the combine waits for them; a CUDA graph captures them as a parallel branch. The result is the
     same bits as in line. False (and under torch.compile, or with a ``stage_hook``) runs them in line after the
     dispatch. DeepSeek-V3 at TP 8, one token: 35.6 µs against 42.0 in line and 32.4 without shared experts (H200;
@@ -599,15 +604,14 @@ class Fp8FusedMoE(FixedDtypeModule):
         if mark is not None:
             mark("routing")
             mark("quant")  # fused into the dispatch: an empty stage (see STAGES)
-        if chosen == "contiguous":
-            y, row_map, shared = self._experts_contiguous(hidden, topk_ids, mark)
-        elif side is not None:
-            y, row_map, _ = self._experts_masked(hidden, topk_ids, mark, shared_apart=True)
+        experts = self._experts_contiguous if chosen == "contiguous" else self._experts_masked
+        y, row_map, shared_inline = experts(hidden, topk_ids, mark, shared_apart=side is not None)
+        if side is not None:
             main = torch.cuda.current_stream(hidden.device)
             main.wait_stream(side)
             shared.record_stream(main)  # allocated on the side stream, read by the combine on this one
         else:
-            y, row_map, shared = self._experts_masked(hidden, topk_ids, mark)
+            shared = shared_inline
         out = combine(y, row_map, topk_weights, shared)
         if mark is not None:
             mark("combine")
@@ -624,8 +628,9 @@ class Fp8FusedMoE(FixedDtypeModule):
 
     def _side_stream(self, hidden: Tensor, path: str) -> torch.cuda.Stream | None:
         """The stream the shared experts run on beside the routed ones, or None to run them in line: only on the
-        masked path on CUDA, outside torch.compile, and without a stage hook (whose stages must add up)."""
-        if (self.shared_experts is None or not self.shared_overlap or path != "masked" or not hidden.is_cuda
+        paths of ``SHARED_OVERLAP_PATHS`` on CUDA, outside torch.compile, and without a stage hook (whose stages
+        must add up)."""
+        if (self.shared_experts is None or not self.shared_overlap or path not in SHARED_OVERLAP_PATHS or not hidden.is_cuda
                 or self.stage_hook is not None or torch.compiler.is_compiling()):
             return None
         side = self._side_streams.get(hidden.device)
@@ -653,17 +658,17 @@ class Fp8FusedMoE(FixedDtypeModule):
             mark("shared")
         return shared
 
-    def _experts_contiguous(self, hidden: Tensor, topk_ids: Tensor,
-                            mark: Callable[[str], None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _experts_contiguous(self, hidden: Tensor, topk_ids: Tensor, mark: Callable[[str], None] | None = None, *,
+                            shared_apart: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         # quantization + dispatch in one op; the quantized input itself only for the shared experts.
         # Sync-free: the layout has the upper-bound rows and the device M_total bounds every op after it.
         sync = self.contiguous_sync
         x_fp8, x_scale, a, a_scale, m_indices, row_map, m_total = quant_dispatch_contiguous(
             hidden, topk_ids, self.num_local_experts, self.expert_map, ue8m0=self.ue8m0,
-            return_x=self.shared_experts is not None, sync=sync, return_m_total=True)
+            return_x=self.shared_experts is not None and not shared_apart, sync=sync, return_m_total=True)
         if mark is not None:
             mark("dispatch")
-        shared = self._run_shared(x_fp8, x_scale, mark)
+        shared = None if shared_apart else self._run_shared(x_fp8, x_scale, mark)
         # the expected rows per expert pick the GEMMs' tiles (M_total is only an upper bound without the sync)
         y = grouped_experts_contiguous(a, a_scale, m_indices, self.w13_weight, self.w13_weight_scale_inv,
                                        self.w2_weight, self.w2_weight_scale_inv, ue8m0=self.ue8m0, mark=mark,
