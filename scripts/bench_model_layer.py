@@ -3,9 +3,9 @@ it, on random block-FP8 experts: ``Fp8FusedMoE``'s forward replayed from a CUDA 
 for the token count) against the usual PyTorch MoE (route, then a bf16 loop over the local experts on the
 dequantized weights), both timed with ``bench_us`` (L2 flushed). Also the rate at which our replay reads the
 weights of the experts it touches. ``--shared``: with the model's shared experts (on a side stream at decode,
-``Fp8FusedMoE.shared_overlap``; the loop adds their bf16 MLP, the rate their weights). ``--split`` adds each stage's median time inside an eager forward (the ``moe``
-bench's split: ``StageTimer`` events, L2 flushed). ``moe-fp8 bench moe`` is the DeepSeek-V3 bench; this script is for
-the others.
+``Fp8FusedMoE.shared_overlap``; the loop adds their bf16 MLP, the rate their weights). ``--split`` adds each
+stage's median time inside an eager forward (the ``moe`` bench's split: ``StageTimer`` events, L2 flushed).
+``moe-fp8 bench moe`` is the DeepSeek-V3 bench; this script is for the others.
 
     python scripts/bench_model_layer.py --model scripts/models/qwen3-30b-a3b.json --ep 8 [--tp N] [--tokens 1 8 64 ...]
         [--shared] [--split]
@@ -46,8 +46,8 @@ def main() -> None:
                            for lin in (layer.shared_experts.gate_up_proj, layer.shared_experts.down_proj))
     shared_note = f", shared I {layer.shared_experts.intermediate_size}" if shared_bytes else ""
     print(f"model {cfg['model_type']} hidden {cfg['hidden_size']}, {local} of {layer.num_experts} experts (ep "
-          f"{args.ep}), I {layer.intermediate_size * args.tp} (tp {args.tp}: {layer.intermediate_size} a rank){shared_note}, "
-          f"top-{layer.top_k}; tables: {tuning.describe_active()}")
+          f"{args.ep}), I {layer.intermediate_size * args.tp} (tp {args.tp}: {layer.intermediate_size} a rank)"
+          f"{shared_note}, top-{layer.top_k}; tables: {tuning.describe_active()}")
     print(f"{'tokens':>6} {'path':>10} {'ours us':>9} {'torch us':>9} {'x':>6} {'touched':>7} {'TB/s':>5}")
     for t in args.tokens:
         gen = torch.Generator(device="cuda").manual_seed(t)

@@ -459,11 +459,11 @@ class Fp8FusedMoE(FixedDtypeModule):
     as the forward enqueues it (benchmarks; it adds one attribute test per stage when None).
 
     ``shared_overlap`` (default True): on the masked path on CUDA (``SHARED_OVERLAP_PATHS``: at prefill it measured
-    no faster) the shared experts run on a side stream from the forward's start (with their own quantization of ``hidden``), beside routing, the dispatch and the routed
-    GEMMs, and the combine waits for them; a CUDA graph captures them as a parallel branch. The result is the
-    same bits as in line. False (and under torch.compile, or with a ``stage_hook``) runs them in line after the
-    dispatch. DeepSeek-V3 at TP 8, one token: 35.6 µs against 42.0 in line and 32.4 without shared experts (H200;
-    docs/kernels/datapath.md, session 60).
+    no faster) the shared experts run on a side stream from the forward's start (with their own quantization of
+    ``hidden``), beside routing, the dispatch and the routed GEMMs, and the combine waits for them; a CUDA graph
+    captures them as a parallel branch. The result is the same bits as in line. False (and under torch.compile,
+    or with a ``stage_hook``) runs them in line after the dispatch. DeepSeek-V3 at TP 8, one token: 35.6 µs against
+    42.0 in line and 32.4 without shared experts (H200; docs/kernels/datapath.md, session 60).
 
     Parameters (DeepSeek-V3 names, stacked over local experts):
         ``w13_weight`` fp8 ``[E_local, 2I, H]`` (rows ``[gate | up]``), ``w13_weight_scale_inv`` fp32
@@ -630,8 +630,8 @@ class Fp8FusedMoE(FixedDtypeModule):
         """The stream the shared experts run on beside the routed ones, or None to run them in line: only on the
         paths of ``SHARED_OVERLAP_PATHS`` on CUDA, outside torch.compile, and without a stage hook (whose stages
         must add up)."""
-        if (self.shared_experts is None or not self.shared_overlap or path not in SHARED_OVERLAP_PATHS or not hidden.is_cuda
-                or self.stage_hook is not None or torch.compiler.is_compiling()):
+        if (self.shared_experts is None or not self.shared_overlap or path not in SHARED_OVERLAP_PATHS
+                or not hidden.is_cuda or self.stage_hook is not None or torch.compiler.is_compiling()):
             return None
         side = self._side_streams.get(hidden.device)
         if side is None:
