@@ -62,6 +62,7 @@ DISPATCH_CASES = [  # tokens, hidden, global experts, local experts (None: no ma
     (40, 128, 96, None, 2, 8, 0.0),  # > 32 experts: several one-hot slices in the count kernel
     (0, 128, 4, None, 2, 3, 0.0),  # no tokens
     (6, 128, 4, None, 2, 0, 0.0),  # max_m = 0
+    (24, 128, 40, None, 10, 12, 0.0),  # top_k past 8: 16 slots a token (K_P2)
 ]
 
 

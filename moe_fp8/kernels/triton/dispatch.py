@@ -556,7 +556,9 @@ def _scatter_kernel(
     for j in tl.static_range(TOP_K):
         dest = tl.sum(tl.where(jk[None, :] == j, dests, 0), axis=1)  # column j (register work)
         keep = dest >= 0
-        dest = tl.where(keep, dest, 0)
+        # clamped, not tl.where(keep, dest, 0): with K_P2 = 16 (top_k 9-16) Triton 3.6's layout pass gives that
+        # select's condition and result different layouts and fails ("PassManager::run failed")
+        dest = tl.maximum(dest, 0)
         tl.store(out_ptr + dest[:, None, None] * K + col, row, mask=keep[:, None, None] & col_ok)
         if SCALES_APART:
             if pid_k == 0:
