@@ -6,14 +6,13 @@ shared experts:
 - ``inline``: after the dispatch, on the forward's stream (``shared_overlap = False``);
 - ``overlap``: on a side stream from the forward's start (their own quantization of ``hidden``) while routing, the
   dispatch and the routed GEMMs run, joined before the combine (the default);
-
 - ``fused`` (``--fused``): as one more local expert of the routed GEMMs (SGLang's shared-expert fusion; each token
   routed to it with weight 1, the layer's weights copied into a stack of ``E_local + n_shared`` experts; a shared
   intermediate of ``n · I`` as ``n`` experts);
 
 and the same layer without shared experts (``none``: what the layer benches time). ``overlap``'s output is checked
-bit for bit against ``inline``'s, ``inline``'s and ``fused``'s against the bf16 loop; ``--timeline`` prints each mode's kernels
-in one replay after a clean flush.
+bit for bit against ``inline``'s, ``inline``'s and ``fused``'s against the bf16 loop; ``--timeline`` prints each
+mode's kernels in one replay after a clean flush.
 
     python scripts/ab_shared_overlap.py --model scripts/models/deepseek-v3.json --tp 8 [--ep N] [--tokens 1 8 ...]
         [--fused] [--paths masked contiguous] [--timeline 8 ...]
@@ -58,8 +57,8 @@ def shared_as_experts(layer: Fp8FusedMoE) -> Fp8FusedMoE:
         getattr(ext, name)[:el].copy_(routed)
     for j in range(n):  # expert j of the shared MLP: its gate rows, its up rows, its down columns
         ext.w13_weight[el + j].copy_(torch.cat([gate_up[j * i:(j + 1) * i], gate_up[si + j * i:si + (j + 1) * i]]))
-        ext.w13_weight_scale_inv[el + j].copy_(torch.cat([gate_up_s[j * ib:(j + 1) * ib],
-                                                          gate_up_s[si // GROUP_K + j * ib:si // GROUP_K + (j + 1) * ib]]))
+        up0 = si // GROUP_K + j * ib  # the up half's scale rows start at si / 128
+        ext.w13_weight_scale_inv[el + j].copy_(torch.cat([gate_up_s[j * ib:(j + 1) * ib], gate_up_s[up0:up0 + ib]]))
         ext.w2_weight[el + j].copy_(down[:, j * i:(j + 1) * i])
         ext.w2_weight_scale_inv[el + j].copy_(down_s[:, j * ib:(j + 1) * ib])
     return ext
