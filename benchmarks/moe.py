@@ -77,10 +77,10 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int =
         raise ValueError(f"tp={tp} must be >= 1 and divide the experts' {arch.moe_inter_key} {full_inter}")
     inter = full_inter // tp
     routing = MOE_BLOCKS[arch.model_type].routing(SimpleNamespace(**cfg))
-    num_shared = routing.pop("num_shared_experts", 0) if shared else 0
-    routing.pop("num_shared_experts", None)
+    num_shared = routing.pop("num_shared_experts", 0)
     if shared and not num_shared:
         raise ValueError(f"{cfg['model_type']} has no shared experts")
+    num_shared = num_shared if shared else 0
     layer = Fp8FusedMoE(experts, hidden, inter, int(cfg["num_experts_per_tok"]), device="cuda",
                         expert_map=expert_map_for_rank(experts, 0, ep) if ep > 1 else None,
                         num_shared_experts=num_shared,
@@ -97,36 +97,30 @@ def build_model_layer(cfg: dict[str, Any], ep: int = 1, seed: int = 0, tp: int =
 def fill_random_experts(layer, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Fill ``layer``'s local experts with random block-FP8 weights (``N(0, 0.02²)`` quantized per 128×128 block);
     returns their dequantized bf16 copies ``{"w13": [E_local, 2I, H], "w2": [E_local, H, I]}`` for the baselines."""
-    from moe_fp8.reference import dequant_per_block
-    from moe_fp8.testing import _per_block_quant_grouped
-
-    bf16 = {}
-    for name in ("w13", "w2"):
-        w = torch.randn(getattr(layer, f"{name}_weight").shape, device="cuda", dtype=torch.bfloat16,
-                        generator=gen) * 0.02
-        w_fp8, w_scale = _per_block_quant_grouped(w)
-        getattr(layer, f"{name}_weight").copy_(w_fp8)
-        getattr(layer, f"{name}_weight_scale_inv").copy_(w_scale)
-        bf16[name] = torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16)
-                                  for e in range(w_fp8.shape[0])])
-        del w
-    return bf16
+    return {name: _fill_random_fp8(getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_weight_scale_inv"), gen)
+            for name in ("w13", "w2")}
 
 
 def fill_random_mlp(mlp, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Fill an ``Fp8MLP`` with random block-FP8 weights (as ``fill_random_experts``); returns their dequantized
-    bf16 copies ``{"gate_up": [2I, H], "down": [H, I]}``."""
+    """Fill an ``Fp8MLP`` as ``fill_random_experts`` fills experts; returns the dequantized bf16 copies
+    ``{"gate_up": [2I, H], "down": [H, I]}``."""
+    return {name: _fill_random_fp8(linear.weight, linear.weight_scale_inv, gen)
+            for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj))}
+
+
+def _fill_random_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fill ``weight`` (FP8 ``[G, N, K]`` or ``[N, K]``) and its block scales with ``N(0, 0.02²)`` quantized per
+    128×128 block; returns the dequantized bf16 copy, shaped as ``weight``."""
     from moe_fp8.reference import dequant_per_block
     from moe_fp8.testing import _per_block_quant_grouped
 
-    bf16 = {}
-    for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-        w = torch.randn(linear.weight.shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        w_fp8, w_scale = _per_block_quant_grouped(w[None])
-        linear.weight.copy_(w_fp8[0])
-        linear.weight_scale_inv.copy_(w_scale[0])
-        bf16[name] = dequant_per_block(w_fp8[0], w_scale[0]).to(torch.bfloat16)
-    return bf16
+    w = torch.randn(weight.shape, device=weight.device, dtype=torch.bfloat16, generator=gen) * 0.02
+    w_fp8, w_scale = _per_block_quant_grouped(w.view(-1, *w.shape[-2:]))
+    del w
+    weight.copy_(w_fp8.view(weight.shape))
+    weight_scale.copy_(w_scale.view(weight_scale.shape))
+    return torch.stack([dequant_per_block(w_fp8[e], w_scale[e]).to(torch.bfloat16)
+                        for e in range(w_fp8.shape[0])]).view(weight.shape)
 
 
 def local_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from moe_fp8 import calc_diff
 from moe_fp8.benchmarks.harness import alternated_us, flushed_events
-from moe_fp8.benchmarks.moe import bf16_loop, build_model_layer
+from moe_fp8.benchmarks.moe import bf16_loop, build_model_layer, capture_forward
 from moe_fp8.layers import Fp8FusedMoE, combine, moe, router_gemm
 from moe_fp8.utils import GROUP_K
 
@@ -81,19 +81,16 @@ def fused_forward(layer: Fp8FusedMoE, ext: Fp8FusedMoE, hidden: torch.Tensor, lo
 def capture(layer, hidden: torch.Tensor, router: torch.Tensor,
             fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
             ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of the router GEMM and one forward (``fn``, default ``layer``'s; after two eager ones; the path
-    the layer picks), and the output it writes."""
+    """``capture_forward``'s graph of the router GEMM and one forward (``fn``, default ``layer``'s; the path the
+    layer picks), and the output the graph writes (the captured call's)."""
     fn = fn or layer
+    last: list[torch.Tensor] = []
 
-    def forward():
-        return fn(hidden, router_gemm(hidden, router))
-    for _ in range(2):
-        forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
-    return graph, out
+    def forward(h: torch.Tensor, logits: torch.Tensor, path: str) -> torch.Tensor:
+        last[:] = [fn(h, logits)]
+        return last[0]
+    graph = capture_forward(forward, hidden, None, layer.choose_path(hidden.shape[0]), router_weight=router)
+    return graph, last[0]
 
 
 def main() -> None:
