@@ -119,6 +119,15 @@ def test_model_layer_refuses_a_tp_that_does_not_divide_the_experts(tp):
         build_model_layer(cfg, tp=tp)
 
 
+def test_model_layer_with_shared_experts_needs_a_model_that_has_them():
+    """``build_model_layer(..., shared=True)`` refuses, before any GPU work, a model without shared experts."""
+    from moe_fp8.benchmarks.moe import build_model_layer
+
+    cfg = json.loads((Path(__file__).parents[1] / "scripts" / "models" / "qwen3-30b-a3b.json").read_text())
+    with pytest.raises(ValueError, match="qwen3_moe has no shared experts"):
+        build_model_layer(cfg, ep=8, shared=True)
+
+
 def test_capture_forward_takes_logits_or_router_weight():
     """``benchmarks.moe.capture_forward`` captures a forward on the given logits or on logits computed in the graph
     from ``router_weight``: given both or neither, it refuses before running anything."""
