@@ -337,16 +337,17 @@ def enumerate_variants(gemms: list[GemmShape], max_tokens: int, num_sms: int, to
 
 def _few_rows_variants(g: GemmShape, max_tokens: int, num_sms: int) -> list[tuple[Layout, int, int, str, str]]:
     """``(layout, first, last, name, source)``: the few-rows GEMM of each token tile that decode batches of
-    ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs (the shared experts' up to 16 rows, and in chunks
-    past that for small weights), masked ones (FP32 out under the fused GEMM1's SiLU·mul + quant), chunked past 16
-    rows for small groups (the batches whose expected rows per expert are few take it)."""
+    ``first..last`` tokens run (kernels/few_rows.py): normal GEMMs (up to 8 or 16 rows at long K, the shared
+    experts' up to 16 at any K, and in chunks past that for small weights), masked ones (FP32 out under the fused
+    GEMM1's SiLU·mul + quant), chunked past 16 rows for small groups (the batches whose expected rows per expert are
+    few take it)."""
     from moe_fp8.kernels import few_rows
 
     out: list[tuple[Layout, int, int, str, str]] = []
     if "normal" in g.layouts:  # one variant per token tile count (1: 1-8 rows, 2: 9-16), then the chunked one
         for lo, hi in ((1, 8), (9, few_rows.MAX_ROWS), (few_rows.MAX_ROWS + 1, few_rows.NORMAL_CHUNKED_MAX_ROWS)):
             hi = min(hi, max_tokens)
-            if lo <= hi and few_rows.applies_normal(hi, g.n, g.k, beside=g.beside_few_rows):
+            if lo <= hi and few_rows.applies_normal(hi, g.n, g.k, beside=g.beside_few_rows, num_sms=num_sms):
                 out.append(("normal", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi)))
     if "masked" in g.layouts:
         top = min(max_tokens, few_rows.max_rows(g.n, g.k))

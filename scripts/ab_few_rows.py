@@ -9,15 +9,20 @@ timed alternately. Normal: the linears of decode batches (M = tokens), ``fp8_gem
 kernel. ``--chunked``: past 16 tokens the path on takes every small group's GEMM whatever its expected rows (the
 chunked regime, to measure where it pays), once per ``--chunk-tiles`` value. ``--fused-waves``: each path on once
 per value of ``few_rows.CHUNKED_FUSED_MAX_WAVES`` (where the fused gate-up GEMM takes the chunked regime too).
+``--defines``: each path on (and the normal rows' few-rows kernel) once per ``$MOE_FP8_GEMM_DEFINES`` value, the
+kernel's measurement switches (``""``: as shipped), each value's kernels built and cached apart.
 
     python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
                                   [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2] [--fused-waves none 2.5 0]
+                                  [--defines "" "MOE_FP8_FEW_ROWS_UNROLL_2T=2"]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -27,7 +32,7 @@ import torch
 from moe_fp8.benchmarks.harness import alternated_us
 from moe_fp8.benchmarks.moe import build_model_layer, capture_forward
 from moe_fp8.kernels import few_rows
-from moe_fp8.kernels.gemm import fp8_grouped_gemm_masked_hopper
+from moe_fp8.kernels.gemm import ENV_DEFINES, fp8_grouped_gemm_masked_hopper
 from moe_fp8.testing import make_masked_inputs
 from moe_fp8.utils import ceil_div
 from moe_fp8.warmup import model_gemms
@@ -56,16 +61,21 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
     return hits[:local].tolist()
 
 
-# few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES
-Setting = tuple[int, int, int, float | None]
+# few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES, $MOE_FP8_GEMM_DEFINES
+Setting = tuple[int, int, int, float | None, str]
 SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES,
-                    few_rows.CHUNKED_FUSED_MAX_WAVES)
-OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES)
+                    few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""))
+OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES, SHIPPED[4])
 ON: dict[str, Setting] = {"on": SHIPPED}  # the path's settings timed against OFF (main() may change them)
+_PLANS: dict[str, Callable] = {}  # few_rows._launch_plan of each defines value: kernels built under it, cached apart
 
 
 def set_path(setting: Setting) -> None:
-    few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES = setting
+    few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES = setting[:4]
+    os.environ[ENV_DEFINES] = setting[4]  # read when a plan builds its kernel (once per shape and value)
+    if setting[4] not in _PLANS:
+        _PLANS[setting[4]] = functools.cache(few_rows._launch_plan.__wrapped__)
+    few_rows._launch_plan = _PLANS[setting[4]]
 
 
 def with_path(setting: Setting, call: Callable[[], None]) -> None:
@@ -112,24 +122,31 @@ def normal_rows(rounds: int, token_counts: list[int]) -> None:
         for g in model_gemms(json.loads((MODELS / file).read_text()), tp=tp):
             if "normal" in g.layouts:
                 shapes.setdefault((g.n, g.k), f"{g.name} tp{tp}")
-    print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9} {'few us':>8} {'x':>6} {'few TB/s':>8} {'takes':>5}")
+    settings = {label: s for label, s in ON.items() if label != "on"} or {"few": SHIPPED}
+    cols = "".join(f" {label + ' us':>9} {'x':>6} {'TB/s':>5}" for label in settings)
+    print(f"{'linear':>36} {'N x K':>12} {'M':>3} {'wgmma us':>9}{cols} {'takes':>5}")
     for (n, k), name in shapes.items():
         for m in token_counts:
             inp = make_masked_inputs(1, m, 1, n, k, seed=m, device="cuda", masked_m=[m])
             x, xs, w, ws = inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0]
             out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
             cfg = get_config(GemmDesc(m, n, k, num_sms=get_num_sms()))
-            off_us, on_us = alternated_us([partial(fp8_gemm_hopper, x, xs, w, ws, out, config=cfg),
-                                           partial(few_rows.launch, x, xs, w, ws, out, None)], rounds)
+            few = partial(few_rows.launch, x, xs, w, ws, out, None)
+            off_us, *on_us = alternated_us([partial(fp8_gemm_hopper, x, xs, w, ws, out, config=cfg)]
+                                           + [partial(with_path, s, few) for s in settings.values()], rounds)
+            set_path(SHIPPED)
             takes = "few" if few_rows.applies_normal(m, n, k) else "wgmma"
-            print(f"{name:>36} {n:>5}x{k:<6} {m:>3} {off_us:9.1f} {on_us:8.1f} {off_us / on_us:6.2f} "
-                  f"{n * k / 1e6 / on_us:8.2f} {takes:>5}", flush=True)
+            cols = "".join(f" {t:9.1f} {off_us / t:6.2f} {n * k / 1e6 / t:5.2f}" for t in on_us)
+            print(f"{name:>36} {n:>5}x{k:<6} {m:>3} {off_us:9.1f}{cols} {takes:>5}", flush=True)
 
 
-def layer_rows(rounds: int, token_counts: list[int]) -> None:
+def layer_rows(rounds: int, token_counts: list[int], shared: bool = False) -> None:
     print(f"{'rank':>16} {'tokens':>6} {'off us':>8}" + "".join(f" {label + ' us':>9} {'x':>5}" for label in ON))
     for name, file, ep, tp in RANKS:
-        layer, _ = build_model_layer(json.loads((MODELS / file).read_text()), ep, tp=tp)
+        cfg = json.loads((MODELS / file).read_text())
+        with_shared = shared and bool(cfg.get("n_shared_experts"))
+        layer, _ = build_model_layer(cfg, ep, tp=tp, shared=with_shared)
+        name += " +shared" if with_shared else ""
         for tokens in token_counts:
             gen = torch.Generator(device="cuda").manual_seed(tokens)
             hidden = torch.randn(tokens, layer.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -159,23 +176,35 @@ def main() -> None:
     p.add_argument("--fused-waves", nargs="+", type=lambda v: None if v == "none" else float(v),
                    help="each path on once per value of few_rows.CHUNKED_FUSED_MAX_WAVES ('none': the fused gate-up "
                         "GEMM chunked wherever the unfused one is; 0: never)")
+    p.add_argument("--wide-max-rows", type=int, default=few_rows.WIDE_MAX_ROWS,
+                   help="few_rows.WIDE_MAX_ROWS (rows of groups of over SMALL_GROUP_BYTES) wherever the path is on")
+    p.add_argument("--shared", action="store_true", help="the layers with their shared experts (if the model has them)")
+    p.add_argument("--defines", nargs="+", help="each path on once per $MOE_FP8_GEMM_DEFINES value ('': as shipped)")
     args = p.parse_args()
-    few_rows.CTAS_PER_SM = args.ctas_per_sm
+    few_rows.CTAS_PER_SM, few_rows.WIDE_MAX_ROWS = args.ctas_per_sm, args.wide_max_rows
     if args.ranks:
         RANKS[:] = [r for r in RANKS + MORE_RANKS if r[0] in args.ranks]
     if args.chunked or args.chunk_tiles != [few_rows.CHUNK_TOKEN_TILES]:
         ON.clear()
         chunked = 1 << 30 if args.chunked else few_rows.CHUNKED_MAX_EXPECTED
-        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t, few_rows.CHUNKED_FUSED_MAX_WAVES)
+        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t, few_rows.CHUNKED_FUSED_MAX_WAVES, SHIPPED[4])
                    for t in args.chunk_tiles})
     if args.fused_waves:
         base = dict(ON)
         ON.clear()
-        ON.update({f"{label} w{waves}": (*setting[:3], waves) for label, setting in base.items()
+        ON.update({f"{label} w{waves}": (*setting[:3], waves, setting[4]) for label, setting in base.items()
                    for waves in args.fused_waves})
+    if args.defines:
+        base = dict(ON)
+        ON.clear()
+        ON.update({f"{label} {d or 'shipped'}" if len(base) > 1 else d or "shipped": (*setting[:4], d)
+                   for label, setting in base.items() for d in args.defines})
     print(f"device: {torch.cuda.get_device_name()}")
     for part in args.parts:
-        {"gemms": gemm_rows, "layers": layer_rows, "normal": normal_rows}[part](args.rounds, args.tokens)
+        if part == "layers":
+            layer_rows(args.rounds, args.tokens, args.shared)
+        else:
+            {"gemms": gemm_rows, "normal": normal_rows}[part](args.rounds, args.tokens)
 
 
 if __name__ == "__main__":

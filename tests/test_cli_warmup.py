@@ -194,8 +194,8 @@ def test_enumerated_variants_are_what_calls_compile():
 def test_few_rows_variants_are_what_decode_batches_compile():
     """Decode batches run the few-rows GEMM: masked ones of up to 16 tokens (8 for DeepSeek-V3's whole experts),
     one variant per token tile and expert weight, FP32 out for the fused GEMM1, and past 16 tokens small groups'
-    chunked variant; normal ones of up to 8 rows at K >= 4096, the shared experts' of up to 16 rows, and of up to 64
-    in chunks for small weights (kernels/few_rows.py)."""
+    chunked variant; normal ones of up to 8 rows at K >= 4096 (16 at K >= 7168 in one wave of items), the shared
+    experts' of up to 16 rows, and of up to 64 in chunks for small weights (kernels/few_rows.py)."""
     from moe_fp8.kernels import few_rows
 
     for tp, ep, tiles in ((8, 1, (8, 16)), (1, 8, (8,))):
@@ -208,6 +208,7 @@ def test_few_rows_variants_are_what_decode_batches_compile():
                   for rows in (*tiles, *((17,) if tp == 8 else ())) for n, k, out_f32 in ((2 * i, 7168, True),
                                                                                        (7168, i, False))}
         normal = {few_rows.kernel_variant(g.n, g.k, 8) for g in gemms if "normal" in g.layouts and g.k >= 4096}
+        normal.add(few_rows.kernel_variant(2112, 7168, 16))  # q_a + kv_a: 132 items (the others: K < 7168 or > 264)
         shared = [g for g in gemms if g.beside_few_rows]
         assert [g.name.split(".")[0] for g in shared] == ["shared_experts"] * 2
         normal |= {few_rows.kernel_variant(g.n, g.k, rows) for g in shared

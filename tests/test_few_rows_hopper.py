@@ -152,14 +152,16 @@ def test_public_masked_op_routes_by_expected_rows(groups: int, max_m: int, n: in
 
 
 @pytest.mark.parametrize("beside,m,n,k,routed", [
-    (False, 8, 2112, 7168, True), (False, 9, 2112, 7168, False), (False, 4, 4096, 2048, False),
+    (False, 8, 2112, 7168, True), (False, 16, 2112, 7168, True), (False, 17, 2112, 7168, False),
+    (False, 16, 4608, 7168, False), (False, 9, 2304, 4096, False), (False, 4, 4096, 2048, False),
     (False, 1, 7168, 16384, True), (True, 16, 2112, 7168, True), (True, 17, 2112, 7168, False),
     (True, 4, 4096, 2048, True), (True, 64, 7168, 256, True), (True, 33, 512, 7168, True),
     (True, 65, 512, 7168, False), (True, 17, 4096, 7168, False)])
 def test_public_normal_op_routes_by_rows_and_k(beside: bool, m: int, n: int, k: int, routed: bool,
                                                launches: list[int]) -> None:
-    """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given); inside
-    ``beside_few_rows`` for up to 16 rows, and up to 64 for weights of at most 13 MB; both paths right."""
+    """fp8_gemm takes the few-rows kernel for up to 8 rows at K >= 4096 (no config given), up to 16 at K >= 7168
+    where its tiles fit one wave (132 SMs: not 4608 x 7168); inside ``beside_few_rows`` for up to 16 rows, and up
+    to 64 for weights of at most 13 MB; both paths right."""
     from moe_fp8.kernels.gemm import fp8_gemm_hopper
 
     inp = make_masked_inputs(1, m, 1, n, k, seed=m + k, device="cuda", masked_m=[m])

@@ -169,9 +169,12 @@ def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not few_rows.applies(17, 512, 7168, 32) and not few_rows.applies(0, 512, 7168, 32)
     assert not few_rows.applies(8, 4100, 7168, 32) and not few_rows.applies(8, 4096, 7160, 32)
     assert not few_rows.applies(8, 4096, 7168, 1025)
-    # normal GEMMs: up to 8 rows at K >= 4096
+    # normal GEMMs: up to 8 rows at K >= 4096, up to 16 at K >= 7168 where the 16-row tiles fit one wave (2 CTAs an SM)
     assert few_rows.applies_normal(8, 2112, 7168) and few_rows.applies_normal(1, 7168, 4096)
-    assert not few_rows.applies_normal(9, 2112, 7168) and not few_rows.applies_normal(8, 4096, 2048)
+    assert few_rows.applies_normal(9, 2112, 7168, num_sms=132) and few_rows.applies_normal(16, 4096, 7168, num_sms=132)
+    assert not few_rows.applies_normal(16, 4608, 7168, num_sms=132)  # 288 items
+    assert few_rows.applies_normal(16, 4608, 7168, num_sms=144) and not few_rows.applies_normal(17, 2112, 7168)
+    assert not few_rows.applies_normal(9, 2304, 4096) and not few_rows.applies_normal(8, 4096, 2048)
     assert not few_rows.applies_normal(0, 2112, 7168)
     # next to few-rows GEMMs (the shared experts): up to 16 rows at any K, up to 64 for weights of at most 13 MB
     with few_rows.beside_few_rows():

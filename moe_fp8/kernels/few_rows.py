@@ -41,10 +41,19 @@ SMALL_GROUP_BYTES = 13 << 20
 # Normal GEMMs (decode linears) of up to NORMAL_MAX_ROWS rows and K of NORMAL_MIN_K or more: there a wgmma
 # tile's serial walk over K is what bounds it (H100, DeepSeek-V3's linears, M = 1-8: q_a + kv_a 2112 x 7168
 # 1.40-1.82x, o_proj 7168 x 16384 1.10-1.22x, the shared experts' 4096 x 7168 1.17-1.23x, 36864 x 7168 even);
-# with shorter K the wgmma kernel is as fast or takes up to 21% less time (kv_b_proj 4096 x 512), and at 16 rows
-# it is even or ahead (docs/benchmarks/h100-few-rows.md).
+# with shorter K the wgmma kernel is as fast or takes up to 21% less time (kv_b_proj 4096 x 512)
+# (docs/benchmarks/h100-few-rows.md).
 NORMAL_MAX_ROWS = 8
 NORMAL_MIN_K = 4096
+# ... and up to MAX_ROWS rows at K of NORMAL_WIDE_MIN_K or more where the kernel's 16-row tiles fit one wave of its
+# grid (``items`` at most CTAS_PER_SM per SM): past one wave the last items run as a second, near-empty round
+# (TP 8's gate-up 4608 x 7168: 288 items on 264 CTAs, 0.88-0.91x the wgmma kernel at 12-16 rows on the H200, 0.89x
+# on the H100). 12 / 16 rows, x the wgmma kernel, H200 (session 61) / H100 (session 51, 16 rows): q_a + kv_a
+# 2112 x 7168 1.25 / 1.24, 1.13; the shared experts' 4096 x 7168 1.11 / 1.15, 1.10; their TP-8 512 x 7168 1.15 /
+# 1.15, 1.18. At K = 4096 it broke even (Qwen3-235B's TP-4 qkv 2304 x 4096: 1.02 / 1.01, 0.99); past one wave it
+# gained on the H200 only (o_proj 7168 x 16384: 1.14 / 1.09, 1.02 on the H100) or lost (36864 x 7168: 0.90 / 0.90,
+# 0.94) (docs/benchmarks/calibration/s61-few-rows-normal-h200.txt).
+NORMAL_WIDE_MIN_K = 7168
 # Normal GEMMs next to few-rows ones (``beside_few_rows``: a MoE layer's shared experts, in line before its routed
 # GEMMs or beside them on a side stream) run here up to MAX_ROWS rows at any K, and up to NORMAL_CHUNKED_MAX_ROWS
 # (in chunks) of weights of at most SMALL_GROUP_BYTES: a wgmma kernel right before a few-rows one (a PDL dependent,
@@ -141,14 +150,18 @@ def beside_few_rows() -> Iterator[None]:
         _BESIDE_FEW_ROWS.reset(token)
 
 
-def applies_normal(m: int, n: int, k: int, beside: bool | None = None) -> bool:
+def applies_normal(m: int, n: int, k: int, beside: bool | None = None, num_sms: int | None = None) -> bool:
     """Whether a normal GEMM of M × N × K runs here: up to ``NORMAL_MAX_ROWS`` rows at K of ``NORMAL_MIN_K`` or
-    more; ``beside`` (default: inside ``beside_few_rows``) up to ``MAX_ROWS`` rows at any K, and up to
-    ``NORMAL_CHUNKED_MAX_ROWS`` of weights of at most ``SMALL_GROUP_BYTES``."""
+    more, up to ``MAX_ROWS`` at K of ``NORMAL_WIDE_MIN_K`` or more where its items fit one wave of ``num_sms``
+    (default ``get_num_sms()``); ``beside`` (default: inside ``beside_few_rows``) up to ``MAX_ROWS`` rows at any K,
+    and up to ``NORMAL_CHUNKED_MAX_ROWS`` of weights of at most ``SMALL_GROUP_BYTES``."""
     if not (m > 0 and n % 8 == 0 and k % 16 == 0):
         return False
     if not (_BESIDE_FEW_ROWS.get() if beside is None else beside):
-        return m <= NORMAL_MAX_ROWS and k >= NORMAL_MIN_K
+        if m <= NORMAL_MAX_ROWS:
+            return k >= NORMAL_MIN_K
+        return (m <= MAX_ROWS and k >= NORMAL_WIDE_MIN_K
+                and items(n, k, 1, m) <= CTAS_PER_SM * (num_sms or get_num_sms()))
     return m <= MAX_ROWS or (m <= NORMAL_CHUNKED_MAX_ROWS and n * k <= SMALL_GROUP_BYTES)
 
 

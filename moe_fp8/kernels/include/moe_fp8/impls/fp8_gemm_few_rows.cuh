@@ -23,10 +23,13 @@ namespace moe_fp8::few_rows {
 constexpr uint32_t kWarps = 8, kThreads = 32 * kWarps;
 constexpr uint32_t kTileN = 16;         // weight rows of one warp tile (the MMA's M)
 constexpr uint32_t kMaxGroups = 1024;   // compacted in shared memory (kernels/few_rows.py: MAX_GROUPS)
-// K blocks of loads a warp issues before their MMAs (one token tile; halved for two), and CTAs an SM holds
-// (the register cap): -D switches for measurements only.
+// K blocks of loads a warp issues before their MMAs (one token tile / two), and CTAs an SM holds (the register
+// cap): -D switches for measurements only.
 #ifndef MOE_FP8_FEW_ROWS_UNROLL
 #define MOE_FP8_FEW_ROWS_UNROLL 2
+#endif
+#ifndef MOE_FP8_FEW_ROWS_UNROLL_2T
+#define MOE_FP8_FEW_ROWS_UNROLL_2T 1
 #endif
 #ifndef MOE_FP8_FEW_ROWS_MIN_CTAS
 #define MOE_FP8_FEW_ROWS_MIN_CTAS 2
@@ -58,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u), kNumNBlocks = ceil_div(SHAPE_N, 128u);
     constexpr uint32_t kTilesPerItem = kWarps / kSplitK, kChunkRows = 8 * kTokenTiles;
     constexpr uint32_t kItemsPerChunk = ceil_div(SHAPE_N, kTileN * kTilesPerItem);
-    constexpr uint32_t kUnroll = MOE_FP8_FEW_ROWS_UNROLL >= 2 * kTokenTiles ? MOE_FP8_FEW_ROWS_UNROLL / kTokenTiles : 1;
+    constexpr uint32_t kUnroll = kTokenTiles == 1 ? MOE_FP8_FEW_ROWS_UNROLL : MOE_FP8_FEW_ROWS_UNROLL_2T;
     constexpr bool kRaggedN = SHAPE_N % kTileN != 0, kRaggedK = SHAPE_K % 128 != 0;
     constexpr uint32_t kChunkSlots = kChunked ? kMaxGroups : 1;
     // each group with rows, in group order: group << 16 | rows (kChunked: the group, its rows and the chunks up to
