@@ -52,7 +52,7 @@ NORMAL_MIN_K = 4096
 # 2112 x 7168 1.25 / 1.24, 1.13; the shared experts' 4096 x 7168 1.11 / 1.15, 1.10; their TP-8 512 x 7168 1.15 /
 # 1.15, 1.18. At K = 4096 it broke even (Qwen3-235B's TP-4 qkv 2304 x 4096: 1.02 / 1.01, 0.99); past one wave it
 # gained on the H200 only (o_proj 7168 x 16384: 1.14 / 1.09, 1.02 on the H100) or lost (36864 x 7168: 0.90 / 0.90,
-# 0.94) (docs/benchmarks/calibration/s61-few-rows-normal-h200.txt).
+# 0.94) (docs/benchmarks/calibration/s61-few-rows-unroll-2t-h200.txt, its 'shipped' column).
 NORMAL_WIDE_MIN_K = 7168
 # Normal GEMMs next to few-rows ones (``beside_few_rows``: a MoE layer's shared experts, in line before its routed
 # GEMMs or beside them on a side stream) run here up to MAX_ROWS rows at any K, and up to NORMAL_CHUNKED_MAX_ROWS
