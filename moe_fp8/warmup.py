@@ -348,9 +348,7 @@ def _few_rows_variants(g: GemmShape, max_tokens: int, num_sms: int) -> list[tupl
         for lo, hi in ((1, 8), (9, few_rows.MAX_ROWS), (few_rows.MAX_ROWS + 1, few_rows.NORMAL_CHUNKED_MAX_ROWS)):
             hi = min(hi, max_tokens)
             if lo <= hi and few_rows.applies_normal(hi, g.n, g.k, beside=g.beside_few_rows, num_sms=num_sms):
-                # whole items, stream-K or both (chunks: the items grow with the rows)
-                for sk in sorted({few_rows.stream_k(g.n, g.k, m, num_sms) for m in range(lo, hi + 1)}):
-                    out.append(("normal", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi, stream_k=sk)))
+                out.append(("normal", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi)))
     if "masked" in g.layouts:
         top = min(max_tokens, few_rows.max_rows(g.n, g.k))
         for lo in range(1, top + 1, 8):

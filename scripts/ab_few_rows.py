@@ -10,12 +10,11 @@ kernel. ``--chunked``: past 16 tokens the path on takes every small group's GEMM
 chunked regime, to measure where it pays), once per ``--chunk-tiles`` value. ``--fused-waves``: each path on once
 per value of ``few_rows.CHUNKED_FUSED_MAX_WAVES`` (where the fused gate-up GEMM takes the chunked regime too).
 ``--defines``: each path on (and the normal rows' few-rows kernel) once per ``$MOE_FP8_GEMM_DEFINES`` value, the
-kernel's measurement switches (``""``: as shipped), each value's kernels built and cached apart. ``--stream-k``: the
-same per value of ``few_rows.STREAM_K_MIN_GAIN`` (``none``: normal GEMMs past one wave in whole items).
+kernel's measurement switches (``""``: as shipped), each value's kernels built and cached apart.
 
     python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
                                   [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2] [--fused-waves none 2.5 0]
-                                  [--defines "" "MOE_FP8_FEW_ROWS_UNROLL_2T=2"] [--stream-k none 1.05]
+                                  [--defines "" "MOE_FP8_FEW_ROWS_UNROLL_2T=2"]
 """
 
 from __future__ import annotations
@@ -63,17 +62,16 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
 
 
 # few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES, $MOE_FP8_GEMM_DEFINES
-Setting = tuple[int, int, int, float | None, str, float | None]
+Setting = tuple[int, int, int, float | None, str]
 SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES,
-                    few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""), few_rows.STREAM_K_MIN_GAIN)
-OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES, *SHIPPED[4:])
+                    few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""))
+OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES, SHIPPED[4])
 ON: dict[str, Setting] = {"on": SHIPPED}  # the path's settings timed against OFF (main() may change them)
 _PLANS: dict[str, Callable] = {}  # few_rows._launch_plan of each defines value: kernels built under it, cached apart
 
 
 def set_path(setting: Setting) -> None:
     few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES = setting[:4]
-    few_rows.STREAM_K_MIN_GAIN = setting[5]
     os.environ[ENV_DEFINES] = setting[4]  # read when a plan builds its kernel (once per shape and value)
     if setting[4] not in _PLANS:
         _PLANS[setting[4]] = functools.cache(few_rows._launch_plan.__wrapped__)
@@ -182,8 +180,6 @@ def main() -> None:
                    help="few_rows.WIDE_MAX_ROWS (rows of groups of over SMALL_GROUP_BYTES) wherever the path is on")
     p.add_argument("--shared", action="store_true", help="the layers with their shared experts (if the model has them)")
     p.add_argument("--defines", nargs="+", help="each path on once per $MOE_FP8_GEMM_DEFINES value ('': as shipped)")
-    p.add_argument("--stream-k", nargs="+", type=lambda v: None if v == "none" else float(v),
-                   help="each path on once per few_rows.STREAM_K_MIN_GAIN value (none: whole items only)")
     args = p.parse_args()
     few_rows.CTAS_PER_SM, few_rows.WIDE_MAX_ROWS = args.ctas_per_sm, args.wide_max_rows
     if args.ranks:
@@ -196,18 +192,13 @@ def main() -> None:
     if args.fused_waves:
         base = dict(ON)
         ON.clear()
-        ON.update({f"{label} w{waves}": (*setting[:3], waves, *setting[4:]) for label, setting in base.items()
+        ON.update({f"{label} w{waves}": (*setting[:3], waves, setting[4]) for label, setting in base.items()
                    for waves in args.fused_waves})
     if args.defines:
         base = dict(ON)
         ON.clear()
-        ON.update({f"{label} {d or 'shipped'}" if len(base) > 1 else d or "shipped": (*setting[:4], d, setting[5])
+        ON.update({f"{label} {d or 'shipped'}" if len(base) > 1 else d or "shipped": (*setting[:4], d)
                    for label, setting in base.items() for d in args.defines})
-    if args.stream_k:
-        base = dict(ON)
-        ON.clear()
-        ON.update({f"{label} sk {g}" if len(base) > 1 else f"sk {g}": (*setting[:5], g)
-                   for label, setting in base.items() for g in args.stream_k})
     print(f"device: {torch.cuda.get_device_name()}")
     for part in args.parts:
         if part == "layers":

@@ -207,21 +207,12 @@ def test_few_rows_variants_are_what_decode_batches_compile():
         masked = {few_rows.kernel_variant(n, k, rows, out_f32)
                   for rows in (*tiles, *((17,) if tp == 8 else ())) for n, k, out_f32 in ((2 * i, 7168, True),
                                                                                        (7168, i, False))}
-
-        def normal_variants(n: int, k: int, lo: int, hi: int) -> set[tuple[str, str]]:
-            # whole items or stream-K (past one wave of items), by the rows: chunks past 16 have more items
-            return {few_rows.kernel_variant(n, k, hi, stream_k=few_rows.stream_k(n, k, m, 132))
-                    for m in range(lo, hi + 1)}
-        normal = set().union(*(normal_variants(g.n, g.k, 1, 8) for g in gemms
-                               if "normal" in g.layouts and g.k >= 4096))
-        normal |= normal_variants(2112, 7168, 9, 16)  # q_a + kv_a: 132 items (the others: K < 7168 or > 264)
+        normal = {few_rows.kernel_variant(g.n, g.k, 8) for g in gemms if "normal" in g.layouts and g.k >= 4096}
+        normal.add(few_rows.kernel_variant(2112, 7168, 16))  # q_a + kv_a: 132 items (the others: K < 7168 or > 264)
         shared = [g for g in gemms if g.beside_few_rows]
         assert [g.name.split(".")[0] for g in shared] == ["shared_experts"] * 2
-        normal |= set().union(*(normal_variants(g.n, g.k, lo, hi) for g in shared
-                                for lo, hi in ((1, 8), (9, 16), *(((17, 64),) if g.n * g.k <= few_rows.SMALL_GROUP_BYTES
-                                                                 else ()))))
-        if tp == 8:  # the dense MLP's gate-up 4608 x 7168: 288 items on 264 CTAs
-            assert few_rows.kernel_variant(4608, 7168, 8, stream_k=True) in normal
+        normal |= {few_rows.kernel_variant(g.n, g.k, rows) for g in shared
+                   for rows in (8, 16, *((64,) if g.n * g.k <= few_rows.SMALL_GROUP_BYTES else ()))}
         assert len(normal) >= 3 and {(v.name, v.source) for v in few.values()} == masked | normal
         for v in few.values():
             assert v.users[0].startswith("experts.") == (v.layout == "masked"), v

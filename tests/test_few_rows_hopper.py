@@ -120,54 +120,6 @@ def test_normal_layout(m: int, n: int, k: int) -> None:
     _check_masked(inp, out[None])
 
 
-# (M, N, K, SMs): normal GEMMs past one wave of items, on a grid of 2 CTAs x SMs (get_num_sms patched): items split
-# between two CTAs, ragged N and K (1032 x 1040: 17 items of 64 rows on 8 CTAs), one token tile and two, chunks of
-# rows (40: five of 8 rows), and an H100's grid at TP 8's gate-up 4608 x 7168 (288 items on 264 CTAs)
-STREAM_K_CASES = [(1, 1032, 1040, 4), (5, 1032, 1040, 4), (16, 520, 144, 1), (9, 4096, 7168, 96), (3, 7168, 16384, 132),
-                  (40, 7168, 2048, 132), (16, 4608, 7168, 132), (1, 4608, 7168, 132)]
-
-
-def _stream_k_inputs(m: int, n: int, k: int, sms: int, monkeypatch: pytest.MonkeyPatch, seed: int):
-    monkeypatch.setattr(few_rows, "get_num_sms", lambda: sms)  # no CTA waits for another: any grid runs
-    assert few_rows.stream_k(n, k, m, sms), "past one wave, the last round short"
-    return make_masked_inputs(1, m, 1, n, k, seed=seed, device="cuda", masked_m=[m])
-
-
-@pytest.mark.parametrize("m,n,k,sms", STREAM_K_CASES)
-def test_normal_stream_k(m: int, n: int, k: int, sms: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stream-K: every CTA the same share of (item, K block) units, split items added by the last of their pieces
-    to arrive. Right three launches running, each bit-identical (the pieces added in CTA order) with the K-split
-    flags back at zero."""
-    from moe_fp8.kernels import gemm
-
-    inp = _stream_k_inputs(m, n, k, sms, monkeypatch, seed=m + n + k)
-    outs = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
-    for out in outs:
-        few_rows.launch(inp.x_fp8[0], inp.x_scale[0], inp.w_fp8[0], inp.w_scale[0], out, None)
-    torch.cuda.synchronize()
-    _check_masked(inp, outs[0][None])
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    flags, _ = gemm._K_SPLIT_WORKSPACES[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
-    assert not flags.any(), "every split item's count left at zero"
-
-
-def test_normal_stream_k_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stream-K GEMM captured once (its workspace the capture stream's), replayed on new data: every replay
-    right."""
-    m, n, k = 16, 1032, 1040
-    buf = _clone_operands(_stream_k_inputs(m, n, k, 4, monkeypatch, seed=0))
-    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-
-    def run() -> None:
-        few_rows.launch(buf.x_fp8[0], buf.x_scale[0], buf.w_fp8[0], buf.w_scale[0], out, None)
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed in (1, 2, 3):
-        _replay_masked(graph, buf, out[None], make_masked_inputs(1, m, 1, n, k, seed=seed, device="cuda", masked_m=[m]))
-
-
 @pytest.mark.parametrize("max_m,n,k,routed", [(16, 512, 7168, True), (17, 512, 7168, False), (8, 4096, 7168, True),
                                                (9, 4096, 7168, False)])
 def test_public_masked_op_routes_by_rows(max_m: int, n: int, k: int, routed: bool, launches: list[int]) -> None:

@@ -134,22 +134,20 @@ def test_every_block_shape_is_spill_free(block_m, tmp_path) -> None:
 
 
 # the few-rows GEMM (impls/fp8_gemm_few_rows.cuh): one and two token tiles, each K split, bf16 and FP32 out,
-# ragged N and K, whole items and stream-K
-FEW_ROWS_VARIANTS = [(4096, 7168, 8, False, False), (7168, 2048, 16, False, False), (512, 7168, 3, True, False),
-                     (7168, 256, 1, False, False), (1032, 1040, 16, True, False), (512, 7168, 64, True, False),
-                     (7168, 256, 40, False, False), (4608, 7168, 16, False, True), (7168, 16384, 8, False, True),
-                     (1032, 1040, 5, False, True), (7168, 2048, 40, False, True)]
+# ragged N and K
+FEW_ROWS_VARIANTS = [(4096, 7168, 8, False), (7168, 2048, 16, False), (512, 7168, 3, True), (7168, 256, 1, False),
+                     (1032, 1040, 16, True), (512, 7168, 64, True), (7168, 256, 40, False)]
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)
-@pytest.mark.parametrize("n,k,max_m,out_f32,stream_k", FEW_ROWS_VARIANTS)
-def test_few_rows_variant_compiles(compiler, n, k, max_m, out_f32, stream_k, tmp_path) -> None:
+@pytest.mark.parametrize("n,k,max_m,out_f32", FEW_ROWS_VARIANTS)
+def test_few_rows_variant_compiles(compiler, n, k, max_m, out_f32, tmp_path) -> None:
     """mma.sync on e4m3, which sm_90 runs as FP16 HMMAs after converting the codes (exactly: every e4m3
     value is an FP16 one); no local memory at two CTAs an SM."""
     from moe_fp8.kernels import few_rows
     from moe_fp8.kernels.sass import count_instructions, dump_sass
 
-    name, source = few_rows.kernel_variant(n, k, max_m, out_f32, stream_k)
+    name, source = few_rows.kernel_variant(n, k, max_m, out_f32)
     res = get_compiler(compiler).compile_ex(source, name, [include_dir()], tmp_path)
     sass = dump_sass(res.cubin)
     assert count_instructions(sass, "HMMA.16816.F32") > 0 and count_instructions(sass, "QGMMA") == 0
@@ -187,17 +185,6 @@ def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not few_rows.applies_normal(16, 7168, 2048) and few_rows.applies_normal(16, 7168, 2048, beside=True)
     name, source = few_rows.kernel_variant(4096, 7168, 9, out_f32=True)
     assert name == "fp8_gemm_few_rows_n4096_k7168_t2_s8_f32" and "/*kTokenTiles=*/2" in source
-    name, source = few_rows.kernel_variant(4608, 7168, 9, stream_k=True)
-    assert name == "fp8_gemm_few_rows_n4608_k7168_t2_s8_sk" and "/*kStreamK=*/true" in source
-    # stream-K past one wave where whole items leave the last round short: 288 items on 264 CTAs, 448 (o_proj),
-    # not in one wave (256, 288 on 144 SMs), nor at 8.7 waves (36864 x 7168: 2304 items, 9 rounds for 8.7)
-    assert few_rows.stream_k(4608, 7168, 16, 132) and few_rows.stream_k(7168, 16384, 1, 132)
-    assert not few_rows.stream_k(4096, 7168, 16, 132) and not few_rows.stream_k(4608, 7168, 16, 144)
-    assert not few_rows.stream_k(36864, 7168, 8, 132)
-    assert few_rows.stream_k(7168, 2048, 40, 132) and not few_rows.stream_k(7168, 2048, 16, 132)  # 5 chunks: 1120
-    assert few_rows.slot_words(7168, 16) == 256 and few_rows.slot_words(2048, 5) == 256
-    monkeypatch.setattr(few_rows, "STREAM_K_MIN_GAIN", None)
-    assert not few_rows.stream_k(4608, 7168, 16, 132)
     # any max_m for small groups expected to hold few rows (chunks of 8 * CHUNK_TOKEN_TILES), never for large ones
     few = few_rows.CHUNKED_MAX_EXPECTED
     assert few >= 1 and few_rows.applies(2048, 7168, 256, 32, few) and few_rows.applies(64, 512, 7168, 256, 1)

@@ -26,7 +26,7 @@ KERNEL_TEMPLATE = """#include "moe_fp8/impls/fp8_gemm_few_rows.cuh"
 __attribute__((unused)) static void instantiate() {{
     (void)&moe_fp8::few_rows::fp8_gemm_few_rows_kernel<
         /*SHAPE_N=*/{n}, /*SHAPE_K=*/{k}, /*kTokenTiles=*/{token_tiles}, /*kSplitK=*/{split_k}, /*kOutF32=*/{out_f32},
-        /*kChunked=*/{chunked}, /*kStreamK=*/{stream_k}>;
+        /*kChunked=*/{chunked}>;
 }}
 """
 
@@ -99,11 +99,6 @@ TILE_N = 16
 CTAS_PER_SM = 2
 # K blocks one warp walks at least: K splits into at most WARPS pieces of this many blocks or more.
 MIN_SPLIT_K_BLOCKS = 4
-# Normal GEMMs whose items pass one wave of the grid run stream-K (impls/fp8_gemm_few_rows.cuh: Segments: every CTA
-# the same share of the (item, K block) units, items split between CTAs adding their pieces through the K-split
-# workspace) where whole items would leave the last round short: ceil(waves) at least STREAM_K_MIN_GAIN x waves.
-# None: never (A/B runs).
-STREAM_K_MIN_GAIN: float | None = 1.05
 
 
 def max_rows(n: int, k: int) -> int:
@@ -179,17 +174,15 @@ def split_k(k: int) -> int:
     return split
 
 
-def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False, stream_k: bool = False) -> tuple[str, str]:
+def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[str, str]:
     """``(name, source)`` of the variant a call compiles: pure host code (``moe-fp8 warmup`` uses it)."""
     from .gemm import env_defines
 
     tiles, sk = token_tiles(max_m), split_k(k)
     chunked = max_m > 8 * tiles
     source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=tiles, split_k=sk,
-                                                    out_f32=str(out_f32).lower(), chunked=str(chunked).lower(),
-                                                    stream_k=str(stream_k).lower())
-    suffix = f"{'_f32' if out_f32 else ''}{'_c' if chunked else ''}{'_sk' if stream_k else ''}"
-    return f"fp8_gemm_few_rows_n{n}_k{k}_t{tiles}_s{sk}{suffix}", source
+                                                    out_f32=str(out_f32).lower(), chunked=str(chunked).lower())
+    return f"fp8_gemm_few_rows_n{n}_k{k}_t{tiles}_s{sk}{'_f32' if out_f32 else ''}{'_c' if chunked else ''}", source
 
 
 def items(n: int, k: int, num_groups: int, max_m: int = 1) -> int:
@@ -198,32 +191,14 @@ def items(n: int, k: int, num_groups: int, max_m: int = 1) -> int:
     return num_groups * ceil_div(max_m, 8 * token_tiles(max_m)) * ceil_div(n, TILE_N * (WARPS // split_k(k)))
 
 
-def stream_k(n: int, k: int, max_m: int, num_sms: int | None = None) -> bool:
-    """Whether a normal GEMM of ``max_m`` rows runs stream-K on a grid of ``CTAS_PER_SM`` x ``num_sms`` (default
-    ``get_num_sms()``): past one wave of items, where whole items would leave the last round short by
-    ``STREAM_K_MIN_GAIN``."""
-    work, grid = items(n, k, 1, max_m), CTAS_PER_SM * (num_sms or get_num_sms())
-    return STREAM_K_MIN_GAIN is not None and work > grid and math.ceil(work / grid) >= STREAM_K_MIN_GAIN * work / grid
-
-
-def slot_words(k: int, max_m: int) -> int:
-    """FP32 words of one stream-K piece's sums: a CTA's split-0 warps' accumulators."""
-    return WARPS // split_k(k) * token_tiles(max_m) * 4 * 32
-
-
 @functools.cache
-def _launch_plan(n: int, k: int, num_groups: int, max_m: int, tiles: int, out_f32: bool, num_sms: int, masked: bool,
-                 stream_k_gain: float | None):
-    """``(kernel, grid, pdl, stream-K slots)`` of a launch, built once (decode calls repeat the same few shapes);
-    ``tiles`` (``token_tiles(max_m)``) and ``stream_k_gain`` (``STREAM_K_MIN_GAIN``): part of the key only (A/B runs
-    change them). Stream-K slots: the K-split workspace's CTAs (``gemm.K_SPLIT_SLOT_WORDS`` each) that hold two
-    slots a CTA, or 0 (whole items)."""
-    from .gemm import K_SPLIT_SLOT_WORDS, _pdl
+def _launch_plan(n: int, k: int, num_groups: int, max_m: int, tiles: int, out_f32: bool, num_sms: int):
+    """``(kernel, grid, pdl)`` of a launch, built once (decode calls repeat the same few shapes); ``tiles``:
+    ``token_tiles(max_m)``, part of the key only (A/B runs change ``CHUNK_TOKEN_TILES``)."""
+    from .gemm import _pdl
 
-    sk = not masked and stream_k(n, k, max_m, num_sms)
-    kernel = build(*kernel_variant(n, k, max_m, out_f32, sk))
-    grid = CTAS_PER_SM * num_sms if sk else min(items(n, k, num_groups, max_m), CTAS_PER_SM * num_sms)
-    return kernel, grid, _pdl(), ceil_div(2 * grid * slot_words(k, max_m), K_SPLIT_SLOT_WORDS) if sk else 0
+    kernel = build(*kernel_variant(n, k, max_m, out_f32))
+    return kernel, min(items(n, k, num_groups, max_m), CTAS_PER_SM * num_sms), _pdl()
 
 
 def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
@@ -234,16 +209,10 @@ def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale:
     masked = masked_m is not None
     num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
     n, k = w.shape[-2], w.shape[-1]
-    kernel, grid, pdl, slot_ctas = _launch_plan(n, k, num_groups, max_m, token_tiles(max_m),
-                                                out.dtype == torch.float32, get_num_sms(), masked, STREAM_K_MIN_GAIN)
-    flags = slots = None
-    if slot_ctas:  # stream-K: the stream's K-split workspace (flags zero between launches; slots need no zeroing)
-        from .gemm import _k_split_workspace, _reserve_k_split_flags
-
-        _reserve_k_split_flags(x_fp8.get_device())
-        flags, slots = _k_split_workspace(x_fp8.get_device(), slot_ctas)
+    kernel, grid, pdl = _launch_plan(n, k, num_groups, max_m, token_tiles(max_m), out.dtype == torch.float32,
+                                     get_num_sms())
     # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
     xs_group = x_scale.stride(0) if masked else 0
     xs_k = x_scale.stride(-1) if x_scale.shape[-1] > 1 else 0
-    kernel.launch(grid, 32 * WARPS, [x_fp8, x_scale, w, w_scale, out, masked_m, num_groups, max_m, xs_group, xs_k,
-                                     slots, flags], pdl=pdl)
+    kernel.launch(grid, 32 * WARPS, [x_fp8, x_scale, w, w_scale, out, masked_m, num_groups, max_m, xs_group, xs_k],
+                  pdl=pdl)

@@ -11,8 +11,7 @@
 // 32 bytes of its rows that its MMA fragments hold (any K order serves: see mma/mma_sync_fp8.cuh).
 //
 // Numerics as the wgmma kernel's: each 128-K block's product starts from zero and is added in FP32 with
-// its two scales; the kSplitK partial sums are added in split order, a stream-K item's pieces in CTA order
-// (deterministic).
+// its two scales; the kSplitK partial sums are added in split order (deterministic).
 #pragma once
 
 #include "../common/types.cuh"
@@ -48,92 +47,15 @@ __device__ __forceinline__ uint16_t to_bf16(float v) {
     return r;
 }
 
-// The work of one CTA as segments: an item and a range [kb_lo, kb_hi) of its K blocks. Without kStreamK, whole
-// items blockIdx.x, + gridDim.x, ...; with it, CTA c takes the units [c U / G, (c + 1) U / G) of the U = items *
-// kNumKBlocks (item, K block) units in item-major order, so a launch past one wave of items ends in one balanced
-// round instead of a near-empty one: whole items and the pieces of at most two, which meet in stream_k_gather.
-template <uint32_t kNumKBlocks, bool kStreamK>
-struct Segments {
-    uint64_t unit = 0, end = 0;  // kStreamK: the CTA's units left
-    uint32_t item, num_items;
-
-    __device__ __forceinline__ explicit Segments(uint32_t items) : item(blockIdx.x), num_items(items) {
-        if constexpr (kStreamK) unit = begin_of(blockIdx.x), end = begin_of(blockIdx.x + 1);
-    }
-    __device__ __forceinline__ uint64_t units() const { return static_cast<uint64_t>(num_items) * kNumKBlocks; }
-    __device__ __forceinline__ bool next(uint32_t& seg_item, uint32_t& kb_lo, uint32_t& kb_hi) {
-        if constexpr (kStreamK) {
-            if (unit >= end) return false;
-            seg_item = static_cast<uint32_t>(unit / kNumKBlocks), kb_lo = static_cast<uint32_t>(unit % kNumKBlocks);
-            kb_hi = static_cast<uint32_t>(min(static_cast<uint64_t>(kNumKBlocks), kb_lo + (end - unit)));
-            unit += kb_hi - kb_lo;
-            return true;
-        } else {
-            seg_item = item, kb_lo = 0, kb_hi = kNumKBlocks;
-            item += gridDim.x;
-            return seg_item < num_items;
-        }
-    }
-    // the CTA whose units hold unit u (the largest c with c U / G <= u), and the first unit of CTA c
-    __device__ __forceinline__ uint32_t cta_of(uint64_t u) const { return ((u + 1) * gridDim.x - 1) / units(); }
-    __device__ __forceinline__ uint64_t begin_of(uint32_t c) const { return c * units() / gridDim.x; }
-};
-
-// kStreamK: the pieces of an item split over CTAs c_lo .. c_hi (consecutive). Each publishes its split-0 warps'
-// sums in `partials` (two slots of kSlotFloats a CTA: its first segment's, then its last's) and counts itself in
-// `flags[c_lo + 1]` (the CTA that starts inside the item: one word an item, zero between launches). The last to
-// arrive adds the pieces in CTA order (the same bits whichever arrives last), leaves the word at zero and returns
-// true with `acc` the item's sums; the others return false. Every thread of the CTA calls it.
-template <uint32_t kTokenTiles, uint32_t kSplitK, uint32_t kSlotFloats, typename Segs>
-__device__ __forceinline__ bool stream_k_gather(float (&acc)[kTokenTiles][4], const Segs& segs, uint32_t item,
-                                                bool first_segment, float* partials, uint32_t* flags,
-                                                uint32_t* is_last, uint32_t kb_per_item) {
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, split = warp % kSplitK;
-    const uint32_t at = (warp / kSplitK * kTokenTiles * 4) * 32 + lane;  // this lane's floats, 32 apart
-    const uint64_t u0 = static_cast<uint64_t>(item) * kb_per_item;
-    const uint32_t c_lo = segs.cta_of(u0), c_hi = segs.cta_of(u0 + kb_per_item - 1);
-    if (split == 0) {
-        float* slot = partials + (2 * blockIdx.x + (first_segment ? 0 : 1)) * kSlotFloats + at;
-#pragma unroll
-        for (uint32_t j = 0; j < kTokenTiles; ++j)
-#pragma unroll
-            for (uint32_t i = 0; i < 4; ++i) __stcg(slot + (4 * j + i) * 32, acc[j][i]);
-        __threadfence();  // the slot before the count
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) *is_last = ptx::atomic_add_gpu_u32(flags + c_lo + 1, 1) == c_hi - c_lo;
-    __syncthreads();
-    if (!*is_last) return false;
-    __threadfence();  // the other pieces' slots after their counts
-    if (split == 0) {
-        for (uint32_t c = c_lo; c <= c_hi; ++c) {
-            // item is CTA c_lo's last segment unless c_lo starts at it, every later CTA's first
-            const uint32_t slot_id = 2 * c + (c == c_lo && segs.begin_of(c) != u0 ? 1 : 0);
-            const float* slot = partials + slot_id * kSlotFloats + at;
-#pragma unroll
-            for (uint32_t j = 0; j < kTokenTiles; ++j)
-#pragma unroll
-                for (uint32_t i = 0; i < 4; ++i) {
-                    const float v = __ldcg(slot + (4 * j + i) * 32);
-                    acc[j][i] = c == c_lo ? v : acc[j][i] + v;
-                }
-        }
-    }
-    if (threadIdx.x == 0) flags[c_lo + 1] = 0;
-    return true;
-}
-
 // Items: (chunk, kWarps / kSplitK consecutive 16-row tiles), walked by a persistent grid; a chunk is the rows of
 // a group with rows, or with kChunked (max_m past 8 * kTokenTiles) up to kChunkRows = 8 * kTokenTiles of them: a
 // group of more rows (a hot expert of a batched layout) is several chunks. In an item, warp w takes tile w / kSplitK
-// and the K blocks [s * L / kSplitK, (s + 1) * L / kSplitK) of the segment's L with s = w % kSplitK.
-template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32, bool kChunked,
-          bool kStreamK>
+// and K blocks [s * Kb / kSplitK, (s + 1) * Kb / kSplitK) with s = w % kSplitK.
+template <uint32_t SHAPE_N, uint32_t SHAPE_K, uint32_t kTokenTiles, uint32_t kSplitK, bool kOutF32, bool kChunked>
 __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_few_rows_kernel(
     const uint8_t* __restrict__ x, const float* __restrict__ x_scale, const uint8_t* __restrict__ w,
     const float* __restrict__ w_scale, void* __restrict__ out, const int32_t* __restrict__ masked_m,
-    uint32_t num_groups, uint32_t max_m, uint32_t xs_group_stride, uint32_t xs_k_stride, float* __restrict__ partials,
-    uint32_t* __restrict__ flags) {
+    uint32_t num_groups, uint32_t max_m, uint32_t xs_group_stride, uint32_t xs_k_stride) {
     static_assert(kWarps % kSplitK == 0 && SHAPE_N % 8 == 0 && SHAPE_K % 16 == 0, "see kernels/few_rows.py");
     static_assert(kTokenTiles >= 1 && kTokenTiles <= 2, "rows of 8 or 16 a chunk");
     constexpr uint32_t kNumKBlocks = ceil_div(SHAPE_K, 128u), kNumNBlocks = ceil_div(SHAPE_N, 128u);
@@ -147,7 +69,6 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
     __shared__ uint32_t touched[kMaxGroups], touched_rows[kChunkSlots], chunks_end[kChunkSlots];
     __shared__ uint32_t warp_count[kWarps], warp_chunks[kChunked ? kWarps : 1];
     __shared__ float partial[kSplitK > 1 ? kWarps : 1][kTokenTiles][4][32];
-    __shared__ uint32_t is_last;  // kStreamK: this CTA adds the item's pieces
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     ptx::wait_prerequisites();  // masked_m and x come from the previous kernel
@@ -196,11 +117,8 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
 
     const uint32_t t = lane % 4, gq = lane / 4;  // fragment coordinates (mma/mma_sync_fp8.cuh)
     const uint32_t split = warp % kSplitK;
-    Segments<kNumKBlocks, kStreamK> segs(num_chunks * kItemsPerChunk);
-    uint32_t item, kb_lo, kb_hi;
-    for (bool first_segment = true; segs.next(item, kb_lo, kb_hi); first_segment = false) {
-        const uint32_t kb_begin = kb_lo + split * (kb_hi - kb_lo) / kSplitK;
-        const uint32_t kb_end = kb_lo + (split + 1) * (kb_hi - kb_lo) / kSplitK;
+    const uint32_t kb_begin = split * kNumKBlocks / kSplitK, kb_end = (split + 1) * kNumKBlocks / kSplitK;
+    for (uint32_t item = blockIdx.x; item < num_chunks * kItemsPerChunk; item += gridDim.x) {
         const uint32_t chunk = item / kItemsPerChunk;
         uint32_t group, rows, r0 = 0;  // the chunk's rows start at row r0 of the group
         if constexpr (kChunked) {
@@ -280,12 +198,7 @@ __global__ void __launch_bounds__(kThreads, MOE_FP8_FEW_ROWS_MIN_CTAS) fp8_gemm_
                         for (uint32_t i = 0; i < 4; ++i) acc[j][i] += partial[warp + s][j][i][lane];
             }
         }
-        bool store = true;  // a stream-K piece stores only as the item's last to arrive
-        if constexpr (kStreamK)
-            if (kb_hi - kb_lo < kNumKBlocks)
-                store = stream_k_gather<kTokenTiles, kSplitK, kTilesPerItem * kTokenTiles * 4 * 32>(
-                    acc, segs, item, first_segment, partials, flags, &is_last, kNumKBlocks);
-        if (store && split == 0 && n0 < SHAPE_N) {
+        if (split == 0 && n0 < SHAPE_N) {
 #pragma unroll
             for (uint32_t j = 0; j < kTokenTiles; ++j)
 #pragma unroll
