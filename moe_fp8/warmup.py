@@ -354,7 +354,9 @@ def _few_rows_variants(g: GemmShape, max_tokens: int, num_sms: int) -> list[tupl
         for lo in range(1, top + 1, 8):
             hi = min(lo + 7, top)
             if few_rows.applies(hi, g.n, g.k, g.num_groups, fused=bool(g.act_quant), num_sms=num_sms):
-                out.append(("masked", lo, hi, *few_rows.kernel_variant(g.n, g.k, hi, out_f32=bool(g.act_quant))))
+                # and at 9-16 rows the chunks that decode batches expected to hold one row an expert take
+                variants = (few_rows.kernel_variant(g.n, g.k, hi, bool(g.act_quant), hint) for hint in (None, 1))
+                out += [("masked", lo, hi, *v) for v in dict.fromkeys(variants)]
         # past that, small groups expected to hold few rows each (chunks: one variant for every max_m)
         if max_tokens > top and few_rows.applies(top + 1, g.n, g.k, g.num_groups, expected_m=1,
                                                  fused=bool(g.act_quant), num_sms=num_sms):

@@ -10,11 +10,12 @@ kernel. ``--chunked``: past 16 tokens the path on takes every small group's GEMM
 chunked regime, to measure where it pays), once per ``--chunk-tiles`` value. ``--fused-waves``: each path on once
 per value of ``few_rows.CHUNKED_FUSED_MAX_WAVES`` (where the fused gate-up GEMM takes the chunked regime too).
 ``--defines``: each path on (and the normal rows' few-rows kernel) once per ``$MOE_FP8_GEMM_DEFINES`` value, the
-kernel's measurement switches (``""``: as shipped), each value's kernels built and cached apart.
+kernel's measurement switches (``""``: as shipped), each value's kernels built and cached apart. ``--narrow``: the
+same per value of ``few_rows.NARROW_MAX_EXPECTED`` (groups of 9-16 rows in chunks of one token tile).
 
     python scripts/ab_few_rows.py [--tokens 1 2 4 8 16] [--rounds 3] [--parts gemms layers normal]
                                   [--ranks NAME ...] [--chunked] [--chunk-tiles 1 2] [--fused-waves none 2.5 0]
-                                  [--defines "" "MOE_FP8_FEW_ROWS_UNROLL_2T=2"]
+                                  [--defines "" "MOE_FP8_FEW_ROWS_UNROLL_2T=2"] [--narrow 0 4]
 """
 
 from __future__ import annotations
@@ -62,16 +63,17 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
 
 
 # few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES, $MOE_FP8_GEMM_DEFINES
-Setting = tuple[int, int, int, float | None, str]
+Setting = tuple[int, int, int, float | None, str, int]
 SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES,
-                    few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""))
-OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES, SHIPPED[4])
+                    few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""), few_rows.NARROW_MAX_EXPECTED)
+OFF: Setting = (0, 0, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES, *SHIPPED[4:])
 ON: dict[str, Setting] = {"on": SHIPPED}  # the path's settings timed against OFF (main() may change them)
 _PLANS: dict[str, Callable] = {}  # few_rows._launch_plan of each defines value: kernels built under it, cached apart
 
 
 def set_path(setting: Setting) -> None:
     few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES, few_rows.CHUNKED_FUSED_MAX_WAVES = setting[:4]
+    few_rows.NARROW_MAX_EXPECTED = setting[5]
     os.environ[ENV_DEFINES] = setting[4]  # read when a plan builds its kernel (once per shape and value)
     if setting[4] not in _PLANS:
         _PLANS[setting[4]] = functools.cache(few_rows._launch_plan.__wrapped__)
@@ -180,6 +182,8 @@ def main() -> None:
                    help="few_rows.WIDE_MAX_ROWS (rows of groups of over SMALL_GROUP_BYTES) wherever the path is on")
     p.add_argument("--shared", action="store_true", help="the layers with their shared experts (if the model has them)")
     p.add_argument("--defines", nargs="+", help="each path on once per $MOE_FP8_GEMM_DEFINES value ('': as shipped)")
+    p.add_argument("--narrow", nargs="+", type=int,
+                   help="each path on once per few_rows.NARROW_MAX_EXPECTED value (0: two token tiles at 9-16 rows)")
     args = p.parse_args()
     few_rows.CTAS_PER_SM, few_rows.WIDE_MAX_ROWS = args.ctas_per_sm, args.wide_max_rows
     if args.ranks:
@@ -187,18 +191,23 @@ def main() -> None:
     if args.chunked or args.chunk_tiles != [few_rows.CHUNK_TOKEN_TILES]:
         ON.clear()
         chunked = 1 << 30 if args.chunked else few_rows.CHUNKED_MAX_EXPECTED
-        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t, few_rows.CHUNKED_FUSED_MAX_WAVES, SHIPPED[4])
+        ON.update({f"t{t}": (few_rows.MAX_ROWS, chunked, t, few_rows.CHUNKED_FUSED_MAX_WAVES, *SHIPPED[4:])
                    for t in args.chunk_tiles})
     if args.fused_waves:
         base = dict(ON)
         ON.clear()
-        ON.update({f"{label} w{waves}": (*setting[:3], waves, setting[4]) for label, setting in base.items()
+        ON.update({f"{label} w{waves}": (*setting[:3], waves, *setting[4:]) for label, setting in base.items()
                    for waves in args.fused_waves})
     if args.defines:
         base = dict(ON)
         ON.clear()
-        ON.update({f"{label} {d or 'shipped'}" if len(base) > 1 else d or "shipped": (*setting[:4], d)
+        ON.update({f"{label} {d or 'shipped'}" if len(base) > 1 else d or "shipped": (*setting[:4], d, setting[5])
                    for label, setting in base.items() for d in args.defines})
+    if args.narrow:
+        base = dict(ON)
+        ON.clear()
+        ON.update({f"{label} n{v}" if len(base) > 1 else f"narrow {v}": (*setting[:5], v)
+                   for label, setting in base.items() for v in args.narrow})
     print(f"device: {torch.cuda.get_device_name()}")
     for part in args.parts:
         if part == "layers":

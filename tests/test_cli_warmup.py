@@ -223,6 +223,10 @@ def test_few_rows_variants_are_what_decode_batches_compile():
                 == {"tokens 1..8", "tokens 9..16"}  # the first one the experts' w2 variant as well
     small = W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=3, num_sms=132)
     assert {W.describe_rows(v) for v in small if v.config is None} == {"tokens 1..3"}
+    # up to 16 tokens (no chunked variant past them): 9-16 rows in chunks of one token tile as well (the layer's hint)
+    decode = {v.name for v in W.enumerate_variants(W.model_gemms(DEEPSEEK_V3, tp=8), max_tokens=16, num_sms=132)}
+    for n, k, out_f32 in ((512, 7168, True), (7168, 256, False)):
+        assert {few_rows.kernel_variant(n, k, 16, out_f32, hint)[0] for hint in (None, 1)} <= decode
 
 
 def test_dry_run_lists_variants(tmp_path, capsys, monkeypatch):

@@ -69,6 +69,33 @@ def test_masked_chunks(n: int, k: int, groups: int, max_m: int, pattern: str, ti
     _check_masked(inp, out)
 
 
+@pytest.mark.parametrize("n,k", [(512, 7168), (7168, 256), (4096, 7168), (1032, 1040)])
+@pytest.mark.parametrize("groups,max_m", [(32, 9), (8, 12), (4, 16)])
+@pytest.mark.parametrize("pattern", ["one", "ragged", "full"])
+def test_masked_narrow(n: int, k: int, groups: int, max_m: int, pattern: str) -> None:
+    """9-16 rows a group expected to hold few (the hint at most NARROW_MAX_EXPECTED): one token tile a warp, in
+    chunks of 8 rows (a group of more, in two); every row below masked_m right, none past it written."""
+    assert few_rows.token_tiles(max_m, 1) == few_rows.CHUNK_TOKEN_TILES < few_rows.token_tiles(max_m)
+    inp = make_masked_inputs(groups, max_m, 1, n, k, seed=n + k + max_m, device="cuda",
+                             masked_m=_counts(pattern, groups, max_m))
+    out = torch.full((groups, max_m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    few_rows.launch(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, out, inp.masked_m, expected_m=1)
+    torch.cuda.synchronize()
+    _check_masked(inp, out)
+
+
+def test_public_masked_op_hands_its_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_grouped_gemm_masked gives the few-rows launch its expected_m (the narrow rule reads it)."""
+    hints: list[int | None] = []
+    monkeypatch.setattr(few_rows, "launch", lambda *a, _f=few_rows.launch: (hints.append(a[6]), _f(*a)))
+    inp = make_masked_inputs(32, 12, 1, 7168, 256, seed=3, device="cuda", masked_m=_counts("ragged", 32, 12))
+    out = torch.full((32, 12, 7168), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8_grouped_gemm_masked_hopper(inp.x_fp8, inp.x_scale, inp.w_fp8, inp.w_scale, inp.masked_m, 1, out)
+    torch.cuda.synchronize()
+    assert hints == [1]
+    _check_masked(inp, out)
+
+
 @pytest.mark.parametrize("groups", [256, 384, 1024])
 def test_masked_many_groups(groups: int) -> None:
     """A TP-8 rank's experts (every routed expert at I / 8) with a few touched, up to the kernel's 1024 groups."""

@@ -208,6 +208,11 @@ def test_few_rows_host_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(few_rows, "CHUNKED_FUSED_MAX_WAVES", None)  # as unfused
     assert few_rows.applies(128, 3072, 3072, 32, 4, fused=True, num_sms=132)
     assert few_rows.token_tiles(16) == 2 and few_rows.token_tiles(17) == few_rows.CHUNK_TOKEN_TILES
+    # 9-16 rows expected to hold one a group: chunks of one token tile (two for a group of more)
+    assert few_rows.token_tiles(16, 1) == few_rows.token_tiles(9, 1) == 1 and few_rows.token_tiles(8, 1) == 1
+    assert few_rows.token_tiles(16, 2) == 2 and few_rows.token_tiles(16, 0) == 2
+    assert few_rows.items(512, 7168, 32, 16, 1) == 2 * few_rows.items(512, 7168, 32, 16)
+    assert few_rows.kernel_variant(7168, 256, 12, expected_m=1)[0] == "fp8_gemm_few_rows_n7168_k256_t1_s1_c"
     name, source = few_rows.kernel_variant(7168, 256, 64)
     assert name.endswith("_c") and "/*kChunked=*/true" in source
     assert "/*kChunked=*/false" in few_rows.kernel_variant(7168, 256, 16)[1]

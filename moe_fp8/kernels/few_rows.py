@@ -75,6 +75,14 @@ _BESIDE_FEW_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("moe_fp8
 # expected it lost, and chunks of 16 rows were no faster at 1-4 (docs/kernels/gemm.md, session 53).
 CHUNKED_MAX_EXPECTED = 4
 CHUNK_TOKEN_TILES = 1
+# Masked GEMMs of 9-16 rows a group (max_m) expected to hold at most NARROW_MAX_EXPECTED rows (the hint) take
+# CHUNK_TOKEN_TILES token tiles a warp in chunks of rows too, instead of two: a warp of one tile keeps two K blocks of
+# loads in flight, one of two tiles one; a group of more rows (rare at decode) is two chunks and reads its weights
+# twice. H200, 9 / 12 / 16 decode tokens (hint 1), µs, two tiles -> chunks: DeepSeek-V3 TP 8's 7168 x 256 GEMM 41.3 /
+# 50.4 / 59.5 -> 38.8 / 46.8 / 56.4, its 512 x 7168 even; Qwen3-235B-A22B EP 8's 4096 x 1536 26.8 / 26.9 / 29.6 ->
+# 25.2 / 25.2 / 28.5, 3072 x 4096 2-5% faster; those ranks' layers 0-2% (docs/kernels/gemm.md, session 62). Larger
+# hints were not measured. 0: two tiles (A/B runs).
+NARROW_MAX_EXPECTED = 1
 # The gate-up GEMM with the fused SiLU·mul + quant epilogue takes the chunked regime only where the wgmma kernel's
 # 256-wide tiles over the experts expected to be touched fill at most CHUNKED_FUSED_MAX_WAVES waves
 # (``fused_waves``): here it writes an FP32 h of [G, max_m, 2I] and runs SiLU·mul + quant apart, where the wgmma
@@ -134,9 +142,13 @@ def applies(max_m: int, n: int, k: int, num_groups: int, expected_m: int | None 
             or fused_waves(n, num_groups, expected_m, num_sms or get_num_sms()) <= CHUNKED_FUSED_MAX_WAVES)
 
 
-def token_tiles(max_m: int) -> int:
-    """8-row token tiles of a warp's MMAs: enough for ``max_m`` up to ``MAX_ROWS``, else a chunk's."""
-    return ceil_div(max_m, 8) if max_m <= MAX_ROWS else CHUNK_TOKEN_TILES
+def token_tiles(max_m: int, expected_m: int | None = None) -> int:
+    """8-row token tiles of a warp's MMAs: enough for ``max_m`` up to ``MAX_ROWS`` (unless groups are expected to
+    hold at most ``NARROW_MAX_EXPECTED``), else a chunk's."""
+    if max_m <= 8:
+        return 1
+    narrow = expected_m is not None and 0 < expected_m <= NARROW_MAX_EXPECTED
+    return ceil_div(max_m, 8) if max_m <= MAX_ROWS and not narrow else CHUNK_TOKEN_TILES
 
 
 @contextlib.contextmanager
@@ -174,43 +186,47 @@ def split_k(k: int) -> int:
     return split
 
 
-def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False) -> tuple[str, str]:
+def kernel_variant(n: int, k: int, max_m: int, out_f32: bool = False, expected_m: int | None = None
+                   ) -> tuple[str, str]:
     """``(name, source)`` of the variant a call compiles: pure host code (``moe-fp8 warmup`` uses it)."""
     from .gemm import env_defines
 
-    tiles, sk = token_tiles(max_m), split_k(k)
+    tiles, sk = token_tiles(max_m, expected_m), split_k(k)
     chunked = max_m > 8 * tiles
     source = env_defines() + KERNEL_TEMPLATE.format(n=n, k=k, token_tiles=tiles, split_k=sk,
                                                     out_f32=str(out_f32).lower(), chunked=str(chunked).lower())
     return f"fp8_gemm_few_rows_n{n}_k{k}_t{tiles}_s{sk}{'_f32' if out_f32 else ''}{'_c' if chunked else ''}", source
 
 
-def items(n: int, k: int, num_groups: int, max_m: int = 1) -> int:
+def items(n: int, k: int, num_groups: int, max_m: int = 1, expected_m: int | None = None) -> int:
     """Work items of a launch where every group has ``max_m`` rows (the kernel walks only the chunks of rows
     there are)."""
-    return num_groups * ceil_div(max_m, 8 * token_tiles(max_m)) * ceil_div(n, TILE_N * (WARPS // split_k(k)))
+    rows = 8 * token_tiles(max_m, expected_m)
+    return num_groups * ceil_div(max_m, rows) * ceil_div(n, TILE_N * (WARPS // split_k(k)))
 
 
 @functools.cache
-def _launch_plan(n: int, k: int, num_groups: int, max_m: int, tiles: int, out_f32: bool, num_sms: int):
+def _launch_plan(n: int, k: int, num_groups: int, max_m: int, expected_m: int | None, tiles: int, out_f32: bool,
+                 num_sms: int):
     """``(kernel, grid, pdl)`` of a launch, built once (decode calls repeat the same few shapes); ``tiles``:
-    ``token_tiles(max_m)``, part of the key only (A/B runs change ``CHUNK_TOKEN_TILES``)."""
+    ``token_tiles(max_m, expected_m)``, part of the key only (A/B runs change ``CHUNK_TOKEN_TILES``)."""
     from .gemm import _pdl
 
-    kernel = build(*kernel_variant(n, k, max_m, out_f32))
-    return kernel, min(items(n, k, num_groups, max_m), CTAS_PER_SM * num_sms), _pdl()
+    kernel = build(*kernel_variant(n, k, max_m, out_f32, expected_m))
+    return kernel, min(items(n, k, num_groups, max_m, expected_m), CTAS_PER_SM * num_sms), _pdl()
 
 
 def launch(x_fp8: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out: torch.Tensor,
-           masked_m: torch.Tensor | None) -> None:
+           masked_m: torch.Tensor | None, expected_m: int | None = None) -> None:
     """``out [G, max_m, N]`` (bf16 or FP32) of the masked GEMM over ``x_fp8 [G, max_m, K]``, rows past
-    ``masked_m[g]`` untouched; with ``masked_m`` None, the normal GEMM of ``x_fp8 [M, K]`` (``out [M, N]``).
-    Inputs validated, ``applies`` true."""
+    ``masked_m[g]`` untouched, ``expected_m`` the callers' hint; with ``masked_m`` None, the normal GEMM of
+    ``x_fp8 [M, K]`` (``out [M, N]``). Inputs validated, ``applies`` true."""
     masked = masked_m is not None
     num_groups, max_m = (x_fp8.shape[0], x_fp8.shape[1]) if masked else (1, x_fp8.shape[0])
+    expected_m = expected_m if masked else None
     n, k = w.shape[-2], w.shape[-1]
-    kernel, grid, pdl = _launch_plan(n, k, num_groups, max_m, token_tiles(max_m), out.dtype == torch.float32,
-                                     get_num_sms())
+    kernel, grid, pdl = _launch_plan(n, k, num_groups, max_m, expected_m, token_tiles(max_m, expected_m),
+                                     out.dtype == torch.float32, get_num_sms())
     # x_scale: token-major columns (stride 1 along M), one per 128-K block, one block per group
     xs_group = x_scale.stride(0) if masked else 0
     xs_k = x_scale.stride(-1) if x_scale.shape[-1] > 1 else 0

@@ -336,7 +336,7 @@ def fp8_grouped_gemm_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, w
     if max_m == 0 or num_groups == 0:
         return
     if config is None and few_rows.applies(max_m, w.shape[1], w.shape[2], num_groups, expected_m):
-        few_rows.launch(x_fp8, x_scale, w, w_scale, out, masked_m)
+        few_rows.launch(x_fp8, x_scale, w, w_scale, out, masked_m, expected_m)
         return
     launch_fp8_gemm("masked", x_fp8, x_scale, w, w_scale, out, masked_m, max_m, num_groups,
                     expected_m=expected_m, config=config)
@@ -370,7 +370,7 @@ def fp8_grouped_gemm_silu_mul_quant_hopper(x_fp8: torch.Tensor, x_scale: torch.T
             from ..ops import silu_mul_per_token_group_quant
 
             h = torch.empty((*x_fp8.shape[:2], w13.shape[1]), dtype=torch.float32, device=x_fp8.device)
-            few_rows.launch(x_fp8, x_scale, w13, w13_scale, h, masked_m)
+            few_rows.launch(x_fp8, x_scale, w13, w13_scale, h, masked_m, expected_m)
             silu_mul_per_token_group_quant(h, BLOCK_K, ue8m0, masked_m, out=out_fp8, out_scale=out_scale)
             return
         launch_fp8_gemm("masked", x_fp8, x_scale, w13, w13_scale, out_fp8, masked_m, x_fp8.shape[1], x_fp8.shape[0],
