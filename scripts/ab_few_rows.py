@@ -62,7 +62,8 @@ def counts(tokens: int, experts: int, local: int, top_k: int, seed: int) -> list
     return hits[:local].tolist()
 
 
-# few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES, $MOE_FP8_GEMM_DEFINES
+# few_rows.MAX_ROWS, CHUNKED_MAX_EXPECTED, CHUNK_TOKEN_TILES, CHUNKED_FUSED_MAX_WAVES, $MOE_FP8_GEMM_DEFINES,
+# NARROW_MAX_EXPECTED
 Setting = tuple[int, int, int, float | None, str, int]
 SHIPPED: Setting = (few_rows.MAX_ROWS, few_rows.CHUNKED_MAX_EXPECTED, few_rows.CHUNK_TOKEN_TILES,
                     few_rows.CHUNKED_FUSED_MAX_WAVES, os.environ.get(ENV_DEFINES, ""), few_rows.NARROW_MAX_EXPECTED)
