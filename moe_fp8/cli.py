@@ -752,6 +752,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                                     tables=tables)
     routing = W.routing_variants(cfg)
     quant = W.quant_variants(cfg)
+    dispatch = W.dispatch_variants(cfg, args.ep)
     router = W.router_gemm_variants(cfg, num_sms)
     print(f"model     {args.model} ({cfg.get('model_type', 'unknown type')}): tp {args.tp}, ep {args.ep}, "
           f"up to {args.max_tokens} tokens, {num_sms} SMs, {comp.name} {comp.version}")
@@ -760,6 +761,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
               f"visible to choose one; $MOE_FP8_TUNED_CONFIGS names one)")
     print(f"weights   {len(gemms)} GEMM shapes per rank → {len(variants)} kernel variants"
           f"{f', + {len(routing)} routing kernels' if routing else ''}, + {len(quant)} quantization kernels"
+          f"{f', + {len(dispatch)} dispatch routing kernels' if dispatch else ''}"
           f"{f', + {len(router)} router GEMM kernels' if router else ''}")
     if args.dry_run:
         def state(v) -> str:
@@ -777,10 +779,12 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             print(f"  {r.name:<48} {r.logits_dtype + ' logits':<33} {state(r):<10}  mlp.gate")
         for q in quant:
             print(f"  {q.name:<48} {'bfloat16, ' + q.scales + ' scales':<33} {state(q):<10}  {q.users}")
+        for d in dispatch:
+            print(f"  {d.name:<48} {d.layout + ' dispatch':<33} {state(d):<10}  mlp.experts")
         for r in router:
             print(f"  {r.name:<48} {f'{r.weight_dtype} weight, {r.tokens} tokens':<33} {state(r):<10}  mlp.gate")
         return 0
-    variants = [*variants, *routing, *quant, *router]
+    variants = [*variants, *routing, *quant, *dispatch, *router]
 
     with Progress(len(variants), "warmup", enabled=not args.no_progress) as progress:
         def cached(n: int) -> None:

@@ -280,6 +280,8 @@ _HOPPER_IMPLS = {
     "router_gemm": "moe_fp8.kernels.router_gemm:router_gemm_hopper",  # (cuBLAS outside its cases)
     "dispatch_contiguous": "moe_fp8.kernels.dispatch:dispatch_contiguous_hopper",  # (Triton routing + a CUDA mover)
     "dispatch_masked": "moe_fp8.kernels.dispatch:dispatch_masked_hopper",
+    "quant_dispatch_contiguous": "moe_fp8.kernels.dispatch:quant_dispatch_contiguous_hopper",  # (Triton + our routing)
+    "quant_dispatch_masked": "moe_fp8.kernels.dispatch:quant_dispatch_masked_hopper",
     "per_token_group_quant": "moe_fp8.kernels.quant:per_token_group_quant_hopper",  # (Triton outside its cases)
     "silu_mul_per_token_group_quant": "moe_fp8.kernels.quant:silu_mul_per_token_group_quant_hopper",  # (the same)
 }

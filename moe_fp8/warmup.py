@@ -1,6 +1,7 @@
 """Precompile every GEMM kernel variant a model needs, its router's Hopper routing kernels
-(``routing_variants``) and router-logits kernels (``router_gemm_variants``) and its activations' quantization
-kernel (``quant_variants``), into the JIT disk cache
+(``routing_variants``) and router-logits kernels (``router_gemm_variants``), its activations' quantization
+kernel (``quant_variants``) and its prefill dispatches' routing kernels (``dispatch_variants``), into the JIT disk
+cache
 (``moe-fp8 warmup``).
 
 A variant bakes N, K and the tile configuration (STYLE practice 4); M and the grouped counts are
@@ -56,6 +57,7 @@ from moe_fp8.kernels.tuning import MASKED_FINE_ROWS, MASKED_KEY_ROWS, TunedTable
 from moe_fp8.utils import ALIGN_M, GROUP_K, align
 
 __all__ = [
+    "DispatchVariant",
     "GemmShape",
     "ModelConfigError",
     "QuantVariant",
@@ -65,6 +67,7 @@ __all__ = [
     "WarmupResult",
     "compile_variants",
     "describe_rows",
+    "dispatch_variants",
     "enumerate_variants",
     "fp8_lm_head_in_checkpoint",
     "load_model_config",
@@ -448,6 +451,32 @@ def quant_variants(cfg: dict[str, Any]) -> list[QuantVariant]:
             QuantVariant(*quant.kernel_variant(torch.bfloat16, ue8m0, silu=True), scales, "Fp8MLP SiLU·mul")]
 
 
+@dataclasses.dataclass
+class DispatchVariant:
+    """One compiled Hopper routing kernel of the chunked dispatches (``kernels/dispatch.py``: ``route_pairs``): its
+    cache ``name``, ``source`` and the dispatch layout it serves."""
+    name: str
+    source: str
+    layout: str
+
+
+def dispatch_variants(cfg: dict[str, Any], ep: int = 1) -> list[DispatchVariant]:
+    """The ``route_pairs`` kernels of the MoE layer's prefill dispatches on one rank: int32 ids (what
+    ``select_experts`` returns), under the layer's int32 expert map where ``ep > 1``, for the contiguous and the
+    masked layout. None for a dense model or more local experts than the kernel takes (the Triton kernels)."""
+    import torch
+
+    from moe_fp8.kernels.dispatch import ROUTE_MAX_EXPERTS, route_variant
+
+    n_experts = _get(cfg, "n_routed_experts", "num_experts", "num_local_experts", default=0)
+    local = n_experts // ep if n_experts and n_experts % ep == 0 else 0
+    if not 1 <= local <= ROUTE_MAX_EXPERTS:
+        return []
+    emap = torch.int32 if ep > 1 else None
+    return [DispatchVariant(*route_variant(torch.int32, emap, masked, local), "masked" if masked else "contiguous")
+            for masked in (False, True)]
+
+
 def describe_rows(v: Variant) -> str:
     """The row counts that select ``v``: M (normal), M_total (contiguous), expected M per expert (masked)."""
     what = "tokens" if v.config is None else {"normal": "M", "contiguous": "M_total", "masked": "expected M"}[v.layout]
@@ -517,7 +546,8 @@ def compile_variants(variants: list[Variant | RoutingVariant | QuantVariant | Ro
 
 def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, jobs: int | None = None,
            num_sms: int | None = None, compiler: str | None = None) -> WarmupResult:
-    """Python API of ``moe-fp8 warmup``: enumerate the model's variants (GEMMs, routing, quantization) and compile
+    """Python API of ``moe-fp8 warmup``: enumerate the model's variants (GEMMs, routing, quantization, dispatch
+    routing) and compile
     the missing ones.
 
     ``num_sms`` defaults to ``moe_fp8.get_num_sms()`` (the visible GPU's, else ``$MOE_FP8_NUM_SMS``,
@@ -529,6 +559,6 @@ def warmup(model: str | Path, tp: int = 1, ep: int = 1, max_tokens: int = 8192, 
     gemms = model_gemms(cfg, tp, ep, fp8_lm_head=fp8_lm_head_in_checkpoint(Path(model)))
     num_sms = num_sms or get_num_sms()
     variants = enumerate_variants(gemms, max_tokens, num_sms, top_k=int(cfg.get("num_experts_per_tok") or 1))
-    return compile_variants([*variants, *routing_variants(cfg), *quant_variants(cfg),
+    return compile_variants([*variants, *routing_variants(cfg), *quant_variants(cfg), *dispatch_variants(cfg, ep),
                              *router_gemm_variants(cfg, num_sms)], jobs, compiler)
 

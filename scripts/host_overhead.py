@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="timed calls per op")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer forward (builds 32 experts' weights)")
     ap.add_argument("--no-profile", action="store_true", help="skip the GEMM's profile")
+    ap.add_argument("--profile-forward", action="store_true",
+                    help="also profile the layer's contiguous forward at 2048 tokens (top functions by own time)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
@@ -114,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         prof.disable()
         torch.cuda.synchronize()
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+    if args.profile_forward and not args.no_layer:
+        forward = rows[-2][1]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            torch.cuda._sleep(1_000_000)
+            forward()
+        prof.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(prof, stream=sys.stdout)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats("moe_fp8", 60)
     return 0
 
 

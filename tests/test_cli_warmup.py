@@ -284,8 +284,31 @@ def test_router_gemm_variants_are_what_router_gemm_builds(tmp_path, capsys, monk
     assert cli.main(["warmup", "--model", str(model), "--tp", "8", "--max-tokens", "64", "--dry-run",
                      "--num-sms", "132"]) == 0
     out = capsys.readouterr().out
-    assert "+ 2 quantization kernels, + 8 router GEMM kernels" in out
+    assert "+ 2 quantization kernels, + 2 dispatch routing kernels, + 8 router GEMM kernels" in out
     assert f"  {got[0].name:<48} bfloat16 weight, 1 tokens" in out
+
+
+def test_dispatch_variants_are_what_route_pairs_builds(tmp_path, capsys, monkeypatch):
+    """DeepSeek-V3's prefill dispatches: the routing kernel of int32 ids over the rank's experts (under an int32 map
+    at EP), contiguous and masked; none for a dense model or past the kernel's expert count."""
+    import torch
+
+    from moe_fp8.kernels import dispatch
+
+    tp8 = W.dispatch_variants(DEEPSEEK_V3)
+    assert [(v.name, v.source) for v in tp8] == [dispatch.route_variant(torch.int32, None, m, 256)
+                                                 for m in (False, True)]
+    assert [v.layout for v in tp8] == ["contiguous", "masked"]
+    ep8 = W.dispatch_variants(DEEPSEEK_V3, ep=8)
+    assert [(v.name, v.source) for v in ep8] == [dispatch.route_variant(torch.int32, torch.int32, m, 32)
+                                                 for m in (False, True)]
+    assert W.dispatch_variants(TINY_DENSE) == []
+    assert W.dispatch_variants({**DEEPSEEK_V3, "n_routed_experts": dispatch.ROUTE_MAX_EXPERTS + 1}) == []
+    monkeypatch.setenv("MOE_FP8_CACHE_DIR", str(tmp_path / "cache"))
+    model = _model(tmp_path, DEEPSEEK_V3)
+    assert cli.main(["warmup", "--model", str(model), "--ep", "8", "--max-tokens", "64", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"  {ep8[1].name:<48} masked dispatch" in out
 
 
 def test_quant_variants_are_what_the_quantization_builds():

@@ -58,9 +58,15 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize(("capability", "backend"), [((9, 0), "hopper"), ((8, 9), "portable"), ((10, 0), "portable")])
 def test_data_path_ops_select_their_kernels(fake_gpu, capability, backend):
-    """The Triton kernels everywhere, but on Hopper the quantization, routing and the dispatches of FP8 rows: their
-    CUDA kernels (which hand the calls they do not cover to the Triton ones)."""
-    from moe_fp8.kernels.dispatch import dispatch_contiguous_hopper, dispatch_masked_hopper
+    """The Triton kernels everywhere, but on Hopper the quantization, routing and the dispatches: their CUDA kernels
+    (which hand the calls they do not cover to the Triton ones; the quantizing dispatches keep the Triton scatter,
+    routed by a CUDA kernel)."""
+    from moe_fp8.kernels.dispatch import (
+        dispatch_contiguous_hopper,
+        dispatch_masked_hopper,
+        quant_dispatch_contiguous_hopper,
+        quant_dispatch_masked_hopper,
+    )
     from moe_fp8.kernels.quant import per_token_group_quant_hopper, silu_mul_per_token_group_quant_hopper
     from moe_fp8.kernels.routing import select_experts_hopper
     from moe_fp8.kernels.triton import dispatch, quant, routing
@@ -76,7 +82,9 @@ def test_data_path_ops_select_their_kernels(fake_gpu, capability, backend):
         assert backends.implementations(op) == ("hopper", "portable", "reference")
         hopper = {"select_experts": select_experts_hopper, "dispatch_contiguous": dispatch_contiguous_hopper,
                   "dispatch_masked": dispatch_masked_hopper, "per_token_group_quant": per_token_group_quant_hopper,
-                  "silu_mul_per_token_group_quant": silu_mul_per_token_group_quant_hopper}
+                  "silu_mul_per_token_group_quant": silu_mul_per_token_group_quant_hopper,
+                  "quant_dispatch_contiguous": quant_dispatch_contiguous_hopper,
+                  "quant_dispatch_masked": quant_dispatch_masked_hopper}
         want = hopper.get(op, kernels[op]) if backend == "hopper" else kernels[op]
         assert backends.select(op, dev) == (backend, want), op
         assert moe_fp8.backend(op, dev) == backend

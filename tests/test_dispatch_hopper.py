@@ -161,3 +161,140 @@ def test_masked_matches_reference(monkeypatch, t, h, e_global, e_local, k, max_m
     assert kept[0] is out and kept[1] is out_scale
     assert (out.view(torch.uint8)[~valid] == POISON).all() and (out_scale[~valid] == -7.0).all()
 
+
+
+# ---- routing: impls/route_pairs.cuh against the Triton count and scan kernels ----
+
+@pytest.mark.parametrize(("ids", "emap", "masked", "experts"), [
+    (torch.int32, None, False, 256), (torch.int64, torch.int32, False, 384), (torch.int32, torch.int64, True, 32),
+    (torch.int64, None, True, 512)])
+def test_route_kernel_compiles_without_local_memory(ids, emap, masked, experts, tmp_path: Path):
+    from moe_fp8.kernels.dispatch import route_variant
+    from moe_fp8.kernels.jit import get_compiler
+    from moe_fp8.kernels.jit.cache import include_dir
+    from moe_fp8.kernels.sass import count_instructions, dump_sass
+
+    name, src = route_variant(ids, emap, masked, experts)
+    res = get_compiler().compile_ex(src, name, [include_dir()], tmp_path)
+    (report,) = res.ptxas.values()
+    assert report.get("spill_stores", 0) == 0 and report.get("stack", 0) == 0, report
+    sass = dump_sass(res.cubin)
+    assert count_instructions(sass, "MATCH") >= 8  # a rank by match.any a round
+    assert count_instructions(sass, "LDL") == 0 and count_instructions(sass, "STL") == 0
+
+
+def test_route_applies_to_its_cases(monkeypatch):
+    from moe_fp8.kernels.dispatch import ROUTE_MAX_EXPERTS, route_applies
+
+    ids = torch.zeros(4, 8, dtype=torch.int32)
+    assert route_applies(ids, 256, None, 128) and route_applies(ids.long(), ROUTE_MAX_EXPERTS, ids[0], 128)
+    assert not route_applies(ids, ROUTE_MAX_EXPERTS + 1, None, 128)  # more experts than kV = 2 a thread
+    assert not route_applies(ids, 256, None, 64)  # the kernel's chunks are 128 pairs
+    assert not route_applies(ids.short(), 256, None, 128)
+    assert not route_applies(ids, 256, ids[0].float(), 128)
+    monkeypatch.setenv("MOE_FP8_CUDA_ROUTE", "0")
+    assert not route_applies(ids, 256, None, 128)
+
+
+ROUTE_CASES = [  # tokens, top_k, local experts, global experts (None: no map), ids / map dtype, id pattern
+    (0, 8, 256, None, torch.int64, "random"),
+    (1, 1, 1, None, torch.int32, "random"),
+    (16, 8, 256, None, torch.int32, "random"),  # one chunk
+    (16, 8, 256, 512, torch.int64, "invalid"),  # ids outside the map and mapped outside [0, E)
+    (17, 8, 32, None, torch.int32, "invalid"),  # ids outside [0, E): not local
+    (256, 8, 256, None, torch.int32, "random"),  # exactly one CTA (16 chunks)
+    (257, 8, 300, None, torch.int64, "random"),  # a second CTA of one chunk; kV = 2
+    (1000, 8, 7, None, torch.int32, "one"),  # every pair the same expert: ranks up to 127
+    (4096 + 3, 8, 256, 2048, torch.int32, "random"),  # 17 CTAs: look-back past one batch of 16
+    (16384, 8, 256, None, torch.int32, "random"),  # 64 CTAs
+    (16384, 8, 32, 256, torch.int64, "random"),  # an EP rank: most pairs not local
+    (40000, 6, 512, None, torch.int64, "random"),  # kV = 2, 118 CTAs
+    (65536, 8, 256, None, torch.int32, "random"),  # 256 CTAs
+]
+
+
+def _route_ids(t: int, k: int, e_local: int, e_global: int | None, dtype: torch.dtype, pattern: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    n = e_global or e_local
+    if pattern == "one":
+        ids = torch.full((t, k), n // 2, dtype=torch.int64)
+    else:
+        ids = torch.randint(0, n, (t, k), generator=gen)
+        if pattern == "invalid":
+            ids[torch.rand(t, k, generator=gen) < 0.2] = -1
+            ids[torch.rand(t, k, generator=gen) < 0.2] = n + 5
+    emap = None
+    if e_global is not None:
+        emap = torch.full((e_global,), -1, dtype=dtype)
+        emap[torch.randperm(e_global, generator=gen)[:e_local]] = torch.randperm(e_local, generator=gen).to(dtype)
+        if pattern == "invalid":
+            emap[:3] = e_local + 1  # mapped outside the local experts
+        emap = emap.cuda()
+    return ids.to(dtype).cuda(), emap
+
+
+def _assert_same_routing(got, want, masked: bool) -> None:
+    is_local = want.local >= 0
+    assert_same_bits(got.local, want.local, "local")
+    assert_same_bits(got.rank[is_local], want.rank[is_local], "rank")
+    assert_same_bits(got.base, want.base, "base")
+    assert got.has_map == want.has_map
+    if masked:
+        assert_same_bits(got.masked_m, want.masked_m, "masked_m")
+    else:
+        assert_same_bits(got.count, want.count, "count")
+        assert_same_bits(got.seg_start, want.seg_start, "seg_start")
+        assert_same_bits(got.status, want.status, "status")
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "k", "e_local", "e_global", "dtype", "pattern"), ROUTE_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_route_pairs_matches_the_triton_kernels(monkeypatch, t, k, e_local, e_global, dtype, pattern, masked):
+    """Every output a scatter reads, bit for bit, on poisoned buffers; ranks of pairs that are not local are
+    never read."""
+    from moe_fp8.kernels.dispatch import route_pairs
+    from moe_fp8.kernels.triton.configs import dispatch_config
+    from moe_fp8.kernels.triton.dispatch import _route
+
+    ids, emap = _route_ids(t, k, e_local, e_global, dtype, pattern, seed=t + e_local)
+    cfg = dispatch_config(t, k, 7168, e_local, fused=False, has_map=emap is not None)
+    max_m = max(t // 4, 1)
+    want = _route(ids, e_local, emap, max_m, 128, torch.empty(e_local, dtype=torch.int32, device="cuda")
+                  if masked else None, cfg)
+    with monkeypatch.context() as m:
+        poison_empty(m, POISON)
+        masked_m = torch.empty(e_local, dtype=torch.int32, device="cuda") if masked else None
+        got = route_pairs(ids, e_local, emap, max_m, 128, masked_m, cfg.chunk)
+    assert got is not None
+    _assert_same_routing(got, want, masked)
+
+
+@pytest.mark.hopper
+@pytest.mark.gpu
+def test_route_pairs_repeats_and_replays():
+    """The look-back's result does not depend on the CTAs' timing (200 launches of 256 CTAs agree), and a CUDA
+    graph of the launch (its workspace's zero fill captured with it) replays other ids right."""
+    from moe_fp8.kernels.dispatch import route_pairs
+    from moe_fp8.kernels.triton.configs import dispatch_config
+    from moe_fp8.kernels.triton.dispatch import _route
+
+    t, k, e = 65536, 8, 256
+    cfg = dispatch_config(t, k, 7168, e, fused=False)
+    ids, _ = _route_ids(t, k, e, None, torch.int32, "random", seed=3)
+    want = _route(ids, e, None, 0, 128, None, cfg)
+    for _ in range(200):
+        _assert_same_routing(route_pairs(ids, e, None, 0, 128, None, cfg.chunk), want, False)
+
+    static = ids.clone()
+    route_pairs(static, e, None, 0, 128, None, cfg.chunk)  # compiled and loaded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = route_pairs(static, e, None, 0, 128, None, cfg.chunk)
+    for seed in (4, 5, 6):
+        new, _ = _route_ids(t, k, e, None, torch.int32, "random" if seed != 5 else "one", seed=seed)
+        static.copy_(new)
+        graph.replay()
+        _assert_same_routing(captured, _route(new, e, None, 0, 128, None, cfg), False)

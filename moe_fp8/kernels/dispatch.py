@@ -10,6 +10,11 @@ Triton → mover: 16384 tokens 482.2 → 415.8 µs (0.73 → 0.84× a copy of th
 
 Rows of a multiple of 16 bytes (bulk copies) up to the shared memory of one CTA, at most 32 slots per token;
 other calls run the Triton scatter.
+
+The routing state both scatters read (local ids, ranks in 128-pair chunks, the chunks' bases, segment starts)
+comes from ``route_pairs`` (impls/route_pairs.cuh): one launch in place of the Triton count and scan kernels,
+the same outputs. Eager calls pay one launch of ours (~6 µs of host time) instead of two Triton launches
+(~25-40 µs each, session 33).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import functools
 
 import torch
 
-from ..utils import SCALE_M_ALIGN, ceil_div
+from ..utils import SCALE_M_ALIGN, ceil_div, env, truthy
+from .gemm import _pdl
 from .jit import build
 
 KERNEL_TEMPLATE = """#include "moe_fp8/impls/dispatch_rows.cuh"
@@ -43,6 +49,81 @@ def kernel_variant(top_k: int, masked: bool, rows_on_device: bool, scales_apart:
 @functools.cache
 def get_kernel(top_k: int, masked: bool, rows_on_device: bool, scales_apart: bool):
     return build(*kernel_variant(top_k, masked, rows_on_device, scales_apart))
+
+
+ROUTE_TEMPLATE = """#include "moe_fp8/impls/route_pairs.cuh"
+
+__attribute__((unused)) static void instantiate() {{
+    (void)&moe_fp8::dispatch::route_pairs_kernel<{ids}, {map}, /*kHasMap=*/{has_map}, /*kMasked=*/{masked},
+                                                 /*kV=*/{v}>;
+}}
+"""
+ROUTE_CHUNK = 128  # the header's kRouteChunk: pairs a chunk (DispatchConfig.chunk)
+ROUTE_CHUNKS_PER_CTA = 16  # kRouteChunksPerCta
+ROUTE_THREADS = 256  # kRouteThreads
+ROUTE_MAX_EXPERTS = 2 * ROUTE_THREADS  # kV <= 2 experts a thread (at 4, ptxas spilled)
+ROUTE_SMEM_MAP_ENTRIES = 2048  # expert maps up to this many global experts are staged in shared memory
+_ROUTE_CTYPES = {torch.int32: "int32_t", torch.int64: "int64_t"}
+
+
+def route_variant(ids_dtype: torch.dtype, map_dtype: torch.dtype | None, masked: bool, num_experts: int
+                  ) -> tuple[str, str]:
+    """``(name, source)`` of the routing kernel for these id / map dtypes (None: no map), layout and expert count
+    (it sets ``kV``, the experts a thread: 1 or 2)."""
+    v = 1 if num_experts <= ROUTE_THREADS else 2
+    has_map = map_dtype is not None
+    source = ROUTE_TEMPLATE.format(ids=_ROUTE_CTYPES[ids_dtype], map=_ROUTE_CTYPES[map_dtype or ids_dtype],
+                                   has_map=str(has_map).lower(), masked=str(masked).lower(), v=v)
+    name = (f"route_pairs_{str(ids_dtype)[6:]}_{str(map_dtype)[6:] if has_map else 'nomap'}"
+            f"{'_masked' if masked else ''}_v{v}")
+    return name, source
+
+
+@functools.cache
+def get_route_kernel(ids_dtype: torch.dtype, map_dtype: torch.dtype | None, masked: bool, num_experts: int):
+    return build(*route_variant(ids_dtype, map_dtype, masked, num_experts))
+
+
+def route_applies(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, chunk: int) -> bool:
+    """The kernel takes int32 / int64 ids and maps, up to ``ROUTE_MAX_EXPERTS`` local experts, 128-pair chunks and
+    fewer than 2^31 pairs; ``MOE_FP8_CUDA_ROUTE=0`` turns it off (the Triton kernels, for A/B runs)."""
+    return (chunk == ROUTE_CHUNK and 1 <= num_experts <= ROUTE_MAX_EXPERTS and topk_ids.dtype in _ROUTE_CTYPES
+            and (expert_map is None or expert_map.dtype in _ROUTE_CTYPES) and topk_ids.numel() < 2**31
+            and truthy(env("MOE_FP8_CUDA_ROUTE") or "1"))
+
+
+def route_pairs(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int, align_m: int,
+                masked_m: torch.Tensor | None, chunk: int):
+    """The ``Router`` of ``kernels/triton/dispatch.py``: the chunked dispatch's routing state (``_Routing``) in one
+    launch, or None where ``route_applies`` does not hold (the Triton kernels then). ``masked_m`` given: the masked
+    layout, written here; else the contiguous layout's segment starts (aligned to ``align_m``) and status."""
+    from .triton.dispatch import _Routing
+
+    if not route_applies(topk_ids, num_experts, expert_map, chunk):
+        return None
+    device = topk_ids.device
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    emap = None if expert_map is None else (expert_map if expert_map.is_contiguous() else expert_map.contiguous())
+    num_pairs = ids.numel()
+    num_chunks = ceil_div(num_pairs, ROUTE_CHUNK)
+    ctas = max(ceil_div(num_chunks, ROUTE_CHUNKS_PER_CTA), 1)
+    i32 = torch.empty(2 * num_pairs + num_chunks * num_experts, dtype=torch.int32, device=device)
+    local, rank, base = i32.split([num_pairs, num_pairs, num_chunks * num_experts])
+    # more than one CTA: the look-back flags and the id range's words must start at 0 (a memset launch; the rest
+    # is written before it is read)
+    num_flags = ctas * num_experts if ctas > 1 else 0
+    i64 = (torch.zeros if ctas > 1 else torch.empty)(2 * num_experts + 7 + num_flags, dtype=torch.int64, device=device)
+    count, seg_start, status, stat_words, flags = i64.split([num_experts, num_experts, 4, 3, num_flags])
+    masked = masked_m is not None
+    num_global = emap.shape[0] if emap is not None else num_experts
+    map_entries = num_global if emap is not None and num_global <= ROUTE_SMEM_MAP_ENTRIES else 0
+    smem = ceil_div(map_entries * (emap.element_size() if emap is not None else 0), 16) * 16
+    kernel = get_route_kernel(ids.dtype, None if emap is None else emap.dtype, masked, num_experts)
+    kernel.launch(ctas, ROUTE_THREADS, [
+        ids, emap if emap is not None else ids, local, rank, base, count, seg_start, status,
+        masked_m if masked else local, flags, stat_words, num_pairs, num_experts, num_global, map_entries, max_m,
+        align_m], smem_bytes=smem + 4 * ROUTE_CHUNKS_PER_CTA * num_experts, pdl=_pdl())
+    return _Routing(local, rank, base, seg_start, count, status, emap is not None, masked_m)
 
 
 def mover_applies(x_fp8: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -83,22 +164,48 @@ def move_rows(x_fp8: torch.Tensor, x_scale: torch.Tensor, local: torch.Tensor, r
 def dispatch_contiguous_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                                expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
                                return_m_total: bool = False) -> tuple[torch.Tensor, ...]:
-    """Backend entry of ``dispatch_contiguous`` on Hopper (see ``moe_fp8.ops``): the Triton backend's, its FP8
-    rows moved by ``move_rows`` where ``mover_applies``. Arguments are validated by the public wrapper."""
+    """Backend entry of ``dispatch_contiguous`` on Hopper (see ``moe_fp8.ops``): the Triton backend's, routed by
+    ``route_pairs`` and its FP8 rows moved by ``move_rows`` where ``mover_applies``. Arguments are validated by the
+    public wrapper."""
     from .triton.dispatch import dispatch_contiguous
 
     mover = move_rows if mover_applies(x_fp8, topk_ids) else None
     return dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync=sync,
-                               return_m_total=return_m_total, mover=mover)
+                               return_m_total=return_m_total, mover=mover, router=route_pairs)
 
 
 def dispatch_masked_hopper(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                            max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
                            out_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Backend entry of ``moe_fp8::dispatch_masked`` on Hopper: the Triton backend's, the rows of its chunked
-    path (beyond ``configs.DISPATCH_FUSED_MAX_PAIRS``) moved by ``move_rows`` where ``mover_applies``."""
+    """Backend entry of ``moe_fp8::dispatch_masked`` on Hopper: the Triton backend's, its chunked path (beyond
+    ``configs.DISPATCH_FUSED_MAX_PAIRS``) routed by ``route_pairs`` and its rows moved by ``move_rows`` where
+    ``mover_applies``."""
     from .triton.dispatch import dispatch_masked
 
     mover = move_rows if mover_applies(x_fp8, topk_ids) else None
     return dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map, out=out, out_scale=out_scale,
-                           mover=mover)
+                           mover=mover, router=route_pairs)
+
+
+def quant_dispatch_contiguous_hopper(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                                     expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
+                                     eps: float = 1e-10, *, sync: bool = True, return_x: bool = True,
+                                     return_m_total: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """Backend entry of ``quant_dispatch_contiguous`` on Hopper: the Triton backend's quantizing scatter, routed by
+    ``route_pairs``."""
+    from .triton.dispatch import quant_dispatch_contiguous
+
+    return quant_dispatch_contiguous(x, topk_ids, num_experts, expert_map, align_m, ue8m0, eps, sync=sync,
+                                     return_x=return_x, return_m_total=return_m_total, router=route_pairs)
+
+
+def quant_dispatch_masked_hopper(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int,
+                                 expert_map: torch.Tensor | None, ue8m0: bool = False, eps: float = 1e-10, *,
+                                 out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, ...]:
+    """Backend entry of ``moe_fp8::quant_dispatch_masked`` on Hopper: the Triton backend's (one fused launch at
+    decode), its chunked path routed by ``route_pairs``."""
+    from .triton.dispatch import quant_dispatch_masked
+
+    return quant_dispatch_masked(x, topk_ids, num_experts, max_m, expert_map, ue8m0, eps, out=out,
+                                 out_scale=out_scale, router=route_pairs)

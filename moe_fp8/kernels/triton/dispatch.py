@@ -41,6 +41,8 @@ destination row of every pair, or -1), written by the programs that copy the row
      On Hopper ``dispatch_contiguous`` and ``dispatch_masked`` (FP8 rows) pass a ``RowMover``
      (``kernels/dispatch.py``, CUDA) that replaces this scatter: the same outputs, the rows moved by bulk
      copies.
+     On Hopper every dispatch also passes a ``Router`` (``kernels/dispatch.py``: ``route_pairs``, CUDA) that
+     replaces the count and scan kernels: the same routing state in one launch.
 
 Every data-path kernel starts with ``common.pdl_start`` (programmatic dependent launch on sm_90+).
 
@@ -761,10 +763,23 @@ class _Routing(NamedTuple):
     masked_m: torch.Tensor | None = None  # masked layout: the rows of each expert
 
 
+class Router(Protocol):
+    """A kernel that computes the chunked routing state (``_Routing``) as ``_count_kernel`` then ``_scan_kernel``
+    do (the Hopper backend's, ``kernels/dispatch.py``), or returns None where it does not take the call."""
+
+    def __call__(self, topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
+                 align_m: int, masked_m: torch.Tensor | None, chunk: int) -> _Routing | None: ...
+
+
 def _route(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, max_m: int,
-           align_m: int, masked_m: torch.Tensor | None, cfg: DispatchConfig) -> _Routing:
+           align_m: int, masked_m: torch.Tensor | None, cfg: DispatchConfig, router: Router | None = None) -> _Routing:
     """Route the flat (token, slot) pairs in two launches: ``_count_kernel`` then ``_scan_kernel``
-    (``masked_m`` is written when given: masked layout). The scatter turns the result into ``row_map``."""
+    (``masked_m`` is written when given: masked layout), or by ``router`` where it takes the call. The scatter
+    turns the result into ``row_map``."""
+    if router is not None:
+        routing = router(topk_ids, num_experts, expert_map, max_m, align_m, masked_m, cfg.chunk)
+        if routing is not None:
+            return routing
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -957,9 +972,11 @@ def _masked_destinations(out: torch.Tensor | None, out_scale: torch.Tensor | Non
 def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                     max_m: int, expert_map: torch.Tensor | None, *, out: torch.Tensor | None = None,
                     out_scale: torch.Tensor | None = None, config: DispatchConfig | None = None,
-                    mover: RowMover | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    mover: RowMover | None = None, router: Router | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backend entry of ``moe_fp8::dispatch_masked`` (see ``moe_fp8.ops``); no host sync. ``mover``: the
-    chunked path's rows by that kernel (see ``RowMover``; the fused path has no routing state to give it).
+    chunked path's rows by that kernel (see ``RowMover``; the fused path has no routing state to give it);
+    ``router``: its routing state by that kernel (see ``Router``).
 
     Returns ``(out_fp8 [E, max_m, K], out_scale [E, max_m, KG] (3-D TMA layout), masked_m int32 [E],
     row_map int64 [T, top_k])``. Rows past ``masked_m[e]`` are not written: pass persistent ``out`` /
@@ -980,7 +997,7 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
         _fused(x_fp8, x_scale, topk_ids, expert_map, num_experts, max_m, m_pad, out, out_scale, row_map,
                masked_m, cfg)
         return out, out_scale, masked_m, row_map
-    routing = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg)
+    routing = _route(topk_ids, num_experts, expert_map, max_m, 1, masked_m, cfg, router)
     row_map = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
     _scatter(x_fp8, x_scale, routing, out, out_scale, row_map, None, max_m, m_pad, cfg, mover=mover)
     return out, out_scale, masked_m, row_map
@@ -989,7 +1006,7 @@ def dispatch_masked(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.
 def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, max_m: int,
                           expert_map: torch.Tensor | None, ue8m0: bool = False, eps: float = 1e-10, *,
                           out: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
-                          config: DispatchConfig | None = None
+                          config: DispatchConfig | None = None, router: Router | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                      torch.Tensor]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_masked`` — one launch at decode.
@@ -999,7 +1016,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     (``configs.dispatch_config(...).fused``) each dispatch program quantizes its own slice of the
     rows and copies the codes to every destination, so the decode step has no quantization launch
     and never reads ``x_fp8`` back; otherwise the two ops run one after the other.
-    ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; ``out`` / ``out_scale`` as ``dispatch_masked``.
+    ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; ``out`` / ``out_scale`` / ``router`` as ``dispatch_masked``.
     """
     device = check_launch_device(x, topk_ids, expert_map, out, out_scale)
     if x.dim() != 2 or not x.is_contiguous():
@@ -1010,7 +1027,7 @@ def quant_dispatch_masked(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: 
     if not cfg.fused or num_tokens == 0:
         x_fp8, x_scale = _quantize(x, ue8m0, eps)
         return (x_fp8, x_scale, *dispatch_masked(x_fp8, x_scale, topk_ids, num_experts, max_m, expert_map,
-                                                 out=out, out_scale=out_scale, config=cfg))
+                                                 out=out, out_scale=out_scale, config=cfg, router=router))
     kg = ceil_div(k, 128)
     m_pad = get_tma_aligned_m(max_m)
     out, out_scale = _masked_destinations(out, out_scale, num_experts, max_m, k, kg, device)
@@ -1084,10 +1101,10 @@ def _contiguous_rows(status: tuple[torch.Tensor, torch.cuda.Event | None], topk_
 
 
 def _contiguous_plan(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None, align_m: int,
-                     sync: bool, cfg: DispatchConfig) -> tuple[_Routing, tuple]:
+                     sync: bool, cfg: DispatchConfig, router: Router | None = None) -> tuple[_Routing, tuple]:
     """Everything of the contiguous dispatch that needs no ``M_total``: ``(routing, pending status)`` —
     ``_contiguous_rows(pending, ...)`` then gives the rows."""
-    routing = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg)
+    routing = _route(topk_ids, num_experts, expert_map, 0, align_m, None, cfg, router)
     return routing, (_status_to_host(routing.status) if sync else (routing.status, None))
 
 
@@ -1150,9 +1167,9 @@ def _m_total(plan: tuple[_Routing, tuple]) -> torch.Tensor:
 def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                         expert_map: torch.Tensor | None, align_m: int, *, sync: bool = True,
                         return_m_total: bool = False, config: DispatchConfig | None = None,
-                        mover: RowMover | None = None) -> tuple[torch.Tensor, ...]:
+                        mover: RowMover | None = None, router: Router | None = None) -> tuple[torch.Tensor, ...]:
     """Backend entry of ``dispatch_contiguous`` (see ``moe_fp8.ops``) on the portable backend, and on Hopper
-    with the ``mover`` of ``kernels/dispatch.py`` (see ``RowMover``).
+    with the ``mover`` and ``router`` of ``kernels/dispatch.py`` (see ``RowMover``, ``Router``).
 
     ``sync=True``: one host sync (``M_total``); raises ``ValueError`` exactly where the reference does
     (ids outside ``[0, num_ids)``, a map to a local id ``>= num_experts``), from the same sync. The
@@ -1166,7 +1183,7 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
     check_launch_device(x_fp8, x_scale, topk_ids, expert_map)
     cfg = config or dispatch_config(x_fp8.shape[0], topk_ids.shape[1], x_fp8.shape[1], num_experts,
                                     has_map=expert_map is not None)
-    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg, router)
     routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan,
                                   mover=mover)
     return (*routed, _m_total(plan)) if return_m_total else routed
@@ -1175,8 +1192,8 @@ def dispatch_contiguous(x_fp8: torch.Tensor, x_scale: torch.Tensor, topk_ids: to
 def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                               expert_map: torch.Tensor | None, align_m: int, ue8m0: bool = False,
                               eps: float = 1e-10, *, sync: bool = True, return_x: bool = True,
-                              return_m_total: bool = False, config: DispatchConfig | None = None
-                              ) -> tuple[torch.Tensor | None, ...]:
+                              return_m_total: bool = False, config: DispatchConfig | None = None,
+                              router: Router | None = None) -> tuple[torch.Tensor | None, ...]:
     """``per_token_group_quant(x, 128, ue8m0, eps)`` then ``dispatch_contiguous``, ordered so the host
     sync costs no GPU idle time: the routing kernels run first and ``M_total`` goes to pinned host
     memory before the copying is enqueued, so the host waits only for the routing and returns while the
@@ -1193,8 +1210,8 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
 
     Returns ``(x_fp8 [T, K], x_scale [T, KG] (TMA layout), out_fp8, out_scale, m_indices, row_map)``,
     bit-identical to the two calls; ``return_x=False``: ``(None, None, ...)``; ``return_m_total``: and
-    ``M_total`` (int32 ``[1]``, device). ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest as
-    ``dispatch_contiguous``.
+    ``M_total`` (int32 ``[1]``, device). ``x``: contiguous ``[T, K]`` bf16 / fp16 / fp32; the rest (``router``
+    too) as ``dispatch_contiguous``.
     """
     device = check_launch_device(x, topk_ids, expert_map)
     if x.dim() != 2 or not x.is_contiguous():
@@ -1202,7 +1219,7 @@ def quant_dispatch_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, num_exper
     num_tokens, k = x.shape
     has_map = expert_map is not None
     cfg = config or dispatch_config(num_tokens, topk_ids.shape[1], k, num_experts, has_map=has_map, quant=True)
-    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg)
+    plan = _contiguous_plan(topk_ids, num_experts, expert_map, align_m, sync, cfg, router)
     if has_map and not cfg.sparse:
         x_fp8, x_scale = _quantize(x, ue8m0, eps)
         routed = _dispatch_contiguous(x_fp8, x_scale, topk_ids, num_experts, expert_map, align_m, sync, cfg, plan)
