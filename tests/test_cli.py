@@ -23,6 +23,7 @@ JSON_KEYS = {"moe_fp8", "python", "system", "torch", "triton", "cuda_bindings", 
 ENV_VARS = {"MOE_FP8_BACKEND", "MOE_FP8_STRICT", "MOE_FP8_CACHE_DIR", "MOE_FP8_JIT_COMPILER",
             "MOE_FP8_JIT_DEBUG", "MOE_FP8_NUM_SMS", "MOE_FP8_GEMM_DEFINES", "MOE_FP8_PDL", "MOE_FP8_TUNED_CONFIGS",
             "MOE_FP8_ROUTING_EXACT",
+            "MOE_FP8_CUDA_ROUTE",
             "MOE_FP8_TRITON_FAST_LAUNCH", "MOE_FP8_COMMIT", "TRITON_INTERPRET",
             "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES"}
 PACKAGE_DIR = os.path.abspath(next(iter(moe_fp8.__path__)))
