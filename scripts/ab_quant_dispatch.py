@@ -58,14 +58,21 @@ def differs(a, b) -> str | None:
     return None
 
 
-def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int, knobs: list[str]) -> None:
+def dispatch_inputs(tokens: int, hidden: int, local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(x bf16 [T, H], topk_ids int32 [T, TOP_K], expert_map)`` of rank 0 holding ``local`` of the NUM_EXPERTS
+    (experts [0, local); no map when all are local), seeded by ``tokens``."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     ids = torch.rand(tokens, NUM_EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=1).indices.int()
     expert_map = None
-    if local < NUM_EXPERTS:  # rank 0 of NUM_EXPERTS / local: experts [0, local)
+    if local < NUM_EXPERTS:
         expert_map = torch.full((NUM_EXPERTS,), -1, dtype=torch.int32, device="cuda")
         expert_map[:local] = torch.arange(local, dtype=torch.int32, device="cuda")
+    return x, ids, expert_map
+
+
+def run_case(tokens: int, hidden: int, local: int, return_x: bool, rounds: int, knobs: list[str]) -> None:
+    x, ids, expert_map = dispatch_inputs(tokens, hidden, local)
     cands = {"fused_triton": lambda: fused(x, ids, local, expert_map, return_x),
              "quant_then_mover": lambda: two_kernels(x, ids, local, expert_map, return_x)}
     for knob in knobs:

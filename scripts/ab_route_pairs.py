@@ -10,9 +10,7 @@ scripts/host_overhead.py).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,41 +18,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ab_quant import time_rounds  # (scripts/, on sys.path as the script's folder)
+from ab_quant_dispatch import NUM_EXPERTS, TOP_K, dispatch_inputs
+from host_overhead import host_us
 
 from moe_fp8.kernels import dispatch as cuda_dispatch
 from moe_fp8.kernels.triton import dispatch as triton_dispatch
 from moe_fp8.kernels.triton.configs import dispatch_config
 from moe_fp8.utils import get_num_sms
 
-NUM_EXPERTS = 256
-TOP_K = 8
 HIDDEN = 7168
 ROUTERS = {"triton": None, "route_pairs": cuda_dispatch.route_pairs}
 
 
-def host_us(fn, calls: int = 100) -> float:
-    """Median host µs of one eager ``fn()``, a sleep kernel keeping the GPU busy."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        torch.cuda._sleep(1_000_000)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def run_case(tokens: int, local: int, rounds: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ids = torch.rand(tokens, NUM_EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=1).indices.int()
-    emap = None
-    if local < NUM_EXPERTS:  # rank 0 of NUM_EXPERTS / local: experts [0, local)
-        emap = torch.full((NUM_EXPERTS,), -1, dtype=torch.int32, device="cuda")
-        emap[:local] = torch.arange(local, dtype=torch.int32, device="cuda")
+    x, ids, emap = dispatch_inputs(tokens, HIDDEN, local)
     cfg = dispatch_config(tokens, TOP_K, HIDDEN, local, has_map=emap is not None, quant=True)
     routes = {f"routing {name}": (lambda r=r: triton_dispatch._route(ids, local, emap, 0, 128, None, cfg, r))
               for name, r in ROUTERS.items()}
@@ -74,7 +51,7 @@ def run_case(tokens: int, local: int, rounds: int) -> None:
     print(f"{'':28s} {'GPU us':>8s}  rounds{'':14s} {'host us':>8s}")
     for name, fn in cands.items():
         ts = times[name]
-        print(f"{name:28s} {min(ts):8.2f}  [{' '.join(f'{t:.2f}' for t in ts)}]  {host_us(fn):8.1f}")
+        print(f"{name:28s} {min(ts):8.2f}  [{' '.join(f'{t:.2f}' for t in ts)}]  {host_us(fn, 100):8.1f}")
 
 
 def main() -> None:
