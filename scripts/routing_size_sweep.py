@@ -25,6 +25,11 @@ from moe_fp8.testing import make_routing_inputs
 IMPLS = ("routing", "copy", "amax")
 
 
+def marginal(now: dict, before: dict, ours: str) -> float:
+    """The time the copy adds from one token count to the next, over the time ``ours`` adds."""
+    return (now["copy"] - before["copy"]) / (now[ours] - before[ours])
+
+
 def impls(t: int) -> tuple[dict, int]:
     """The three calls at ``t`` tokens and routing's bytes (the bench's: logits read, weights and ids written)."""
     logits, bias = make_routing_inputs(t, DSV3.experts, seed=t, device="cuda", with_bias=True)
@@ -60,12 +65,9 @@ def main() -> None:
         print(f"{t:7d} tokens {nbytes / 1e6:6.1f} MB | eager " + "  ".join(f"{n} {e[n]:7.2f}" for n in IMPLS)
               + " | replay " + "  ".join(f"{n} {r[n]:7.2f}" for n in IMPLS)
               + " | span " + "  ".join(f"{n} {spans[n][0]:.2f}/{spans[n][1]:.2f}" for n in IMPLS), flush=True)
-    print("\n| tokens | MB | copy GB/s | routing / copy (eager, replay) | amax / copy (eager) | routing / amax (eager) "
+    print("\n| tokens | MB | copy GB/s | routing / copy (eager, replay) | amax / copy (eager) | amax's time / routing's (eager) "
           "| marginal routing / copy (eager, replay) | marginal amax / copy |")
     print("|---|---|---|---|---|---|---|---|")
-    def marginal(a: dict, b: dict, ours: str) -> float:  # the copy's added time / ours
-        return (a["copy"] - b["copy"]) / (a[ours] - b[ours])
-
     for i, (t, nbytes, e, r, _) in enumerate(rows):
         marg = "— | —"
         if i:
@@ -74,6 +76,7 @@ def main() -> None:
                     f"{marginal(e, pe, 'amax'):.3f}")
         print(f"| {t} | {nbytes / 1e6:.1f} | {nbytes / e['copy'] / 1e3:.0f} | {e['copy'] / e['routing']:.3f}, "
               f"{r['copy'] / r['routing']:.3f} | {e['copy'] / e['amax']:.3f} | {e['amax'] / e['routing']:.3f} | {marg} |")
+
 
 if __name__ == "__main__":
     main()
