@@ -60,18 +60,18 @@ def main() -> None:
                 eager[n].append(bench_us(fns[n]))
                 replay[n].append(bench_us(graphs[n]))
         spans = {n: flushed_spans_us(fns[n]) for n in IMPLS}
-        rows.append((t, nbytes, {n: min(v) for n, v in eager.items()}, {n: min(v) for n, v in replay.items()}, spans))
-        e, r = rows[-1][2], rows[-1][3]
+        e, r = ({n: min(v) for n, v in times.items()} for times in (eager, replay))  # min of the rounds
+        rows.append((t, nbytes, e, r))
         print(f"{t:7d} tokens {nbytes / 1e6:6.1f} MB | eager " + "  ".join(f"{n} {e[n]:7.2f}" for n in IMPLS)
               + " | replay " + "  ".join(f"{n} {r[n]:7.2f}" for n in IMPLS)
               + " | span " + "  ".join(f"{n} {spans[n][0]:.2f}/{spans[n][1]:.2f}" for n in IMPLS), flush=True)
     print("\n| tokens | MB | copy GB/s | routing / copy (eager, replay) | amax / copy (eager) | amax's time / routing's (eager) "
           "| marginal routing / copy (eager, replay) | marginal amax / copy |")
     print("|---|---|---|---|---|---|---|---|")
-    for i, (t, nbytes, e, r, _) in enumerate(rows):
+    for i, (t, nbytes, e, r) in enumerate(rows):
         marg = "— | —"
         if i:
-            _, _, pe, pr, _ = rows[i - 1]
+            _, _, pe, pr = rows[i - 1]
             marg = (f"{marginal(e, pe, 'routing'):.3f}, {marginal(r, pr, 'routing'):.3f} | "
                     f"{marginal(e, pe, 'amax'):.3f}")
         print(f"| {t} | {nbytes / 1e6:.1f} | {nbytes / e['copy'] / 1e3:.0f} | {e['copy'] / e['routing']:.3f}, "
